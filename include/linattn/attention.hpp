@@ -1,0 +1,269 @@
+#pragma once
+/// \file attention.hpp
+/// LinearAttention<Phi, Scalar>: linear attention with a chosen feature map, by a parallel
+/// path (full or causal) and a recurrent path that agree to rounding.
+///
+/// Math (rows are tokens, phi applied row-wise, sums over keys j):
+///   full:    y_i = sum_j (phi(q_i)^T phi(k_j)) v_j / sum_j phi(q_i)^T phi(k_j)
+///                = phi(q_i)^T (phi(K)^T V) / phi(q_i)^T (phi(K)^T 1)
+///   causal:  the same with j <= i, i.e. through the state S_t = S_{t-1} + phi(k_t) v_t^T,
+///            z_t = z_{t-1} + phi(k_t), y_t = phi(q_t)^T S_t / phi(q_t)^T z_t.
+/// This is exact for the kernel phi(q)^T phi(k); it is not softmax attention.
+///
+/// Inputs are any Eigen dense expressions (row- or column-major, blocks, Maps with strides);
+/// they are read in place. Outputs are row-major T x dv. Shape errors throw ShapeError;
+/// denominators are handled by the Normalization policy (default: DenominatorError).
+/// All members are const and the object holds no scratch, so one LinearAttention can serve
+/// many threads; each thread needs its own state.
+
+#include <linattn/detail/eigen_utils.hpp>
+#include <linattn/detail/kernels.hpp>
+#include <linattn/errors.hpp>
+#include <linattn/feature_maps.hpp>
+#include <linattn/normalization.hpp>
+#include <linattn/state.hpp>
+#include <linattn/types.hpp>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <concepts>
+#include <stdexcept>
+
+namespace linattn {
+
+/// Runtime options of a LinearAttention.
+struct Options {
+  /// What the read divides by; strict (throwing) by default.
+  Normalization normalization{};
+  /// Tokens per chunk in the causal parallel path (>= 1).
+  Index chunk_size = 64;
+};
+
+/// Linear attention with feature map Phi in precision Scalar (float or double).
+///
+/// Complexity for T tokens, key dim dk, feature dim r, value dim dv:
+///   parallel, full:    O((Tq + Tk) r dv) time, O(r dv) extra memory beyond phi(Q), phi(K).
+///   parallel, causal:  O(T C (r + dv) + T r dv) time for chunk size C; never forms T x T.
+///   recurrent / step:  O(r dv) per token; the state is r dv + r scalars.
+template <class Phi, class Scalar = float>
+class LinearAttention {
+  static_assert(SupportedScalar<Scalar>, "linattn computes in float or double");
+  static_assert(FeatureMap<Phi, Scalar>,
+                "Phi is not a feature map: it needs `static constexpr bool strictly_positive`, "
+                "`Index feature_dim(Index d) const` and `void apply(const In& x, Out& out) "
+                "const` (see linattn/feature_maps.hpp)");
+
+ public:
+  using feature_map_type = Phi;
+  using scalar_type = Scalar;
+  using State = AttentionState<Scalar>;
+  using Output = RowMatrix<Scalar>;
+  /// A writable view of a T x dv row-major output, e.g. one head inside a [T, H*dv] buffer.
+  using OutputRef = Eigen::Ref<RowMatrix<Scalar>>;
+
+  LinearAttention()
+    requires std::default_initializable<Phi>
+  = default;
+  explicit LinearAttention(Phi phi, Options options = {}) : phi_(std::move(phi)), options_(options) {
+    if (options_.chunk_size < 1)
+      throw std::invalid_argument("linattn: Options::chunk_size must be at least 1");
+  }
+
+  [[nodiscard]] const Phi& feature_map() const noexcept { return phi_; }
+  [[nodiscard]] const Options& options() const noexcept { return options_; }
+  /// r, the feature dimension for keys of dimension dk.
+  [[nodiscard]] Index feature_dim(Index dk) const { return phi_.feature_dim(dk); }
+
+  /// An empty state for keys of dimension dk and values of dimension dv. O(r dv).
+  [[nodiscard]] State make_state(Index dk, Index dv) const {
+    return State(phi_.feature_dim(dk), dk, dv);
+  }
+
+  // ---- parallel path -------------------------------------------------------------------
+
+  /// Full (Mask::none, Tq may differ from Tk) or causal attention of Q (Tq x dk), K (Tk x dk),
+  /// V (Tk x dv); returns Tq x dv. Causal starts from an empty state.
+  template <class DQ, class DK, class DV>
+  [[nodiscard]] Output parallel(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                const Eigen::MatrixBase<DV>& V, Mask mask = Mask::none) const {
+    Output out(Q.rows(), V.cols());
+    parallel_into(Q, K, V, mask, out);
+    return out;
+  }
+
+  /// Causal attention continuing from `state`, which absorbs all T tokens. Processing a
+  /// sequence in pieces gives the same outputs and state as one call (to rounding).
+  /// `mask` must be Mask::causal: a full read has no carried state.
+  template <class DQ, class DK, class DV>
+  [[nodiscard]] Output parallel(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                const Eigen::MatrixBase<DV>& V, Mask mask, State& state) const {
+    Output out(Q.rows(), V.cols());
+    parallel_into(Q, K, V, mask, state, out);
+    return out;
+  }
+
+  /// parallel() writing into `out` (Tq x dv), which may be a strided view of a larger buffer.
+  template <class DQ, class DK, class DV>
+  void parallel_into(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                     const Eigen::MatrixBase<DV>& V, Mask mask, OutputRef out) const {
+    if (mask == Mask::causal) {
+      check_causal(Q, K, V, out);
+      State state = make_state(K.cols(), V.cols());
+      causal_chunked(detail::materialize(Q), detail::materialize(K), detail::materialize(V),
+                     state, out);
+    } else {
+      full(detail::materialize(Q), detail::materialize(K), detail::materialize(V), out);
+    }
+  }
+
+  /// Causal parallel() from a carried state, writing into `out`.
+  template <class DQ, class DK, class DV>
+  void parallel_into(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                     const Eigen::MatrixBase<DV>& V, Mask mask, State& state,
+                     OutputRef out) const {
+    if (mask != Mask::causal)
+      throw std::invalid_argument("linattn: a carried state needs Mask::causal");
+    check_causal(Q, K, V, out);
+    state.check_shape(phi_.feature_dim(K.cols()), K.cols(), V.cols());
+    causal_chunked(detail::materialize(Q), detail::materialize(K), detail::materialize(V), state,
+                   out);
+  }
+
+  // ---- recurrent path ------------------------------------------------------------------
+
+  /// Causal attention token by token through the state, from an empty state. Same result as
+  /// parallel(Q, K, V, Mask::causal) to rounding. O(T r dv), no allocation per token.
+  template <class DQ, class DK, class DV>
+  [[nodiscard]] Output recurrent(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                 const Eigen::MatrixBase<DV>& V) const {
+    State state = make_state(K.cols(), V.cols());
+    return recurrent(Q, K, V, state);
+  }
+
+  /// recurrent() continuing from `state`, which absorbs all T tokens. If a row's denominator
+  /// is rejected, the state holds the tokens before that row (state.tokens() tells how many).
+  template <class DQ, class DK, class DV>
+  [[nodiscard]] Output recurrent(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                 const Eigen::MatrixBase<DV>& V, State& state) const {
+    Output out(Q.rows(), V.cols());
+    recurrent_into(Q, K, V, state, out);
+    return out;
+  }
+
+  /// recurrent() from a carried state, writing into `out` (T x dv).
+  template <class DQ, class DK, class DV>
+  void recurrent_into(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                      const Eigen::MatrixBase<DV>& V, State& state, OutputRef out) const {
+    check_causal(Q, K, V, out);
+    state.check_shape(phi_.feature_dim(K.cols()), K.cols(), V.cols());
+    const auto& Qm = detail::materialize(Q);
+    const auto& Km = detail::materialize(K);
+    const auto& Vm = detail::materialize(V);
+    for (Index t = 0; t < Qm.rows(); ++t) token(state, Qm.row(t), Km.row(t), Vm.row(t), out.row(t), t);
+  }
+
+  /// One decode step: S += phi(k) v^T, z += phi(k), returns y = phi(q)^T S / phi(q)^T z.
+  /// q, k (length dk) and v (length dv) may be row or column vectors. O(r dv). Strong
+  /// guarantee: if the denominator is rejected, the state is unchanged.
+  template <class Dq, class Dk, class Dv>
+  [[nodiscard]] RowVector<Scalar> step(State& state, const Eigen::MatrixBase<Dq>& q,
+                                       const Eigen::MatrixBase<Dk>& k,
+                                       const Eigen::MatrixBase<Dv>& v) const {
+    RowVector<Scalar> y(state.value_dim());
+    step_into(state, q, k, v, y);
+    return y;
+  }
+
+  /// step() writing y into `y` (1 x dv); allocates nothing.
+  template <class Dq, class Dk, class Dv>
+  void step_into(State& state, const Eigen::MatrixBase<Dq>& q, const Eigen::MatrixBase<Dk>& k,
+                 const Eigen::MatrixBase<Dv>& v, Eigen::Ref<RowVector<Scalar>> y) const {
+    if (y.size() != state.value_dim())
+      detail::throw_shape_error("step output has length ", y.size(), ", expected dv = ",
+                                state.value_dim());
+    detail::copy_as_row(state.query_row_, q, "q");
+    detail::copy_as_row(state.key_row_, k, "k");
+    detail::copy_as_row(state.value_row_, v, "v");
+    token(state, state.query_row_, state.key_row_, state.value_row_, y, state.tokens());
+  }
+
+ private:
+  template <class DQ, class DK, class DV, class DO>
+  static void check_causal(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                           const Eigen::MatrixBase<DV>& V, const DO& out) {
+    check_common(Q, K, V, out);
+    if (Q.rows() != K.rows())
+      detail::throw_shape_error("causal attention needs as many queries as keys, got Q ",
+                                detail::shape_of(Q), " and K ", detail::shape_of(K));
+  }
+
+  template <class DQ, class DK, class DV, class DO>
+  static void check_common(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                           const Eigen::MatrixBase<DV>& V, const DO& out) {
+    if (Q.cols() != K.cols())
+      detail::throw_shape_error("Q and K need the same key dimension, got Q ",
+                                detail::shape_of(Q), " and K ", detail::shape_of(K));
+    if (K.rows() != V.rows())
+      detail::throw_shape_error("K and V need one row per token, got K ", detail::shape_of(K),
+                                " and V ", detail::shape_of(V));
+    if (out.rows() != Q.rows() || out.cols() != V.cols())
+      detail::throw_shape_error("output is ", detail::shape_of(out), ", expected ", Q.rows(),
+                                "x", V.cols(), " (Q rows x V cols)");
+  }
+
+  // Features of rows [first, first + n) of X into the first n rows of `buffer`.
+  template <class DX>
+  auto features(const DX& X, Index first, Index n, RowMatrix<Scalar>& buffer) const {
+    Eigen::Ref<RowMatrix<Scalar>> f(buffer.topRows(n));
+    phi_.apply(X.middleRows(first, n), f);
+    return buffer.topRows(n);
+  }
+
+  template <class DQ, class DK, class DV>
+  void full(const DQ& Q, const DK& K, const DV& V, OutputRef out) const {
+    check_common(Q, K, V, out);
+    const Index r = phi_.feature_dim(K.cols());
+    RowMatrix<Scalar> qf(Q.rows(), r), kf(K.rows(), r);
+    features(K, 0, K.rows(), kf);
+    const RowMatrix<Scalar> S = kf.transpose() * V;
+    const ColVector<Scalar> z = kf.colwise().sum().transpose();
+    features(Q, 0, Q.rows(), qf);
+    out.noalias() = qf * S;
+    if (!options_.normalization.divides()) return;
+    const ColVector<Scalar> den = qf * z;
+    for (Index i = 0; i < out.rows(); ++i)
+      out.row(i) /= options_.normalization.divisor(den(i), i);
+  }
+
+  template <class DQ, class DK, class DV>
+  void causal_chunked(const DQ& Q, const DK& K, const DV& V, State& state, OutputRef out) const {
+    const Index T = Q.rows();
+    const Index r = state.feature_dim();
+    const Index C = std::min(options_.chunk_size, std::max<Index>(T, 1));
+    RowMatrix<Scalar> qf(C, r), kf(C, r), scores(C, C);
+    ColVector<Scalar> den(C);
+    for (Index first = 0; first < T; first += C) {
+      const Index n = std::min(C, T - first);
+      detail::causal_chunk(state.S_, state.z_, features(Q, first, n, qf), features(K, first, n, kf),
+                           V.middleRows(first, n), out.middleRows(first, n), scores, den,
+                           options_.normalization, first);
+      state.tokens_ += n;
+    }
+  }
+
+  template <class Rq, class Rk, class Rv, class Ry>
+  void token(State& state, const Rq& q, const Rk& k, const Rv& v, Ry&& y, Index row) const {
+    Eigen::Ref<RowMatrix<Scalar>> qf(state.query_features_), kf(state.key_features_);
+    phi_.apply(q, qf);
+    phi_.apply(k, kf);
+    detail::recurrent_token<Scalar>(state.S_, state.z_, state.z_next_, qf.row(0), kf.row(0), v, y,
+                                    options_.normalization, row);
+    ++state.tokens_;
+  }
+
+  Phi phi_{};
+  Options options_{};
+};
+
+}  // namespace linattn

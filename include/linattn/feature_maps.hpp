@@ -1,0 +1,77 @@
+#pragma once
+/// \file feature_maps.hpp
+/// Feature-map policies phi: R^d -> R^r and the FeatureMap concept that checks them.
+///
+/// A feature map is a small value type. Linear attention scores a query q against a key k by
+/// phi(q)^T phi(k); the map defines that kernel, and results are exact for that kernel only.
+///
+/// To write your own, provide (see examples/custom_feature_map.cpp):
+///   static constexpr bool strictly_positive;           // every feature > 0 for finite input?
+///   Index feature_dim(Index d) const;                  // r for input dimension d
+///   template <class In, class Out>
+///   void apply(const In& x, Out& out) const;           // out (T x r) = phi of each row of x (T x d)
+/// `In` is any Eigen expression with T rows; `out` is already sized T x r (an Eigen::Ref to
+/// row-major storage), so apply must not resize it.
+
+#include <linattn/types.hpp>
+
+#include <Eigen/Core>
+
+#include <concepts>
+#include <type_traits>
+
+namespace linattn {
+
+/// A feature-map policy usable with LinearAttention<Phi, Scalar>.
+template <class Phi, class Scalar = float>
+concept FeatureMap =
+    std::copy_constructible<Phi> &&
+    requires(const Phi& phi, Index d, const RowMatrix<Scalar>& x,
+             Eigen::Ref<RowMatrix<Scalar>> out) {
+      { std::bool_constant<Phi::strictly_positive>::value } -> std::convertible_to<bool>;
+      { phi.feature_dim(d) } -> std::convertible_to<Index>;
+      phi.apply(x, out);
+    };
+
+/// phi(x) = x. The plain dot-product kernel q^T k; features can be negative or cancel, so the
+/// normalized read can meet a zero or negative denominator (which is then an error).
+/// Cost: one copy, T*d.
+struct Identity {
+  static constexpr bool strictly_positive = false;
+  static constexpr const char* name = "identity";
+  [[nodiscard]] Index feature_dim(Index d) const noexcept { return d; }
+  template <class In, class Out>
+  void apply(const In& x, Out& out) const {
+    out = x;
+  }
+};
+
+/// phi(x) = ELU(x) + 1, elementwise: x + 1 for x > 0, exp(x) for x <= 0 (Katharopoulos et al.
+/// 2020, section 3.2). Positive for finite input, so the denominator is positive in exact
+/// arithmetic; exp(x) underflows to 0 below about -87 (float) or -708 (double).
+/// Cost: T*d exponentials, vectorized.
+struct EluPlusOne {
+  static constexpr bool strictly_positive = true;
+  static constexpr const char* name = "elu_plus_one";
+  [[nodiscard]] Index feature_dim(Index d) const noexcept { return d; }
+  template <class In, class Out>
+  void apply(const In& x, Out& out) const {
+    // min(x, 0) keeps exp from overflowing on the branch that select() discards.
+    out = (x.array() > 0).select(x.array() + 1, x.array().min(0).exp()).matrix();
+  }
+};
+
+namespace detail {
+
+/// The feature map's name if it declares one, for messages and serialized state.
+template <class Phi>
+constexpr const char* feature_map_name() {
+  if constexpr (requires { Phi::name; }) {
+    return Phi::name;
+  } else {
+    return "user";
+  }
+}
+
+}  // namespace detail
+}  // namespace linattn

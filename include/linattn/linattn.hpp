@@ -1,0 +1,11 @@
+#pragma once
+/// \file linattn.hpp
+/// Umbrella header: everything linattn offers. Each header below also compiles on its own.
+
+#include <linattn/attention.hpp>
+#include <linattn/errors.hpp>
+#include <linattn/feature_maps.hpp>
+#include <linattn/normalization.hpp>
+#include <linattn/reference.hpp>
+#include <linattn/state.hpp>
+#include <linattn/types.hpp>

@@ -1,0 +1,355 @@
+// LinearAttention: the articles' exact examples, parallel vs recurrent vs an independent double
+// loop, carried state, strided views, and every error path.
+
+#include <linattn/attention.hpp>
+#include <linattn/reference.hpp>
+
+#include <catch2/catch.hpp>
+
+#include "test_support.hpp"
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+using namespace linattn;
+using linattn_test::naive_attention;
+using linattn_test::random_matrix;
+using linattn_test::worst_error_ratio;
+
+namespace {
+
+// Rounding bound, in units of u, for a normalized read over T keys with r features:
+// each weight phi(q)^T phi(k) carries gamma_r, the sum over T keys gamma_T (recursive sums;
+// blocked GEMM sums are tighter), numerator and denominator each, plus the division and the
+// feature map's own few ulps; gamma_n ~ n u. Hence 2 (r + T + 4) u times sum|w||v| / |den|.
+double bound_units(Index r, Index T) { return 2.0 * static_cast<double>(r + T + 4); }
+
+}  // namespace
+
+TEST_CASE("two-token read of the first article is exactly 10/3", "[article]") {
+  // Keys (1,0), (1,1), scalar values 2 and 4, query (1,1); features are the vectors themselves.
+  Eigen::MatrixXf K(2, 2), V(2, 1), Q(2, 2);
+  K << 1, 0, 1, 1;
+  V << 2, 4;
+  Q << 1, 1, 1, 1;
+  const LinearAttention<Identity> attn;
+
+  auto state = attn.make_state(2, 1);
+  const auto y1 = attn.step(state, Q.row(0), K.row(0), V.row(0));
+  CHECK(state.S()(0, 0) == 2.0f);  // S1 = (2, 0)^T
+  CHECK(state.S()(1, 0) == 0.0f);
+  CHECK(state.z()(0) == 1.0f);  // z1 = (1, 0)
+  CHECK(state.z()(1) == 0.0f);
+  CHECK(y1(0) == 2.0f);
+  const auto y2 = attn.step(state, Q.row(1), K.row(1), V.row(1));
+  CHECK(state.S()(0, 0) == 6.0f);  // S2 = (6, 4)^T
+  CHECK(state.S()(1, 0) == 4.0f);
+  CHECK(state.z()(0) == 2.0f);  // z2 = (2, 1)
+  CHECK(state.z()(1) == 1.0f);
+  CHECK(y2(0) == 10.0f / 3.0f);  // (6 + 4) / (2 + 1), numerator and denominator exact
+
+  // Pairwise: weights (q.k1, q.k2) = (1, 2), (1*2 + 2*4) / 3.
+  const auto full = attn.parallel(Q.row(1), K, V, Mask::none);
+  CHECK(full(0, 0) == 10.0f / 3.0f);
+  const auto causal = attn.parallel(Q, K, V, Mask::causal);
+  CHECK(causal(0, 0) == 2.0f);
+  CHECK(causal(1, 0) == 10.0f / 3.0f);
+  CHECK(attn.recurrent(Q, K, V)(1, 0) == 10.0f / 3.0f);
+
+  // Softmax on the same scores (1, 2) gives (e*2 + e^2*4) / (e + e^2), not 10/3.
+  const auto soft = softmax_attention(Q.row(1), K, V, Mask::none, 1.0);
+  const double e = std::exp(1.0);
+  CHECK(soft(0, 0) == Approx((e * 2 + e * e * 4) / (e + e * e)).epsilon(1e-6));
+  CHECK(std::abs(soft(0, 0) - 10.0f / 3.0f) > 0.1f);
+}
+
+TEMPLATE_TEST_CASE("three-token example of the second article", "[article]", float, double) {
+  using M = Eigen::Matrix<TestType, Eigen::Dynamic, Eigen::Dynamic>;
+  M Q(3, 2), V(3, 2);
+  Q << 1, 0, 0, 1, 1, 0;  // queries and (transformed) keys are the same rows
+  V << 2, 0, 0, 3, 1, 1;
+  const M& K = Q;
+  const LinearAttention<Identity, TestType> attn;
+
+  // Causal: y0 = v0, y1 = v1, y2 = (v0 + v2) / 2 = [1.5, 0.5]; all exact in binary.
+  RowMatrix<TestType> expected_causal(3, 2);
+  expected_causal << 2, 0, 0, 3, 1.5, 0.5;
+  auto state = attn.make_state(2, 2);
+  CHECK(attn.recurrent(Q, K, V, state) == expected_causal);
+  CHECK(attn.parallel(Q, K, V, Mask::causal) == expected_causal);
+  RowMatrix<TestType> S3(2, 2);
+  S3 << 3, 1, 0, 3;
+  CHECK(state.S() == S3);
+  CHECK(state.z() == ColVector<TestType>{{2}, {1}});
+  CHECK(state.tokens() == 3);
+
+  // Figure 2, every position reads the full state: [3,1]/2, [0,3]/1, [3,1]/2.
+  RowMatrix<TestType> expected_full(3, 2);
+  expected_full << 1.5, 0.5, 0, 3, 1.5, 0.5;
+  CHECK(attn.parallel(Q, K, V, Mask::none) == expected_full);
+  CHECK(quadratic_attention(Identity{}, Q, K, V, Mask::none) == expected_full);
+  CHECK(quadratic_attention(Identity{}, Q, K, V, Mask::causal) == expected_causal);
+}
+
+TEST_CASE("state size follows the article: r*dv + r scalars", "[state]") {
+  const LinearAttention<EluPlusOne> attn;
+  CHECK(attn.make_state(128, 128).scalar_count() == 16512);
+  CHECK(attn.make_state(64, 32).scalar_count() == 64 * 32 + 64);
+}
+
+TEMPLATE_TEST_CASE("parallel, chunked, recurrent and step agree with a double loop", "[agree]",
+                   float, double) {
+  struct Shape {
+    Index T, dk, dv;
+  };
+  const std::vector<Shape> shapes{{1, 4, 4}, {2, 1, 1}, {7, 3, 5},     {64, 16, 16},
+                                  {100, 8, 3}, {257, 32, 64}, {2500, 16, 8}};
+  for (const Shape& s : shapes) {
+    CAPTURE(s.T, s.dk, s.dv);
+    const auto Q = random_matrix<TestType>(s.T, s.dk, 1 + s.T);
+    const auto K = random_matrix<TestType>(s.T, s.dk, 2 + s.T);
+    const auto V = random_matrix<TestType>(s.T, s.dv, 3 + s.T);
+    const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
+    const double units = bound_units(s.dk, s.T);
+
+    for (Index chunk : {1, 5, 16, 64, 4096}) {
+      CAPTURE(chunk);
+      const LinearAttention<EluPlusOne, TestType> attn(EluPlusOne{}, Options{{}, chunk});
+      CHECK(worst_error_ratio<TestType>(attn.parallel(Q, K, V, Mask::causal), ref, units) <= 1);
+    }
+    const LinearAttention<EluPlusOne, TestType> attn;
+    CHECK(worst_error_ratio<TestType>(attn.recurrent(Q, K, V), ref, units) <= 1);
+
+    auto state = attn.make_state(s.dk, s.dv);
+    RowMatrix<TestType> stepped(s.T, s.dv);
+    for (Index t = 0; t < s.T; ++t)
+      stepped.row(t) = attn.step(state, Q.row(t), K.row(t).transpose(), V.row(t));
+    CHECK(worst_error_ratio<TestType>(stepped, ref, units) <= 1);
+    CHECK(state.tokens() == s.T);
+  }
+}
+
+TEMPLATE_TEST_CASE("full attention with Tq != Tk agrees with a double loop", "[agree]", float,
+                   double) {
+  const auto Q = random_matrix<TestType>(37, 12, 11);
+  const auto K = random_matrix<TestType>(90, 12, 12);
+  const auto V = random_matrix<TestType>(90, 7, 13);
+  const LinearAttention<EluPlusOne, TestType> attn;
+  const auto ref = naive_attention(Q, K, V, false, linattn_test::elu_plus_one);
+  CHECK(worst_error_ratio<TestType>(attn.parallel(Q, K, V), ref, bound_units(12, 90)) <= 1);
+  CHECK(worst_error_ratio<TestType>(quadratic_attention(EluPlusOne{}, Q, K, V), ref,
+                                    bound_units(12, 90)) <= 1);
+}
+
+TEMPLATE_TEST_CASE("unnormalized read with signed features agrees with a double loop", "[agree]",
+                   float, double) {
+  // Identity features have both signs, so the bound scales with sum |w| |v| (no denominator).
+  const auto Q = random_matrix<TestType>(300, 8, 21);
+  const auto K = random_matrix<TestType>(300, 8, 22);
+  const auto V = random_matrix<TestType>(300, 4, 23);
+  const LinearAttention<Identity, TestType> attn(Identity{},
+                                                 Options{Normalization::unnormalized(), 32});
+  const auto ref = naive_attention(Q, K, V, true, linattn_test::identity, false);
+  const double units = bound_units(8, 300);
+  CHECK(worst_error_ratio<TestType>(attn.parallel(Q, K, V, Mask::causal), ref, units) <= 1);
+  CHECK(worst_error_ratio<TestType>(attn.recurrent(Q, K, V), ref, units) <= 1);
+}
+
+TEMPLATE_TEST_CASE("a sequence in pieces equals one call: prefill then decode", "[state]", float,
+                   double) {
+  const Index T = 203, dk = 16, dv = 8;
+  const auto Q = random_matrix<TestType>(T, dk, 31);
+  const auto K = random_matrix<TestType>(T, dk, 32);
+  const auto V = random_matrix<TestType>(T, dv, 33);
+  const LinearAttention<EluPlusOne, TestType> attn(EluPlusOne{}, Options{{}, 32});
+  const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
+  const double units = bound_units(dk, T);
+
+  auto one_shot = attn.make_state(dk, dv);
+  const auto whole = attn.parallel(Q, K, V, Mask::causal, one_shot);
+
+  // Prefill 150 tokens in two parallel pieces (not chunk-aligned), 20 recurrent, then decode.
+  auto state = attn.make_state(dk, dv);
+  RowMatrix<TestType> pieces(T, dv);
+  pieces.topRows(70) = attn.parallel(Q.topRows(70), K.topRows(70), V.topRows(70), Mask::causal,
+                                     state);
+  pieces.middleRows(70, 80) = attn.parallel(Q.middleRows(70, 80), K.middleRows(70, 80),
+                                            V.middleRows(70, 80), Mask::causal, state);
+  pieces.middleRows(150, 20) =
+      attn.recurrent(Q.middleRows(150, 20), K.middleRows(150, 20), V.middleRows(150, 20), state);
+  for (Index t = 170; t < T; ++t) pieces.row(t) = attn.step(state, Q.row(t), K.row(t), V.row(t));
+
+  CHECK(worst_error_ratio<TestType>(whole, ref, units) <= 1);
+  CHECK(worst_error_ratio<TestType>(pieces, ref, units) <= 1);
+  CHECK(state.tokens() == T);
+  CHECK(one_shot.tokens() == T);
+
+  // States: S and z entries are sums of T positive-weight terms, so they agree to gamma_T
+  // relative to sum |phi(k)| |v| (and sum phi(k) for z): bound 2 (T + 4) u times that scale.
+  RowMatrix<double> kf(T, dk);
+  for (Index t = 0; t < T; ++t)
+    for (Index n = 0; n < dk; ++n) kf(t, n) = linattn_test::elu_plus_one(K(t, n));
+  const RowMatrix<double> S_scale = kf.transpose() * V.template cast<double>().cwiseAbs();
+  const double u = linattn_test::unit_roundoff<TestType>();
+  const double s_units = 2.0 * static_cast<double>(T + 4);
+  for (Index i = 0; i < dk; ++i) {
+    for (Index c = 0; c < dv; ++c)
+      CHECK(std::abs(double(state.S()(i, c)) - double(one_shot.S()(i, c))) <=
+            s_units * u * S_scale(i, c));
+    CHECK(std::abs(double(state.z()(i)) - double(one_shot.z()(i))) <=
+          s_units * u * kf.col(i).sum());
+  }
+}
+
+TEST_CASE("strided views and column-major inputs read in place give the copy's result",
+          "[views]") {
+  // One head inside a [T, H*d] row-major buffer, as a model stores it.
+  const Index T = 50, H = 3, d = 8, head = 1;
+  const auto buffer = random_matrix<float>(T, H * d, 41);
+  const auto V = random_matrix<float>(T, d, 42);
+  using StridedMap = Eigen::Map<const RowMatrix<float>, 0, Eigen::OuterStride<>>;
+  const StridedMap Qh(buffer.data() + head * d, T, d, Eigen::OuterStride<>(H * d));
+  const RowMatrix<float> Qcopy = Qh;
+  const Eigen::MatrixXf Kcol = random_matrix<float>(T, d, 43);  // column-major
+  const RowMatrix<float> Krow = Kcol;
+
+  const LinearAttention<EluPlusOne> attn(EluPlusOne{}, Options{{}, 16});
+  // Same arithmetic on the same values: identical bits, not just close.
+  CHECK(attn.recurrent(Qh, Kcol, V) == attn.recurrent(Qcopy, Krow, V));
+  CHECK(attn.parallel(Qh, Kcol, V, Mask::causal) == attn.parallel(Qcopy, Krow, V, Mask::causal));
+  CHECK(attn.parallel(Qh, Kcol, V) == attn.parallel(Qcopy, Krow, V));
+
+  // Output written into a strided view of a [T, H*d] output buffer.
+  RowMatrix<float> out_buffer = RowMatrix<float>::Zero(T, H * d);
+  Eigen::Map<RowMatrix<float>, 0, Eigen::OuterStride<>> out_head(out_buffer.data() + head * d, T,
+                                                                  d, Eigen::OuterStride<>(H * d));
+  attn.parallel_into(Qh, Kcol, V, Mask::causal, out_head);
+  CHECK(out_head == attn.parallel(Qcopy, Krow, V, Mask::causal));
+  CHECK(out_buffer.leftCols(d).isZero());  // neighbouring heads untouched
+
+  // Expressions (a product) are evaluated once, then read like any input.
+  const RowMatrix<float> Qexpr = Qcopy * 0.5f;
+  CHECK(attn.parallel(Qcopy * 0.5f, Krow, V, Mask::causal) ==
+        attn.parallel(Qexpr, Krow, V, Mask::causal));
+}
+
+TEST_CASE("T = 0 gives an empty 0 x dv result", "[shapes]") {
+  const LinearAttention<EluPlusOne> attn;
+  const Eigen::MatrixXf Q(0, 4), K(0, 4), V(0, 3);
+  CHECK(attn.parallel(Q, K, V, Mask::causal).rows() == 0);
+  CHECK(attn.parallel(Q, K, V, Mask::causal).cols() == 3);
+  CHECK(attn.parallel(Q, K, V).cols() == 3);
+  CHECK(attn.recurrent(Q, K, V).cols() == 3);
+  auto state = attn.make_state(4, 3);
+  CHECK(attn.parallel(Q, K, V, Mask::causal, state).rows() == 0);
+  CHECK(state.tokens() == 0);
+}
+
+TEST_CASE("shape errors are ShapeError (std::invalid_argument) naming the shapes", "[errors]") {
+  const LinearAttention<EluPlusOne> attn;
+  const Eigen::MatrixXf Q = Eigen::MatrixXf::Ones(5, 4), K = Q, K3 = Eigen::MatrixXf::Ones(5, 3),
+                        V = Eigen::MatrixXf::Ones(5, 2), V6 = Eigen::MatrixXf::Ones(6, 2),
+                        Q6 = Eigen::MatrixXf::Ones(6, 4);
+  using Catch::Matchers::Contains;
+  CHECK_THROWS_WITH(attn.parallel(Q, K3, V), Contains("5x4") && Contains("5x3"));
+  CHECK_THROWS_AS(attn.parallel(Q, K3, V), std::invalid_argument);
+  CHECK_THROWS_WITH(attn.parallel(Q, K, V6), Contains("5x4") && Contains("6x2"));
+  CHECK_THROWS_AS(attn.recurrent(Q, K, V6), ShapeError);
+  CHECK_THROWS_WITH(attn.parallel(Q6, K, V, Mask::causal), Contains("6x4") && Contains("5x4"));
+  CHECK_THROWS_AS(attn.recurrent(Q6, K, V), ShapeError);
+  CHECK_NOTHROW(attn.parallel(Q6, K, V, Mask::none));  // cross-attention may differ in T
+
+  auto wrong = attn.make_state(4, 3);
+  CHECK_THROWS_WITH(attn.recurrent(Q, K, V, wrong), Contains("dv=3") && Contains("dv=2"));
+  CHECK_THROWS_AS(attn.parallel(Q, K, V, Mask::causal, wrong), ShapeError);
+  CHECK_THROWS_AS(attn.parallel(Q, K, V, Mask::none, wrong), std::invalid_argument);
+
+  auto state = attn.make_state(4, 2);
+  const Eigen::VectorXf q = Eigen::VectorXf::Ones(4), k3 = Eigen::VectorXf::Ones(3),
+                        v = Eigen::VectorXf::Ones(2), v3 = Eigen::VectorXf::Ones(3);
+  CHECK_THROWS_WITH(attn.step(state, q, k3, v), Contains("k") && Contains("length 4"));
+  CHECK_THROWS_AS(attn.step(state, q, q, v3), ShapeError);
+  CHECK_THROWS_AS(attn.step(state, Q.topRows(2), q, v), ShapeError);  // not a vector
+  RowMatrix<float> out(4, 2);
+  CHECK_THROWS_WITH(attn.parallel_into(Q, K, V, Mask::causal, out), Contains("4x2"));
+  CHECK_THROWS_AS(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 0}),
+                  std::invalid_argument);
+}
+
+TEMPLATE_TEST_CASE("a non-positive, NaN or Inf denominator is a DenominatorError naming the row",
+                   "[errors]", float, double) {
+  using M = Eigen::Matrix<TestType, Eigen::Dynamic, Eigen::Dynamic>;
+  // Keys (1,0) then (-1,0) cancel: query (1,0) sees scores 1 then 1 + (-1) = 0 at row 1.
+  M Q(3, 2), K(3, 2), V(3, 1);
+  Q << 1, 0, 1, 0, 1, 0;
+  K << 1, 0, -1, 0, -1, 0;
+  V << 1, 2, 3;
+  const LinearAttention<Identity, TestType> attn;
+  using Catch::Matchers::Contains;
+  CHECK_THROWS_WITH(attn.recurrent(Q, K, V), Contains("row 1") && Contains("= 0"));
+  CHECK_THROWS_AS(attn.parallel(Q, K, V, Mask::causal), std::domain_error);
+  CHECK_THROWS_WITH(quadratic_attention(Identity{}, Q, K, V, Mask::causal), Contains("row 1"));
+  try {
+    (void)attn.parallel(Q, K, V, Mask::causal);
+    FAIL("expected a DenominatorError");
+  } catch (const DenominatorError& e) {
+    CHECK(e.row() == 1);
+    CHECK(e.value() == 0.0);
+  }
+  // Negative: full attention over all three keys gives 1 - 1 - 1 = -1 for every row.
+  CHECK_THROWS_WITH(attn.parallel(Q, K, V), Contains("row 0") && Contains("-1"));
+
+  // Step has the strong guarantee: the failing token leaves the state as it was.
+  auto state = attn.make_state(2, 1);
+  (void)attn.step(state, Q.row(0), K.row(0), V.row(0));
+  const auto S_before = state.S();
+  CHECK_THROWS_AS(attn.step(state, Q.row(1), K.row(1), V.row(1)), DenominatorError);
+  CHECK(state.S() == S_before);
+  CHECK(state.tokens() == 1);
+
+  // The recurrent path stops at the failing row with the earlier tokens absorbed.
+  auto partial = attn.make_state(2, 1);
+  CHECK_THROWS_AS(attn.recurrent(Q, K, V, partial), DenominatorError);
+  CHECK(partial.tokens() == 1);
+
+  // NaN and Inf inputs are caught, never passed on.
+  M Qnan = Q;
+  Qnan(0, 0) = std::numeric_limits<TestType>::quiet_NaN();
+  CHECK_THROWS_WITH(attn.recurrent(Qnan, K, V), Contains("row 0") && Contains("nan"));
+  const LinearAttention<EluPlusOne, TestType> elu;
+  M Kinf = K;
+  Kinf(0, 0) = std::numeric_limits<TestType>::infinity();
+  CHECK_THROWS_AS(elu.parallel(Q, Kinf, V, Mask::causal), DenominatorError);
+  CHECK_THROWS_AS(elu.parallel(Q, Kinf, V), DenominatorError);
+}
+
+TEMPLATE_TEST_CASE("opt-in normalizations do what they say near zero", "[normalization]", float,
+                   double) {
+  using M = Eigen::Matrix<TestType, Eigen::Dynamic, Eigen::Dynamic>;
+  M Q(2, 1), K(2, 1), V(2, 1);
+  Q << 1, 1;
+  K << 1, -1;  // denominators 1 then 0
+  V << 3, 5;   // numerators 3 then 3 - 5 = -2
+  const auto run = [&](Normalization n) {
+    return LinearAttention<Identity, TestType>(Identity{}, Options{n, 64}).recurrent(Q, K, V);
+  };
+  const auto clamped = run(Normalization::clamped(0.25));
+  CHECK(clamped(0, 0) == 3);                 // 1 >= eps: untouched
+  CHECK(clamped(1, 0) == TestType(-2 / 0.25));  // 0 -> eps
+  const auto shifted = run(Normalization::shifted(0.25));
+  CHECK(shifted(0, 0) == TestType(3 / 1.25));  // eps added to every row
+  CHECK(shifted(1, 0) == TestType(-2 / 0.25));
+  const auto raw = run(Normalization::unnormalized());
+  CHECK(raw(0, 0) == 3);
+  CHECK(raw(1, 0) == -2);
+  CHECK_THROWS_AS(Normalization::clamped(0), std::invalid_argument);
+  CHECK_THROWS_AS(Normalization::shifted(-1), std::invalid_argument);
+  CHECK_THROWS_AS(Normalization::clamped(std::nan("")), std::invalid_argument);
+
+  // A shift cannot rescue a clearly negative denominator; a clamp still rejects NaN.
+  K << 1, -3;  // second denominator -2
+  CHECK_THROWS_AS(run(Normalization::shifted(0.25)), DenominatorError);
+  Q(1, 0) = std::numeric_limits<TestType>::quiet_NaN();
+  CHECK_THROWS_AS(run(Normalization::clamped(0.25)), DenominatorError);
+}

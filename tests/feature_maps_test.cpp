@@ -1,0 +1,76 @@
+// Feature maps: the built-ins against their definitions, and a user-written map in ten lines.
+
+#include <linattn/attention.hpp>
+#include <linattn/feature_maps.hpp>
+
+#include <catch2/catch.hpp>
+
+#include "test_support.hpp"
+
+#include <cmath>
+
+using namespace linattn;
+
+namespace {
+
+// A user's feature map: phi(x) = [x^2, 1] elementwise-squared plus a constant feature, so
+// r = d + 1 and every feature is >= 0 with at least one positive (the constant 1).
+struct SquarePlusBias {
+  static constexpr bool strictly_positive = false;  // x^2 can be 0
+  Index feature_dim(Index d) const { return d + 1; }
+  template <class In, class Out>
+  void apply(const In& x, Out& out) const {
+    out.leftCols(x.cols()) = x.array().square().matrix();
+    out.col(x.cols()).setOnes();
+  }
+};
+
+}  // namespace
+
+static_assert(FeatureMap<SquarePlusBias>);
+static_assert(FeatureMap<SquarePlusBias, double>);
+
+TEMPLATE_TEST_CASE("EluPlusOne matches ELU(x) + 1 and stays finite and positive", "[phi]", float,
+                   double) {
+  RowMatrix<TestType> x(1, 7), out(1, 7);
+  x << -1000, -30, -1, 0, 0.5, 30, 1000;
+  Eigen::Ref<RowMatrix<TestType>> ref(out);
+  EluPlusOne{}.apply(x, ref);
+  for (Index j = 0; j < x.cols(); ++j) {
+    const double expected = linattn_test::elu_plus_one(double(x(0, j)));
+    // exp is accurate to a few ulps; x + 1 is one rounding.
+    CHECK(double(out(0, j)) == Approx(expected).epsilon(4 * std::numeric_limits<TestType>::epsilon()));
+    CHECK(std::isfinite(out(0, j)));
+    CHECK(out(0, j) >= 0);
+  }
+  CHECK(out(0, 2) > 0);
+  CHECK(EluPlusOne::strictly_positive);
+  CHECK_FALSE(Identity::strictly_positive);
+}
+
+TEST_CASE("a user-written feature map plugs into LinearAttention", "[phi]") {
+  const Index T = 40, d = 5, dv = 3;
+  const auto Q = linattn_test::random_matrix<double>(T, d, 51);
+  const auto K = linattn_test::random_matrix<double>(T, d, 52);
+  const auto V = linattn_test::random_matrix<double>(T, dv, 53);
+  const LinearAttention<SquarePlusBias, double> attn;
+  CHECK(attn.feature_dim(d) == d + 1);
+  CHECK(attn.make_state(d, dv).S().rows() == d + 1);
+
+  // Reference from the definition: w_ij = sum_n q_in^2 k_jn^2 + 1.
+  RowMatrix<double> expected(T, dv);
+  for (Index i = 0; i < T; ++i) {
+    double den = 0;
+    Eigen::RowVectorXd num = Eigen::RowVectorXd::Zero(dv);
+    for (Index j = 0; j <= i; ++j) {
+      const double w = (Q.row(i).array().square() * K.row(j).array().square()).sum() + 1;
+      num += w * V.row(j);
+      den += w;
+    }
+    expected.row(i) = num / den;
+  }
+  // Positive weights, sums of at most T + d terms: 2 (d + T + 4) u relative to max |v|.
+  const double tol = 2.0 * (d + T + 4) * linattn_test::unit_roundoff<double>() * V.cwiseAbs().maxCoeff();
+  CHECK((attn.recurrent(Q, K, V) - expected).cwiseAbs().maxCoeff() <= tol);
+  CHECK((attn.parallel(Q, K, V, Mask::causal) - expected).cwiseAbs().maxCoeff() <= tol);
+}
