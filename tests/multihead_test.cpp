@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <random>
 #include <string>
@@ -605,4 +606,37 @@ TEST_CASE("state size against a K/V cache", "[batch_state]") {
   const auto state = mha.make_state(2);
   CHECK(state.bytes_per_sequence() == 132096u * sizeof(float));
   CHECK(state.sequence(1).scalar_count() == 132096);
+}
+
+namespace {
+// Threads of this process, from /proc (Linux); -1 where that is not available.
+Index process_threads() {
+  std::error_code ec;
+  Index n = 0;
+  for (auto it = std::filesystem::directory_iterator("/proc/self/task", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec))
+    ++n;
+  return ec ? -1 : n;
+}
+}  // namespace
+
+TEST_CASE("one thread requested: no thread is created", "[multihead][threads]") {
+  // Products of 64 x 128 x 128 (a chunk against the state) are large enough for Eigen's GEMM
+  // to open an OpenMP team of its own when compiled with OpenMP; with set_threads(1) neither
+  // linattn nor Eigen may start a thread. ctest runs each test case in its own process, so
+  // the count starts from a process that has not yet run a parallel region; run alone, a
+  // leak shows as more threads after the call. (If an earlier test case of the same process
+  // already started OpenMP's pool, the check passes without proving anything.)
+  const Index B = 2, T = 256, H = 2, d = 128;
+  const auto q = random_buffer<float>(B * T * H * d, 81);
+  std::vector<float> out(q.size());
+  MultiHeadAttention<EluPlusOne, float> mha({H, H, d, d});
+  mha.set_threads(1);
+  const Index before = process_threads();
+  auto in = TensorView<const float>::batch_first(q.data(), B, T, H, d);
+  mha.forward(in, in, in, TensorView<float>::batch_first(out.data(), B, T, H, d), Mask::causal);
+  mha.forward(in, in, in, TensorView<float>::batch_first(out.data(), B, T, H, d), Mask::none);
+  auto state = mha.make_state(B);
+  mha.prefill(in, in, in, TensorView<float>::batch_first(out.data(), B, T, H, d), state);
+  CHECK(process_threads() == before);
 }
