@@ -12,12 +12,18 @@
 #include "test_support.hpp"
 
 #include <cmath>
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 using namespace linattn;
 using linattn_test::naive_attention;
@@ -618,25 +624,57 @@ Index process_threads() {
     ++n;
   return ec ? -1 : n;
 }
+
+// ELU+1 that records, from inside the work items, on which thread it runs and how many
+// threads a parallel region opened there (e.g. by Eigen's GEMM) could get.
+struct Probe {
+  static inline std::atomic<int> widest_nested{0};
+  static inline std::atomic<int> calls_off_caller{0};
+  static inline std::thread::id caller;
+  static constexpr bool strictly_positive = true;
+  [[nodiscard]] Index feature_dim(Index d) const noexcept { return d; }
+  template <class In, class Out>
+  void apply(const In& x, Out& out) const {
+    EluPlusOne{}.apply(x, out);
+    if (std::this_thread::get_id() != caller) ++calls_off_caller;
+#ifdef _OPENMP
+    int seen = widest_nested.load();
+    const int now = omp_get_max_threads();
+    while (now > seen && !widest_nested.compare_exchange_weak(seen, now)) {
+    }
+#endif
+  }
+};
 }  // namespace
 
 TEST_CASE("one thread requested: no thread is created", "[multihead][threads]") {
   // Products of 64 x 128 x 128 (a chunk against the state) are large enough for Eigen's GEMM
-  // to open an OpenMP team of its own when compiled with OpenMP; with set_threads(1) neither
-  // linattn nor Eigen may start a thread. ctest runs each test case in its own process, so
-  // the count starts from a process that has not yet run a parallel region; run alone, a
-  // leak shows as more threads after the call. (If an earlier test case of the same process
-  // already started OpenMP's pool, the check passes without proving anything.)
+  // to open an OpenMP team of its own. Two checks: (1) inside every work item a nested region
+  // could get only one thread (omp_get_max_threads() == 1, which is what Eigen asks), for one
+  // and for two linattn threads; (2) with one thread requested everything runs on the calling
+  // thread and the process has no more threads afterwards (ctest runs each test case in its
+  // own process, so this starts from a process without an OpenMP pool).
   const Index B = 2, T = 256, H = 2, d = 128;
   const auto q = random_buffer<float>(B * T * H * d, 81);
   std::vector<float> out(q.size());
-  MultiHeadAttention<EluPlusOne, float> mha({H, H, d, d});
+  MultiHeadAttention<Probe, float> mha({H, H, d, d});
+  auto in = TensorView<const float>::batch_first(q.data(), B, T, H, d);
+  auto o = TensorView<float>::batch_first(out.data(), B, T, H, d);
+  auto run = [&] {
+    mha.forward(in, in, in, o, Mask::causal);
+    mha.forward(in, in, in, o, Mask::none);
+    auto state = mha.make_state(B);
+    mha.prefill(in, in, in, o, state);
+  };
+  Probe::caller = std::this_thread::get_id();
   mha.set_threads(1);
   const Index before = process_threads();
-  auto in = TensorView<const float>::batch_first(q.data(), B, T, H, d);
-  mha.forward(in, in, in, TensorView<float>::batch_first(out.data(), B, T, H, d), Mask::causal);
-  mha.forward(in, in, in, TensorView<float>::batch_first(out.data(), B, T, H, d), Mask::none);
-  auto state = mha.make_state(B);
-  mha.prefill(in, in, in, TensorView<float>::batch_first(out.data(), B, T, H, d), state);
+  run();
   CHECK(process_threads() == before);
+  CHECK(Probe::calls_off_caller == 0);
+  mha.set_threads(2);
+  run();
+  if (detail::openmp_enabled) {
+    CHECK(Probe::widest_nested == 1);
+  }
 }
