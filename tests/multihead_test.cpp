@@ -654,7 +654,7 @@ TEST_CASE("one thread requested: no thread is created", "[multihead][threads]") 
   // and for two linattn threads; (2) with one thread requested everything runs on the calling
   // thread and the process has no more threads afterwards (ctest runs each test case in its
   // own process, so this starts from a process without an OpenMP pool).
-  const Index B = 2, T = 256, H = 2, d = 128;
+  const Index B = 2, T = 128, H = 2, d = 128;
   const auto q = random_buffer<float>(B * T * H * d, 81);
   std::vector<float> out(q.size());
   MultiHeadAttention<Probe, float> mha({H, H, d, d});
