@@ -481,13 +481,25 @@ TEMPLATE_TEST_CASE("one and two threads give identical bytes", "[multihead][thre
     const auto k1 = TensorView<const Scalar>::batch_first(k.data(), B, 1, Hkv, dk);
     const auto v1 = TensorView<const Scalar>::batch_first(v.data(), B, 1, Hkv, dv);
     mha.step(q1, k1, v1, TensorView<Scalar>::batch_first(dec.data(), B, 1, Hq, dv), state);
+    // Stateless full attention over the same rows packed as one sequence per batch entry
+    // would need B = 1; read batch entry 0's rows as three packed sequences instead.
+    const std::vector<Index> offsets{0, 10, 11, T};
+    std::vector<Scalar> packed(static_cast<std::size_t>(T * Hq * dv));
+    mha.forward(TensorView<const Scalar>::head_first(q.data(), 1, Hq, T, dk),
+                TensorView<const Scalar>::head_first(k.data(), 1, Hkv, T, dk),
+                TensorView<const Scalar>::head_first(v.data(), 1, Hkv, T, dv),
+                TensorView<Scalar>::head_first(packed.data(), 1, Hq, T, dv), Mask::none,
+                SequenceLayout::packed(offsets));
+    out.insert(out.end(), packed.begin(), packed.end());
   };
   const auto n = static_cast<std::size_t>(B * T * Hq * dv);
   std::vector<Scalar> out1(n), out2(n), dec1(static_cast<std::size_t>(B * Hq * dv)), dec2(dec1);
   auto s1 = BatchState<Scalar>(Hq, dk, dk, dv, B), s2 = BatchState<Scalar>(Hq, dk, dk, dv, B);
   run(1, out1, dec1, s1);
   run(2, out2, dec2, s2);
-  CHECK(std::memcmp(out1.data(), out2.data(), n * sizeof(Scalar)) == 0);
+  REQUIRE(out1.size() == n + static_cast<std::size_t>(T * Hq * dv));
+  REQUIRE(out2.size() == out1.size());
+  CHECK(std::memcmp(out1.data(), out2.data(), out1.size() * sizeof(Scalar)) == 0);
   CHECK(std::memcmp(dec1.data(), dec2.data(), dec1.size() * sizeof(Scalar)) == 0);
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < Hq; ++h) {
