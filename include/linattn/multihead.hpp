@@ -45,8 +45,9 @@
 
 #include <Eigen/Core>
 
-#include <concepts>
+#include <cstddef>
 #include <span>
+#include <stdexcept>
 #include <utility>
 
 namespace linattn {

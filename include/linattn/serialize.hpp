@@ -36,6 +36,7 @@
 #include <linattn/multihead.hpp>
 #include <linattn/types.hpp>
 
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -43,6 +44,8 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace linattn {
