@@ -3,9 +3,13 @@
 /// Umbrella header: everything linattn offers. Each header below also compiles on its own.
 
 #include <linattn/attention.hpp>
+#include <linattn/batch_state.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/feature_maps.hpp>
+#include <linattn/multihead.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/reference.hpp>
+#include <linattn/serialize.hpp>
 #include <linattn/state.hpp>
+#include <linattn/tensor_view.hpp>
 #include <linattn/types.hpp>

@@ -1,0 +1,230 @@
+// Saving and restoring batch state: round trips that continue bit-identically, the byte
+// layout (little-endian, documented offsets), and rejection of every corrupted, truncated or
+// mismatched blob.
+
+#include <linattn/serialize.hpp>
+
+#include <catch2/catch.hpp>
+
+#include "test_support.hpp"
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+using namespace linattn;
+
+namespace {
+
+std::span<const std::byte> bytes_of(const std::string& s) {
+  return std::as_bytes(std::span<const char>(s.data(), s.size()));
+}
+
+template <class Scalar>
+std::vector<Scalar> random_buffer(Index n, std::uint64_t seed) {
+  const auto m = linattn_test::random_matrix<Scalar>(1, n, seed);
+  return {m.data(), m.data() + n};
+}
+
+// A small layer and a few decode steps of B sequences, all batch-first.
+template <class Phi, class Scalar>
+struct Session {
+  static constexpr Index B = 2, Hq = 2, Hkv = 1, dk = 3, dv = 2, T = 8;
+  MultiHeadAttention<Phi, Scalar> mha{HeadConfig{Hq, Hkv, dk, dv}};
+  std::vector<Scalar> q = random_buffer<Scalar>(B * T * Hq * dk, 71);
+  std::vector<Scalar> k = random_buffer<Scalar>(B * T * Hkv * dk, 72);
+  std::vector<Scalar> v = random_buffer<Scalar>(B * T * Hkv * dv, 73);
+
+  // Token t of every sequence, stepped; returns the [B, Hq, dv] output.
+  std::vector<Scalar> step(BatchState<Scalar>& state, Index t) const {
+    auto pick = [&](const std::vector<Scalar>& buf, Index H, Index d) {
+      std::vector<Scalar> out;
+      for (Index b = 0; b < B; ++b) {
+        const auto first = buf.begin() + (b * T + t) * H * d;
+        out.insert(out.end(), first, first + H * d);
+      }
+      return out;
+    };
+    const auto q1 = pick(q, Hq, dk), k1 = pick(k, Hkv, dk), v1 = pick(v, Hkv, dv);
+    std::vector<Scalar> out(static_cast<std::size_t>(B * Hq * dv));
+    mha.step(TensorView<const Scalar>::batch_first(q1.data(), B, 1, Hq, dk),
+             TensorView<const Scalar>::batch_first(k1.data(), B, 1, Hkv, dk),
+             TensorView<const Scalar>::batch_first(v1.data(), B, 1, Hkv, dv),
+             TensorView<Scalar>::batch_first(out.data(), B, 1, Hq, dv), state);
+    return out;
+  }
+};
+
+template <class F>
+StateFormatError::Reason reason_of(F&& f) {
+  try {
+    f();
+  } catch (const StateFormatError& e) {
+    INFO(e.what());
+    CHECK(std::string(e.what()).rfind("linattn: cannot restore state: ", 0) == 0);
+    return e.reason();
+  }
+  FAIL("the blob was accepted");
+  return StateFormatError::Reason::truncated;
+}
+
+}  // namespace
+
+TEST_CASE("FNV-1a 64 matches its published test vectors", "[serialize]") {
+  // Vectors from the FNV reference test suite (Fowler, Noll, Vo).
+  CHECK(detail::fnv1a64(bytes_of("")) == 0xcbf29ce484222325ull);
+  CHECK(detail::fnv1a64(bytes_of("a")) == 0xaf63dc4c8601ec8cull);
+  CHECK(detail::fnv1a64(bytes_of("foobar")) == 0x85944171f73967e8ull);
+}
+
+TEMPLATE_TEST_CASE("save mid-sequence, restore in a fresh object, continue identically",
+                   "[serialize]", float, double) {
+  const Session<EluPlusOne, TestType> s;
+  auto state = s.mha.make_state(s.B);
+  for (Index t = 0; t < 3; ++t) static_cast<void>(s.step(state, t));
+  const std::vector<std::byte> blob = save_state(s.mha, state);
+  CHECK(blob.size() == 8 + 4 + 4 + 8 + 8 + 4 + std::string("elu_plus_one").size() + 6 * 8 +
+                           s.B * s.Hq * (8 + (s.dk * s.dv + s.dk) * sizeof(TestType)) + 8);
+
+  // A different layer object of the same configuration restores it.
+  const Session<EluPlusOne, TestType> fresh;
+  auto restored = load_state(fresh.mha, blob);
+  REQUIRE(restored.size() == s.B);
+  CHECK(restored.sequence(1).tokens() == 3);
+  for (Index t = 3; t < s.T; ++t) {
+    const auto a = s.step(state, t);
+    const auto b = fresh.step(restored, t);
+    REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(TestType)) == 0);
+  }
+
+  // One sequence alone: park sequence 1, restore it into another batch.
+  const auto one = save_sequence(s.mha, state, state.id_at(1));
+  auto other = s.mha.make_state(1);
+  const auto ids = restore_sequences(s.mha, other, one);
+  REQUIRE(ids.size() == 1);
+  CHECK(other.size() == 2);
+  CHECK(other.index_of(ids[0]) == 1);
+  for (Index h = 0; h < s.Hq; ++h) {
+    CHECK(other.sequence(1).head(h).S() == state.sequence(1).head(h).S());
+    CHECK(other.sequence(1).head(h).z() == state.sequence(1).head(h).z());
+    CHECK(other.sequence(1).head(h).tokens() == s.T);
+  }
+  // An empty batch round-trips too.
+  CHECK(load_state(s.mha, save_state(s.mha, s.mha.make_state())).size() == 0);
+}
+
+TEST_CASE("the byte layout is little-endian with the documented offsets", "[serialize]") {
+  const MultiHeadAttention<EluPlusOne, float> mha({1, 1, 1, 1});
+  auto state = mha.make_state(1);
+  state.sequence(0).head(0).mutable_S()(0, 0) = 1.0f;   // binary32 0x3f800000
+  state.sequence(0).head(0).mutable_z()(0) = -2.0f;     // binary32 0xc0000000
+  state.sequence(0).head(0).set_tokens(0x0102);
+  const auto blob = save_state(mha, state);
+  auto u8 = [&](std::size_t i) { return static_cast<unsigned>(blob.at(i)); };
+  CHECK(std::string(reinterpret_cast<const char*>(blob.data()), 8) == "LNATTNST");
+  CHECK((u8(8) == 1 && u8(9) == 0 && u8(10) == 0 && u8(11) == 0));  // version 1
+  CHECK(u8(12) == 1);                                                // float
+  CHECK(u8(16) == blob.size());                                      // total size, low byte
+  const std::size_t name_at = 36, name_len = std::string("elu_plus_one").size();
+  CHECK(u8(32) == name_len);
+  const std::size_t dims_at = name_at + name_len, head_at = dims_at + 6 * 8;
+  CHECK(u8(dims_at + 5 * 8) == 1);                   // N = 1
+  CHECK((u8(head_at) == 0x02 && u8(head_at + 1) == 0x01));  // tokens 0x0102, low byte first
+  const std::size_t s_at = head_at + 8;
+  CHECK((u8(s_at) == 0x00 && u8(s_at + 1) == 0x00 && u8(s_at + 2) == 0x80 && u8(s_at + 3) == 0x3f));
+  CHECK((u8(s_at + 4) == 0x00 && u8(s_at + 7) == 0xc0));
+  CHECK(blob.size() == s_at + 8 + 8);
+}
+
+TEST_CASE("every corrupted, truncated or mismatched blob is rejected", "[serialize]") {
+  using R = StateFormatError::Reason;
+  const Session<EluPlusOne, float> s;
+  auto state = s.mha.make_state(s.B);
+  static_cast<void>(s.step(state, 0));
+  const auto blob = save_state(s.mha, state);
+
+  SECTION("every single flipped byte") {
+    for (std::size_t i = 0; i < blob.size(); ++i) {
+      auto bad = blob;
+      bad[i] ^= std::byte{0x5a};
+      auto target = s.mha.make_state();
+      INFO("byte " << i);
+      const R r = reason_of([&] { static_cast<void>(restore_sequences(s.mha, target, bad)); });
+      CHECK(target.size() == 0);  // nothing restored from a rejected blob
+      if (i >= 24) CHECK(r == R::checksum_mismatch);
+    }
+  }
+  SECTION("every truncation") {
+    for (std::size_t n = 0; n < blob.size(); ++n) {
+      INFO("first " << n << " bytes");
+      CHECK(reason_of([&] { static_cast<void>(load_state(s.mha, std::span(blob).first(n))); }) ==
+            R::truncated);
+    }
+  }
+  SECTION("trailing bytes") {
+    auto longer = blob;
+    longer.push_back(std::byte{0});
+    CHECK(reason_of([&] { static_cast<void>(load_state(s.mha, longer)); }) == R::size_mismatch);
+  }
+  SECTION("not a state, or a future version") {
+    auto bad = blob;
+    bad[0] = std::byte{'X'};
+    CHECK(reason_of([&] { static_cast<void>(load_state(s.mha, bad)); }) == R::bad_magic);
+    bad = blob;
+    bad[8] = std::byte{2};
+    CHECK(reason_of([&] { static_cast<void>(load_state(s.mha, bad)); }) == R::unsupported_version);
+  }
+  SECTION("wrong dimensions") {
+    const MultiHeadAttention<EluPlusOne, float> wide({s.Hq, s.Hkv, s.dk, s.dv + 1});
+    CHECK(reason_of([&] { static_cast<void>(load_state(wide, blob)); }) == R::shape_mismatch);
+    const MultiHeadAttention<EluPlusOne, float> grouped({s.Hq, s.Hq, s.dk, s.dv});
+    CHECK(reason_of([&] { static_cast<void>(load_state(grouped, blob)); }) == R::shape_mismatch);
+    try {
+      static_cast<void>(load_state(wide, blob));
+    } catch (const StateFormatError& e) {
+      CHECK(std::string(e.what()).find("dv=2, this layer has") != std::string::npos);
+    }
+  }
+  SECTION("wrong scalar type") {
+    const MultiHeadAttention<EluPlusOne, double> dbl({s.Hq, s.Hkv, s.dk, s.dv});
+    CHECK(reason_of([&] { static_cast<void>(load_state(dbl, blob)); }) == R::scalar_type_mismatch);
+  }
+  SECTION("wrong feature map") {
+    const MultiHeadAttention<Identity, float> ident({s.Hq, s.Hkv, s.dk, s.dv});
+    CHECK(reason_of([&] { static_cast<void>(load_state(ident, blob)); }) ==
+          R::feature_map_mismatch);
+  }
+  SECTION("a state that is not the layer's is a shape error") {
+    auto foreign = BatchState<float>(s.Hq, s.dk, s.dk, s.dv + 1);
+    CHECK_THROWS_AS(restore_sequences(s.mha, foreign, blob), ShapeError);
+    CHECK_THROWS_AS(save_state(s.mha, foreign), ShapeError);
+  }
+}
+
+namespace {
+// A feature map with a parameter: the fingerprint tells two instances apart.
+struct ScaledElu {
+  static constexpr bool strictly_positive = true;
+  static constexpr const char* name = "scaled_elu";
+  double scale = 1.0;
+  [[nodiscard]] Index feature_dim(Index d) const noexcept { return d; }
+  template <class In, class Out>
+  void apply(const In& x, Out& out) const {
+    EluPlusOne{}.apply(x, out);
+    out *= static_cast<typename Out::Scalar>(scale);
+  }
+  [[nodiscard]] std::uint64_t fingerprint() const noexcept {
+    return std::bit_cast<std::uint64_t>(scale);
+  }
+};
+}  // namespace
+
+TEST_CASE("a feature map's fingerprint is part of its identity", "[serialize]") {
+  const MultiHeadAttention<ScaledElu, float> one({1, 1, 2, 2}, ScaledElu{1.0});
+  const MultiHeadAttention<ScaledElu, float> two({1, 1, 2, 2}, ScaledElu{2.0});
+  const auto blob = save_state(one, one.make_state(1));
+  CHECK(load_state(one, blob).size() == 1);
+  CHECK(reason_of([&] { static_cast<void>(load_state(two, blob)); }) ==
+        StateFormatError::Reason::feature_map_mismatch);
+}
