@@ -6,6 +6,7 @@
 #include <linattn/errors.hpp>
 #include <linattn/feature_maps.hpp>
 #include <linattn/normalization.hpp>
+#include <linattn/random_features.hpp>
 #include <linattn/reference.hpp>
 #include <linattn/state.hpp>
 #include <linattn/types.hpp>
