@@ -4,6 +4,10 @@
 // independent long-double reference (also where the log-domain stabiliser is active),
 // causality of prefixes, normalization policies in the log domain, and trig denominators.
 
+// Lets a test forbid heap allocation inside Eigen (checked by eigen_assert, so in Debug builds,
+// which CI runs with sanitizers). Must precede every Eigen include of this file.
+#define EIGEN_RUNTIME_NO_MALLOC
+
 #include <linattn/attention.hpp>
 #include <linattn/random_features.hpp>
 #include <linattn/reference.hpp>
@@ -15,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 using namespace linattn;
@@ -568,6 +573,28 @@ TEMPLATE_TEST_CASE("prefix outputs do not change when future tokens are appended
   CHECK(linattn_test::worst_error_ratio<Scalar>(prefix, whole_as_ref, 2 * units) <= 1.0);
   // The recurrent path sees token t before t + 1: its prefix rows are the same bits.
   CHECK(attn.recurrent(Q.topRows(Tp), K.topRows(Tp), V.topRows(Tp)) == rec.topRows(Tp));
+}
+
+TEMPLATE_TEST_CASE("a decode step through random features allocates nothing", "[state]", float,
+                   double) {
+  using Scalar = TestType;
+  const Index d = 16, dv = 8;
+  const RowMatrix<Scalar> X = random_matrix<Scalar>(6, d, 601, 0.5);
+  const RowMatrix<Scalar> V = random_matrix<Scalar>(6, dv, 602);
+  RowVector<Scalar> y(dv);
+  auto run = [&](const auto& phi) {
+    using Phi = std::decay_t<decltype(phi)>;
+    const LinearAttention<Phi, Scalar> attn(phi);
+    auto state = attn.make_state(d, dv);
+    Eigen::internal::set_is_malloc_allowed(false);
+    for (Index t = 0; t < X.rows(); ++t) attn.step_into(state, X.row(t), X.row(t), V.row(t), y);
+    Eigen::internal::set_is_malloc_allowed(true);
+    CHECK(y.allFinite());
+    CHECK(state.tokens() == X.rows());
+  };
+  run(PositiveRandomFeatures<Scalar>(d, 64, 1));
+  run(PositiveRandomFeatures<Scalar>(d, 64, 1, {Projection::iid, std::nan(""), true}));
+  run(TrigRandomFeatures<Scalar>(d, 64, 1));
 }
 
 // ---- state and normalization -------------------------------------------------------------

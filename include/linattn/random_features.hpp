@@ -30,6 +30,7 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <cmath>
 #include <concepts>
 #include <cstdint>
@@ -140,9 +141,13 @@ class RandomProjection {
   }
 
   /// P = sqrt(tau) x W^T into the first m columns of `out`: the one GEMM of the feature map.
+  /// sqrt(tau) is applied to the result, not folded into x: for a single row Eigen would copy
+  /// the scaled row into a heap temporary before its GEMV, and decode steps must not allocate.
   template <class In, class Out>
   void project(const In& x, Out& out) const {
-    out.leftCols(W_.rows()).noalias() = (static_cast<Scalar>(std::sqrt(scale_)) * x) * W_.transpose();
+    auto P = out.leftCols(W_.rows());
+    P.noalias() = x * W_.transpose();
+    P *= static_cast<Scalar>(std::sqrt(scale_));
   }
 
   /// tau |x_t|^2 / 2, the per-row term of every variant.
