@@ -292,9 +292,11 @@ TEST_CASE("the estimators are unbiased for exp(tau x^T y)", "[unbiased]") {
   // iid rows: the standard error is the exact sigma / sqrt(N) above. Orthogonal rows: no
   // closed form, so sigma is the sample standard deviation of the N estimates (N = 4000 makes
   // it accurate to a few percent). Under the CLT a false failure has probability ~6e-7 per
-  // check; a bias larger than the bound (a wrong constant, a missing chi length, a row norm
-  // off by a factor) fails. Also: the iid sample variance must match the formula (within 25%,
-  // > 5 sd of the sample variance for these light-tailed inputs).
+  // check (the estimates are skewed, kurtosis up to ~100 for hyperbolic iid at tau = 0.5, so
+  // the normal tail is an approximation; the observed deviations are below 1.5 sd). A bias
+  // larger than the bound (a wrong constant, a missing chi length, a row norm off by a factor)
+  // fails. Also the iid sample variance s^2 must match the formula: s^2 / var - 1 has sd
+  // sqrt((kappa - 1) / N) for kurtosis kappa (estimated from the sample), again 5 sd.
   const Index d = 4, m = 8;
   const int N = 4000;
   Eigen::VectorXd x(d), y(d);
@@ -324,13 +326,17 @@ TEST_CASE("the estimators are unbiased for exp(tau x^T y)", "[unbiased]") {
         mean /= N;
         for (double e : est) sq += (e - mean) * (e - mean);
         const double sample_var = sq / (N - 1);
+        double fourth = 0;
+        for (double e : est) fourth += std::pow(e - mean, 4) / N;
+        const double kurtosis = fourth / (sample_var * sample_var);
         const Eigen::VectorXd a = std::sqrt(tau) * x, b = std::sqrt(tau) * y;
         const double var = projection == Projection::iid ? iid_variance(kind, a, b, m) : sample_var;
         INFO("kind " << int(kind) << " iid " << (projection == Projection::iid) << " tau " << tau
                      << " mean " << mean << " target " << target << " sd " << std::sqrt(var)
-                     << " sample sd " << std::sqrt(sample_var));
+                     << " sample sd " << std::sqrt(sample_var) << " kurtosis " << kurtosis);
         CHECK(std::abs(mean - target) <= 5 * std::sqrt(var / N));
-        if (projection == Projection::iid) CHECK(std::abs(sample_var / var - 1) < 0.25);
+        if (projection == Projection::iid)
+          CHECK(std::abs(sample_var / var - 1) <= 5 * std::sqrt((kurtosis - 1) / N));
       }
   }
 }
