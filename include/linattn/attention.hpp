@@ -18,6 +18,7 @@
 
 #include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/kernels.hpp>
+#include <linattn/detail/log_domain.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/feature_maps.hpp>
 #include <linattn/normalization.hpp>
@@ -77,7 +78,7 @@ class LinearAttention {
 
   /// An empty state for keys of dimension dk and values of dimension dv. O(r dv).
   [[nodiscard]] State make_state(Index dk, Index dv) const {
-    return State(phi_.feature_dim(dk), dk, dv);
+    return State(phi_.feature_dim(dk), dk, dv, log_scaled);
   }
 
   // ---- parallel path -------------------------------------------------------------------
@@ -223,6 +224,10 @@ class LinearAttention {
   template <class DQ, class DK, class DV>
   void full(const DQ& Q, const DK& K, const DV& V, OutputRef out) const {
     check_common(Q, K, V, out);
+    if constexpr (log_scaled) {
+      detail::log_domain_full_read<Scalar>(phi_, Q, K, V, out, options_.normalization);
+      return;
+    }
     const Index r = phi_.feature_dim(K.cols());
     RowMatrix<Scalar> qf(Q.rows(), r), kf(K.rows(), r);
     features(K, 0, K.rows(), kf);
@@ -238,6 +243,12 @@ class LinearAttention {
 
   template <class DQ, class DK, class DV>
   void causal_chunked(const DQ& Q, const DK& K, const DV& V, State& state, OutputRef out) const {
+    if constexpr (log_scaled) {
+      detail::log_domain_causal<Scalar>(phi_, Q, K, V, state.S_, state.z_, state.log_scale_,
+                                        state.tokens_, options_.chunk_size, out,
+                                        options_.normalization);
+      return;
+    }
     const Index T = Q.rows();
     const Index r = state.feature_dim();
     const Index C = std::min(options_.chunk_size, std::max<Index>(T, 1));
@@ -254,6 +265,13 @@ class LinearAttention {
 
   template <class Rq, class Rk, class Rv, class Ry>
   void token(State& state, const Rq& q, const Rk& k, const Rv& v, Ry&& y, Index row) const {
+    if constexpr (log_scaled) {
+      detail::log_domain_step<Scalar>(phi_, q, k, v, state.query_features_, state.key_features_,
+                                      state.S_, state.z_, state.z_next_, state.log_scale_, y,
+                                      options_.normalization, row);
+      ++state.tokens_;
+      return;
+    }
     Eigen::Ref<RowMatrix<Scalar>> qf(state.query_features_), kf(state.key_features_);
     phi_.apply(q, qf);
     phi_.apply(k, kf);
@@ -261,6 +279,9 @@ class LinearAttention {
                                     options_.normalization, row);
     ++state.tokens_;
   }
+
+  // Features in a shifted log domain (random features): S, z kept as exp(M) (S, z).
+  static constexpr bool log_scaled = LogScaledFeatureMap<Phi, Scalar>;
 
   Phi phi_{};
   Options options_{};

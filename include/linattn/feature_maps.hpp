@@ -61,6 +61,21 @@ struct EluPlusOne {
   }
 };
 
+/// Optional extension of the protocol: features reported in a shifted log domain, for maps
+/// whose features are exponentials that would overflow or underflow (random features, see
+/// linattn/random_features.hpp). Such a map also provides
+///   static constexpr bool log_scaled = true;
+///   template <class In, class Out>
+///   void apply_scaled(const In& x, Out& out, Eigen::Ref<ColVector<Scalar>> log_scale) const;
+/// writing, for each row t, out_t and log_scale_t with phi(x_t) = exp(log_scale_t) * out_t and
+/// out_t of order one (largest |entry| about 1). LinearAttention detects it and keeps S and z in
+/// a log-scaled form (AttentionState::log_scale()); other maps compile to the plain path.
+template <class Phi, class Scalar = float>
+concept LogScaledFeatureMap =
+    FeatureMap<Phi, Scalar> && requires { requires Phi::log_scaled; } &&
+    requires(const Phi& phi, const RowMatrix<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out,
+             Eigen::Ref<ColVector<Scalar>> log_scale) { phi.apply_scaled(x, out, log_scale); };
+
 namespace detail {
 
 /// The feature map's name if it declares one, for messages and serialized state.

@@ -8,6 +8,7 @@
 #include <linattn/feature_maps.hpp>
 #include <linattn/multihead.hpp>
 #include <linattn/normalization.hpp>
+#include <linattn/random_features.hpp>
 #include <linattn/reference.hpp>
 #include <linattn/serialize.hpp>
 #include <linattn/state.hpp>

@@ -11,6 +11,8 @@
 
 #include <Eigen/Core>
 
+#include <limits>
+
 namespace linattn {
 
 /// Recurrent state of one head plus the scratch a decode step needs, so that step() never
@@ -23,7 +25,9 @@ class AttentionState {
   AttentionState() = default;
 
   /// An empty (all-zero) state for feature dimension r, key dimension dk, value dimension dv.
-  AttentionState(Index r, Index dk, Index dv)
+  /// `log_domain` (set by LinearAttention for a LogScaledFeatureMap) makes the empty state's
+  /// log_scale() -infinity instead of 0.
+  AttentionState(Index r, Index dk, Index dv, bool log_domain = false)
       : S_(RowMatrix<Scalar>::Zero(r, dv)),
         z_(ColVector<Scalar>::Zero(r)),
         key_dim_(dk),
@@ -32,7 +36,9 @@ class AttentionState {
         value_row_(1, dv),
         query_features_(1, r),
         key_features_(1, r),
-        z_next_(r) {
+        z_next_(r),
+        log_scale_(empty_log_scale(log_domain)),
+        log_domain_(log_domain) {
     if (r < 0 || dk < 0 || dv < 0)
       detail::throw_shape_error("state dimensions must be non-negative, got r=", r, " dk=", dk,
                                 " dv=", dv);
@@ -45,6 +51,15 @@ class AttentionState {
   /// Writable S and z, for loading a saved state; shapes must not change.
   [[nodiscard]] Eigen::Ref<RowMatrix<Scalar>> mutable_S() noexcept { return S_; }
   [[nodiscard]] Eigen::Ref<ColVector<Scalar>> mutable_z() noexcept { return z_; }
+
+  /// M: S() and z() hold the true sums divided by exp(M), i.e. true S = exp(M) S(). Always 0
+  /// for ordinary feature maps. For a LogScaledFeatureMap it is the running maximum of the
+  /// absorbed keys' log-scales (-infinity while empty), so stored entries never overflow.
+  [[nodiscard]] Scalar log_scale() const noexcept { return log_scale_; }
+  /// Sets M, for loading a saved state together with mutable_S() and mutable_z().
+  void set_log_scale(Scalar m) noexcept { log_scale_ = m; }
+  /// Whether this state keeps S and z log-scaled (made for a LogScaledFeatureMap).
+  [[nodiscard]] bool log_domain() const noexcept { return log_domain_; }
 
   /// Number of tokens absorbed since the state was made or reset.
   [[nodiscard]] Index tokens() const noexcept { return tokens_; }
@@ -62,6 +77,7 @@ class AttentionState {
     S_.setZero();
     z_.setZero();
     tokens_ = 0;
+    log_scale_ = empty_log_scale(log_domain_);
   }
 
   /// Throws ShapeError unless this state fits (r, dk, dv).
@@ -76,6 +92,10 @@ class AttentionState {
   template <class, class>
   friend class LinearAttention;
 
+  static Scalar empty_log_scale(bool log_domain) noexcept {
+    return log_domain ? -std::numeric_limits<Scalar>::infinity() : Scalar(0);
+  }
+
   RowMatrix<Scalar> S_;
   ColVector<Scalar> z_;
   Index tokens_ = 0;
@@ -85,6 +105,9 @@ class AttentionState {
   RowMatrix<Scalar> query_row_, key_row_, value_row_;
   RowMatrix<Scalar> query_features_, key_features_;
   ColVector<Scalar> z_next_;
+
+  Scalar log_scale_ = 0;
+  bool log_domain_ = false;
 };
 
 }  // namespace linattn

@@ -34,6 +34,14 @@ static_assert(!linattn::FeatureMap<std::string>);
 static_assert(!linattn::FeatureMap<MissingApply>);
 static_assert(!linattn::FeatureMap<MissingPositivity>);
 static_assert(!linattn::FeatureMap<RuntimePositivity>);
+// Random feature maps: feature maps with the log-domain extension, for their own Scalar only.
+static_assert(linattn::FeatureMap<linattn::PositiveRandomFeatures<double>, double>);
+static_assert(linattn::FeatureMap<linattn::TrigRandomFeatures<float>, float>);
+static_assert(linattn::LogScaledFeatureMap<linattn::PositiveRandomFeatures<float>, float>);
+static_assert(linattn::LogScaledFeatureMap<linattn::TrigRandomFeatures<double>, double>);
+static_assert(!linattn::FeatureMap<linattn::PositiveRandomFeatures<double>, float>);
+static_assert(!linattn::LogScaledFeatureMap<linattn::EluPlusOne>);
+static_assert(!linattn::LogScaledFeatureMap<linattn::Identity, double>);
 static_assert(linattn::SupportedScalar<float> && linattn::SupportedScalar<double>);
 static_assert(!linattn::SupportedScalar<int>);
 static_assert(std::is_base_of_v<std::invalid_argument, linattn::ShapeError>);

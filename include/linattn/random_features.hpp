@@ -1,0 +1,323 @@
+#pragma once
+/// \file random_features.hpp
+/// Random feature maps whose kernel phi(q)^T phi(k) is, in expectation over the draw, the
+/// softmax kernel exp(tau q^T k) (Choromanski et al. 2021, "Rethinking Attention with
+/// Performers", FAVOR+). tau defaults to 1/sqrt(d), the scale of softmax attention.
+///
+/// With x' = sqrt(tau) x and m projection vectors w_i (rows of the m x d matrix W):
+///   PositiveRandomFeatures:  phi(x)_i = exp(w_i^T x' - |x'|^2 / 2) / sqrt(m)          (r = m)
+///     hyperbolic variant:    [exp(w_i^T x'), exp(-w_i^T x')] exp(-|x'|^2 / 2) / sqrt(2m)  (r = 2m)
+///   TrigRandomFeatures:      [sin(w_i^T x'), cos(w_i^T x')] exp(|x'|^2 / 2) / sqrt(m)  (r = 2m)
+/// For w_i ~ N(0, I_d), E[phi(q)^T phi(k)] = exp(q'^T k') = exp(tau q^T k) exactly. A fixed
+/// draw defines its own kernel, and LinearAttention is exact for that kernel; the distance to
+/// softmax attention is the estimator's error, which falls like 1/sqrt(m) (docs/random_features.md).
+///
+/// W is drawn from the library's own generator (detail/random.hpp): the same (d, m, seed,
+/// options) gives the same bits on every compiler and platform. Orthogonal draws (the default)
+/// take blocks of d exactly orthogonal directions (Gram-Schmidt of a Gaussian matrix, i.e. a
+/// Haar-random rotation) and give each row the length of an independent N(0, I_d) vector, so
+/// every row is still N(0, I_d) and the estimator stays unbiased.
+///
+/// Both maps are LogScaledFeatureMap: LinearAttention keeps the state as exp(M) (S, z) with M
+/// the running maximum of key log-scales, so |x| far beyond exp's range (|x| = 30 at d = 16 has
+/// |x'|^2 / 2 = 112) gives finite outputs that are causal in every path. apply() gives the
+/// unscaled features, which do overflow or underflow for such inputs.
+
+#include <linattn/detail/random.hpp>
+#include <linattn/errors.hpp>
+#include <linattn/feature_maps.hpp>
+#include <linattn/types.hpp>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <concepts>
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+
+namespace linattn {
+
+/// How the projection vectors w_i are drawn.
+enum class Projection {
+  orthogonal,  ///< blocks of d orthogonal directions with chi(d) lengths (lower variance, usually)
+  iid          ///< independent N(0, I_d) rows
+};
+
+/// Options of a random feature map; the defaults are FAVOR+ with orthogonal rows.
+struct RandomFeatureOptions {
+  Projection projection = Projection::orthogonal;
+  /// tau in the kernel exp(tau q^T k); NaN (the default) means 1/sqrt(d). Must be > 0.
+  double scale = std::numeric_limits<double>::quiet_NaN();
+  /// PositiveRandomFeatures only: the hyperbolic variant, r = 2m features.
+  bool hyperbolic = false;
+};
+
+namespace detail {
+
+/// The shared part of the random maps: the m x d projection matrix, its draw and the GEMM.
+template <class Scalar>
+class RandomProjection {
+  static_assert(SupportedScalar<Scalar>, "linattn computes in float or double");
+
+ public:
+  /// Input dimension d.
+  [[nodiscard]] Index input_dim() const noexcept { return W_.cols(); }
+  /// Number of projection vectors m (rows of W).
+  [[nodiscard]] Index projections() const noexcept { return W_.rows(); }
+  /// tau of the kernel exp(tau q^T k).
+  [[nodiscard]] double scale() const noexcept { return scale_; }
+  [[nodiscard]] const RandomFeatureOptions& options() const noexcept { return options_; }
+  /// The seed of the last draw (unchanged by set_projection).
+  [[nodiscard]] std::uint64_t seed() const noexcept { return seed_; }
+
+  /// W, m x d, one projection vector per row (not multiplied by sqrt(tau)).
+  [[nodiscard]] const RowMatrix<Scalar>& projection() const noexcept { return W_; }
+
+  /// Replaces W by a saved or trained m x d matrix; throws ShapeError for another shape.
+  /// Copies into the existing storage (no allocation).
+  template <class D>
+  void set_projection(const Eigen::MatrixBase<D>& W) {
+    if (W.rows() != W_.rows() || W.cols() != W_.cols())
+      throw_shape_error("projection matrix is ", shape_of(W), ", expected ", W_.rows(), "x",
+                        W_.cols(), " (m x d)");
+    W_ = W.template cast<Scalar>();
+  }
+
+  /// Draws W again from `seed` in place (no allocation). O(m d^2) for orthogonal rows,
+  /// O(m d) for iid rows.
+  void redraw(std::uint64_t seed) {
+    seed_ = seed;
+    GaussianStream gauss(seed);
+    const Index d = W_.cols(), m = W_.rows();
+    if (options_.projection == Projection::iid) {
+      fill_gaussian(gauss, W_);
+      return;
+    }
+    // Per block of up to d rows: the Gaussian directions (rows x d, row-major), then for each
+    // row the d deviates of its chi(d) length. This order is part of the reproducibility spec.
+    for (Index first = 0; first < m; first += d) {
+      const Index rows = std::min(d, m - first);
+      auto G = block_.topRows(rows);
+      fill_gaussian(gauss, G);
+      orthonormalize_rows(block_, rows);
+      for (Index i = 0; i < rows; ++i) {
+        const double length = chi_length(gauss, d);
+        for (Index k = 0; k < d; ++k)
+          W_(first + i, k) = static_cast<Scalar>(rounded(block_(i, k) * length));
+      }
+    }
+  }
+
+ protected:
+  RandomProjection(Index d, Index m, std::uint64_t seed, const RandomFeatureOptions& options)
+      : options_(options) {
+    if (d < 1 || m < 1)
+      throw_shape_error("random features need d >= 1 and m >= 1, got d=", d, " m=", m);
+    scale_ = std::isnan(options.scale) ? 1.0 / std::sqrt(static_cast<double>(d)) : options.scale;
+    if (!(scale_ > 0) || !std::isfinite(scale_)) {
+      std::ostringstream os;
+      os << "linattn: random feature scale tau must be positive and finite, got " << scale_;
+      throw std::invalid_argument(os.str());
+    }
+    W_.resize(m, d);
+    if (options.projection == Projection::orthogonal) block_.resize(d, d);
+    redraw(seed);
+  }
+
+  void check_input_dim(Index d) const {
+    if (d != W_.cols())
+      throw_shape_error("random features were drawn for d = ", W_.cols(),
+                        ", got inputs with d = ", d);
+  }
+
+  template <class In, class Out>
+  void check_shapes(const In& x, const Out& out, Index r) const {
+    check_input_dim(x.cols());
+    if (out.rows() != x.rows() || out.cols() != r)
+      throw_shape_error("feature output is ", shape_of(out), ", expected ", x.rows(), "x", r);
+  }
+
+  /// P = sqrt(tau) x W^T into the first m columns of `out`: the one GEMM of the feature map.
+  /// sqrt(tau) is applied to the result, not folded into x: for a single row Eigen would copy
+  /// the scaled row into a heap temporary before its GEMV, and decode steps must not allocate.
+  template <class In, class Out>
+  void project(const In& x, Out& out) const {
+    auto P = out.leftCols(W_.rows());
+    P.noalias() = x * W_.transpose();
+    P *= static_cast<Scalar>(std::sqrt(scale_));
+  }
+
+  /// tau |x_t|^2 / 2, the per-row term of every variant.
+  template <class In>
+  Scalar half_sq_norm(const In& x, Index t) const {
+    return static_cast<Scalar>(scale_ / 2) * x.row(t).squaredNorm();
+  }
+
+ private:
+  RandomFeatureOptions options_;
+  double scale_ = 0;
+  std::uint64_t seed_ = 0;
+  RowMatrix<Scalar> W_;
+  RowMatrix<double> block_;  // d x d Gram-Schmidt scratch, kept so redraw() never allocates
+};
+
+}  // namespace detail
+
+/// FAVOR+ positive random features for the softmax kernel exp(tau q^T k).
+///
+///   phi(x)_i = exp(w_i^T x' - |x'|^2 / 2) / sqrt(m),  x' = sqrt(tau) x,  r = m;
+///   hyperbolic: [exp(w_i^T x'), exp(-w_i^T x')] exp(-|x'|^2 / 2) / sqrt(2m),  r = 2m.
+/// Every feature is positive, so every denominator is positive (up to underflow of the scaled
+/// features in float, see docs/random_features.md); E[phi(q)^T phi(k)] = exp(tau q^T k).
+/// Cost per T x d input: one T x d by d x m GEMM and T r exp (vectorized); no allocation.
+/// Throws ShapeError when inputs do not have d columns, std::invalid_argument for a bad scale.
+template <class Scalar = float>
+class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
+  using Base = detail::RandomProjection<Scalar>;
+
+ public:
+  static constexpr bool strictly_positive = true;
+  static constexpr bool log_scaled = true;
+  static constexpr const char* name = "positive_random_features";
+  using scalar_type = Scalar;
+
+  /// Draws m projection vectors for inputs of dimension d from `seed`. O(m d^2) (orthogonal).
+  PositiveRandomFeatures(Index d, Index m, std::uint64_t seed, RandomFeatureOptions options = {})
+      : Base(d, m, seed, options) {}
+
+  [[nodiscard]] bool hyperbolic() const noexcept { return this->options().hyperbolic; }
+
+  /// r = m, or 2m for the hyperbolic variant; throws ShapeError unless d is the drawn d.
+  [[nodiscard]] Index feature_dim(Index d) const {
+    this->check_input_dim(d);
+    return hyperbolic() ? 2 * this->projections() : this->projections();
+  }
+
+  /// out (T x r) = phi of each row of x (T x d). Unscaled: underflows for large |x|.
+  template <class In, class Out>
+    requires std::same_as<typename In::Scalar, Scalar>
+  void apply(const In& x, Out& out) const {
+    const Index m = this->projections();
+    this->check_shapes(x, out, feature_dim(x.cols()));
+    this->project(x, out);
+    for (Index t = 0; t < x.rows(); ++t) {
+      const Scalar c = this->half_sq_norm(x, t) + log_norm();
+      auto p = out.row(t).head(m);
+      if (hyperbolic()) out.row(t).tail(m) = (-p.array() - c).exp().matrix();
+      p = (p.array() - c).exp().matrix();
+    }
+  }
+
+  /// phi(x_t) = exp(log_scale_t) out_t with max_i out_ti = 1: out_t = exp(p_t - max p_t) for the
+  /// projections p (and -p when hyperbolic), log_scale_t = max p_t - tau |x_t|^2 / 2 - log sqrt(r).
+  /// The |x'|^2 term cancels inside out_t, so out_t never loses precision to it.
+  template <class In, class Out>
+    requires std::same_as<typename In::Scalar, Scalar>
+  void apply_scaled(const In& x, Out& out, Eigen::Ref<ColVector<Scalar>> log_scale) const {
+    const Index m = this->projections();
+    this->check_shapes(x, out, feature_dim(x.cols()));
+    if (log_scale.size() != x.rows())
+      detail::throw_shape_error("log_scale has length ", log_scale.size(), ", expected ",
+                                x.rows());
+    this->project(x, out);
+    for (Index t = 0; t < x.rows(); ++t) {
+      auto p = out.row(t).head(m);
+      Scalar top;
+      if (hyperbolic()) {
+        top = p.cwiseAbs().maxCoeff();
+        out.row(t).tail(m) = (-p.array() - top).exp().matrix();
+      } else {
+        top = p.maxCoeff();
+      }
+      p = (p.array() - top).exp().matrix();
+      log_scale(t) = top - this->half_sq_norm(x, t) - log_norm();
+    }
+  }
+
+ private:
+  Scalar log_norm() const {
+    return static_cast<Scalar>(
+        0.5 * std::log(static_cast<double>(hyperbolic() ? 2 * this->projections()
+                                                        : this->projections())));
+  }
+};
+
+/// Trigonometric random features (random Fourier features) for the softmax kernel:
+///   phi(x) = [sin(w_i^T x'), cos(w_i^T x')] exp(|x'|^2 / 2) / sqrt(m),  r = 2m,
+/// so phi(q)^T phi(k) = (1/m) sum_i cos(w_i^T (q' - k')) exp((|q'|^2 + |k'|^2) / 2), unbiased
+/// for exp(tau q^T k). Features and kernel values CAN BE NEGATIVE: a denominator phi(q)^T z
+/// can be zero or negative for any m, and the default strict Normalization then throws
+/// DenominatorError (clamped/shifted policies opt out). Its variance grows like
+/// exp(|x'|^2 + |y'|^2), much faster than the positive map's for large inputs.
+/// Cost per T x d input: one GEMM and T m sin + T m cos; no allocation.
+template <class Scalar = float>
+class TrigRandomFeatures : public detail::RandomProjection<Scalar> {
+  using Base = detail::RandomProjection<Scalar>;
+
+ public:
+  static constexpr bool strictly_positive = false;
+  static constexpr bool log_scaled = true;
+  static constexpr const char* name = "trig_random_features";
+  using scalar_type = Scalar;
+
+  /// As PositiveRandomFeatures; options.hyperbolic must be false (std::invalid_argument).
+  TrigRandomFeatures(Index d, Index m, std::uint64_t seed, RandomFeatureOptions options = {})
+      : Base(d, m, seed, checked(options)) {}
+
+  /// r = 2m; throws ShapeError unless d is the drawn d.
+  [[nodiscard]] Index feature_dim(Index d) const {
+    this->check_input_dim(d);
+    return 2 * this->projections();
+  }
+
+  /// out (T x 2m) = phi of each row of x. Unscaled: overflows for large |x|.
+  template <class In, class Out>
+    requires std::same_as<typename In::Scalar, Scalar>
+  void apply(const In& x, Out& out) const {
+    this->check_shapes(x, out, feature_dim(x.cols()));
+    trig(x, out);
+    for (Index t = 0; t < x.rows(); ++t) out.row(t) *= std::exp(row_log_scale(x, t));
+  }
+
+  /// phi(x_t) = exp(log_scale_t) out_t with out_t = [sin p_t, cos p_t] and
+  /// log_scale_t = tau |x_t|^2 / 2 - log sqrt(m).
+  template <class In, class Out>
+    requires std::same_as<typename In::Scalar, Scalar>
+  void apply_scaled(const In& x, Out& out, Eigen::Ref<ColVector<Scalar>> log_scale) const {
+    this->check_shapes(x, out, feature_dim(x.cols()));
+    if (log_scale.size() != x.rows())
+      detail::throw_shape_error("log_scale has length ", log_scale.size(), ", expected ",
+                                x.rows());
+    trig(x, out);
+    for (Index t = 0; t < x.rows(); ++t) log_scale(t) = row_log_scale(x, t);
+  }
+
+ private:
+  static RandomFeatureOptions checked(const RandomFeatureOptions& options) {
+    if (options.hyperbolic)
+      throw std::invalid_argument("linattn: TrigRandomFeatures has no hyperbolic variant");
+    return options;
+  }
+
+  template <class In, class Out>
+  void trig(const In& x, Out& out) const {
+    const Index m = this->projections();
+    this->project(x, out);
+    for (Index t = 0; t < x.rows(); ++t) {
+      auto p = out.row(t).head(m);
+      out.row(t).tail(m) = p.array().cos().matrix();
+      p = p.array().sin().matrix();
+    }
+  }
+
+  template <class In>
+  Scalar row_log_scale(const In& x, Index t) const {
+    return this->half_sq_norm(x, t) -
+           static_cast<Scalar>(0.5 * std::log(static_cast<double>(this->projections())));
+  }
+};
+
+}  // namespace linattn
