@@ -705,3 +705,15 @@ TEST_CASE("trig features: a negative denominator raises DenominatorError", "[tri
 }
 
 }  // namespace
+
+TEST_CASE("a state made for an ordinary map is refused by a log-scaled one", "[random][errors]") {
+  const PositiveRandomFeatures<double> phi(4, 8, 3);
+  const LinearAttention<PositiveRandomFeatures<double>, double> attn(phi);
+  AttentionState<double> plain(8, 4, 2);  // right dims, but M = 0 instead of -inf
+  const Eigen::MatrixXd Q = Eigen::MatrixXd::Ones(3, 4), V = Eigen::MatrixXd::Ones(3, 2);
+  CHECK_THROWS_WITH(attn.recurrent(Q, Q, V, plain), Catch::Matchers::Contains("make_state"));
+  CHECK_THROWS_AS(attn.parallel(Q, Q, V, Mask::causal, plain), ShapeError);
+  CHECK_THROWS_AS(attn.step(plain, Q.row(0), Q.row(0), V.row(0)), ShapeError);
+  auto good = attn.make_state(4, 2);
+  CHECK_NOTHROW(attn.step(good, Q.row(0), Q.row(0), V.row(0)));
+}

@@ -2,6 +2,7 @@
 // layout (little-endian, documented offsets), and rejection of every corrupted, truncated or
 // mismatched blob.
 
+#include <linattn/random_features.hpp>
 #include <linattn/serialize.hpp>
 
 #include <catch2/catch.hpp>
@@ -31,10 +32,17 @@ std::vector<Scalar> random_buffer(Index n, std::uint64_t seed) {
 template <class Phi, class Scalar>
 struct Session {
   static constexpr Index B = 2, Hq = 2, Hkv = 1, dk = 3, dv = 2, T = 8;
-  MultiHeadAttention<Phi, Scalar> mha{HeadConfig{Hq, Hkv, dk, dv}};
+  MultiHeadAttention<Phi, Scalar> mha;
   std::vector<Scalar> q = random_buffer<Scalar>(B * T * Hq * dk, 71);
   std::vector<Scalar> k = random_buffer<Scalar>(B * T * Hkv * dk, 72);
   std::vector<Scalar> v = random_buffer<Scalar>(B * T * Hkv * dv, 73);
+
+  // `input_scale` multiplies q and k (large values make a log-scaled state's M matter).
+  explicit Session(Phi phi = Phi{}, Scalar input_scale = 1)
+      : mha(HeadConfig{Hq, Hkv, dk, dv}, std::move(phi)) {
+    for (auto& x : q) x *= input_scale;
+    for (auto& x : k) x *= input_scale;
+  }
 
   // Token t of every sequence, stepped; returns the [B, Hq, dv] output.
   std::vector<Scalar> step(BatchState<Scalar>& state, Index t) const {
@@ -85,7 +93,7 @@ TEMPLATE_TEST_CASE("save mid-sequence, restore in a fresh object, continue ident
   for (Index t = 0; t < 3; ++t) static_cast<void>(s.step(state, t));
   const std::vector<std::byte> blob = save_state(s.mha, state);
   CHECK(blob.size() == 8 + 4 + 4 + 8 + 8 + 4 + std::string("elu_plus_one").size() + 6 * 8 +
-                           s.B * s.Hq * (8 + (s.dk * s.dv + s.dk) * sizeof(TestType)) + 8);
+                           s.B * s.Hq * (8 + (s.dk * s.dv + s.dk + 1) * sizeof(TestType)) + 8);
 
   // A different layer object of the same configuration restores it.
   const Session<EluPlusOne, TestType> fresh;
@@ -120,6 +128,7 @@ TEST_CASE("the byte layout is little-endian with the documented offsets", "[seri
   state.sequence(0).head(0).mutable_S()(0, 0) = 1.0f;   // binary32 0x3f800000
   state.sequence(0).head(0).mutable_z()(0) = -2.0f;     // binary32 0xc0000000
   state.sequence(0).head(0).set_tokens(0x0102);
+  state.sequence(0).head(0).set_log_scale(0.5f);        // binary32 0x3f000000
   const auto blob = save_state(mha, state);
   auto u8 = [&](std::size_t i) { return static_cast<unsigned>(blob.at(i)); };
   CHECK(std::string(reinterpret_cast<const char*>(blob.data()), 8) == "LNATTNST");
@@ -131,7 +140,9 @@ TEST_CASE("the byte layout is little-endian with the documented offsets", "[seri
   const std::size_t dims_at = name_at + name_len, head_at = dims_at + 6 * 8;
   CHECK(u8(dims_at + 5 * 8) == 1);                   // N = 1
   CHECK((u8(head_at) == 0x02 && u8(head_at + 1) == 0x01));  // tokens 0x0102, low byte first
-  const std::size_t s_at = head_at + 8;
+  const std::size_t m_at = head_at + 8;                     // log-scale M
+  CHECK((u8(m_at) == 0x00 && u8(m_at + 2) == 0x00 && u8(m_at + 3) == 0x3f));
+  const std::size_t s_at = m_at + 4;
   CHECK((u8(s_at) == 0x00 && u8(s_at + 1) == 0x00 && u8(s_at + 2) == 0x80 && u8(s_at + 3) == 0x3f));
   CHECK((u8(s_at + 4) == 0x00 && u8(s_at + 7) == 0xc0));
   CHECK(blob.size() == s_at + 8 + 8);
@@ -227,4 +238,34 @@ TEST_CASE("a feature map's fingerprint is part of its identity", "[serialize]") 
   CHECK(load_state(one, blob).size() == 1);
   CHECK(reason_of([&] { static_cast<void>(load_state(two, blob)); }) ==
         StateFormatError::Reason::feature_map_mismatch);
+}
+
+TEMPLATE_TEST_CASE("log-scaled random-feature states round-trip, and the draw is checked",
+                   "[serialize]", float, double) {
+  // Inputs of size ~20 make the key log-scales large, so the state's M is far from 0 and a
+  // restore that dropped it would change every later output.
+  using Phi = PositiveRandomFeatures<TestType>;
+  using S = Session<Phi, TestType>;
+  const S s(Phi(S::dk, 16, 5), TestType(20));
+  auto state = s.mha.make_state(S::B);
+  REQUIRE(state.log_domain());
+  for (Index t = 0; t < 3; ++t) static_cast<void>(s.step(state, t));
+  REQUIRE(std::abs(state.sequence(0).head(0).log_scale()) > 10);
+  const auto blob = save_state(s.mha, state);
+
+  const S fresh(Phi(S::dk, 16, 5), TestType(20));  // same draw, another object
+  auto restored = load_state(fresh.mha, blob);
+  CHECK(restored.sequence(1).head(1).log_scale() == state.sequence(1).head(1).log_scale());
+  for (Index t = 3; t < S::T; ++t) {
+    const auto a = s.step(state, t);
+    const auto b = fresh.step(restored, t);
+    REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(TestType)) == 0);
+  }
+  // Same name and shapes but another seed: a different kernel, so the blob is refused.
+  const S other_draw(Phi(S::dk, 16, 6), TestType(20));
+  CHECK(reason_of([&] { (void)load_state(other_draw.mha, blob); }) ==
+        StateFormatError::Reason::feature_map_mismatch);
+  // A log-scaled sequence cannot join a batch of ordinary states.
+  BatchState<TestType> plain(S::Hq, 16, S::dk, S::dv, 0, false);
+  CHECK_THROWS_AS(plain.add_sequence(state.take_sequence(state.id_at(0))), ShapeError);
 }

@@ -126,7 +126,7 @@ class LinearAttention {
     if (mask != Mask::causal)
       throw std::invalid_argument("linattn: a carried state needs Mask::causal");
     check_causal(Q, K, V, out);
-    state.check_shape(phi_.feature_dim(K.cols()), K.cols(), V.cols());
+    check_state(state, K.cols(), V.cols());
     causal_chunked(detail::materialize(Q), detail::materialize(K), detail::materialize(V), state,
                    out);
   }
@@ -157,7 +157,7 @@ class LinearAttention {
   void recurrent_into(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                       const Eigen::MatrixBase<DV>& V, State& state, OutputRef out) const {
     check_causal(Q, K, V, out);
-    state.check_shape(phi_.feature_dim(K.cols()), K.cols(), V.cols());
+    check_state(state, K.cols(), V.cols());
     const auto& Qm = detail::materialize(Q);
     const auto& Km = detail::materialize(K);
     const auto& Vm = detail::materialize(V);
@@ -183,6 +183,7 @@ class LinearAttention {
     if (y.size() != state.value_dim())
       detail::throw_shape_error("step output has length ", y.size(), ", expected dv = ",
                                 state.value_dim());
+    check_state(state, state.key_dim(), state.value_dim());
     detail::copy_as_row(state.query_row_, q, "q");
     detail::copy_as_row(state.key_row_, k, "k");
     detail::copy_as_row(state.value_row_, v, "v");
@@ -190,6 +191,15 @@ class LinearAttention {
   }
 
  private:
+  // A state fits when its dims match and it was made for this kind of feature map (a state
+  // for a log-scaled map starts at M = -inf; an ordinary one keeps M = 0).
+  void check_state(const State& state, Index dk, Index dv) const {
+    state.check_shape(phi_.feature_dim(dk), dk, dv);
+    if (state.log_domain() != log_scaled)
+      detail::throw_shape_error("state was made for ", state.log_domain() ? "a log-scaled" : "an ordinary",
+                                " feature map; make it with this attention's make_state()");
+  }
+
   template <class DQ, class DK, class DV, class DO>
   static void check_causal(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                            const Eigen::MatrixBase<DV>& V, const DO& out) {

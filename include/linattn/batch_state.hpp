@@ -39,11 +39,12 @@ class SequenceState {
   SequenceState() = default;
 
   /// `heads` empty head states of feature dim r, key dim dk, value dim dv. O(heads r dv).
-  SequenceState(Index heads, Index r, Index dk, Index dv) {
+  /// `log_domain` as for AttentionState: true for a LogScaledFeatureMap (random features).
+  SequenceState(Index heads, Index r, Index dk, Index dv, bool log_domain = false) {
     if (heads < 0)
       detail::throw_shape_error("a sequence state needs a non-negative head count, got ", heads);
     heads_.reserve(static_cast<std::size_t>(heads));
-    for (Index h = 0; h < heads; ++h) heads_.emplace_back(r, dk, dv);
+    for (Index h = 0; h < heads; ++h) heads_.emplace_back(r, dk, dv, log_domain);
   }
 
   [[nodiscard]] Index heads() const noexcept { return static_cast<Index>(heads_.size()); }
@@ -65,11 +66,18 @@ class SequenceState {
     return n;
   }
 
-  /// Throws ShapeError unless this has `heads` heads of shape (r, dk, dv).
-  void check_shape(Index heads, Index r, Index dk, Index dv) const {
+  /// Throws ShapeError unless this has `heads` heads of shape (r, dk, dv) and log domain
+  /// `log_domain`.
+  void check_shape(Index heads, Index r, Index dk, Index dv, bool log_domain = false) const {
     if (this->heads() != heads)
       detail::throw_shape_error("sequence state has ", this->heads(), " heads, expected ", heads);
-    for (const auto& s : heads_) s.check_shape(r, dk, dv);
+    for (const auto& s : heads_) {
+      s.check_shape(r, dk, dv);
+      if (s.log_domain() != log_domain)
+        detail::throw_shape_error("sequence state was made for ",
+                                  s.log_domain() ? "a log-scaled" : "an ordinary",
+                                  " feature map, this batch holds the other kind");
+    }
   }
 
   /// Back to the empty state; keeps the allocations.
@@ -97,9 +105,11 @@ class BatchState {
  public:
   using Sequence = SequenceState<Scalar>;
 
-  /// A batch of `sequences` empty sequences, each with `heads` heads of shape (r, dk, dv).
-  BatchState(Index heads, Index r, Index dk, Index dv, Index sequences = 0)
-      : heads_(heads), r_(r), dk_(dk), dv_(dv) {
+  /// A batch of `sequences` empty sequences, each with `heads` heads of shape (r, dk, dv);
+  /// `log_domain` for a LogScaledFeatureMap (MultiHeadAttention::make_state sets it).
+  BatchState(Index heads, Index r, Index dk, Index dv, Index sequences = 0,
+             bool log_domain = false)
+      : heads_(heads), r_(r), dk_(dk), dv_(dv), log_domain_(log_domain) {
     if (heads < 0 || r < 0 || dk < 0 || dv < 0 || sequences < 0)
       detail::throw_shape_error("batch state dimensions must be non-negative, got heads=", heads,
                                 " r=", r, " dk=", dk, " dv=", dv, " sequences=", sequences);
@@ -112,14 +122,16 @@ class BatchState {
   [[nodiscard]] Index feature_dim() const noexcept { return r_; }
   [[nodiscard]] Index key_dim() const noexcept { return dk_; }
   [[nodiscard]] Index value_dim() const noexcept { return dv_; }
+  /// Whether the states keep S and z log-scaled (see AttentionState::log_scale()).
+  [[nodiscard]] bool log_domain() const noexcept { return log_domain_; }
 
   /// Appends an empty sequence; returns its id.
-  SequenceId add_sequence() { return add_sequence(Sequence(heads_, r_, dk_, dv_)); }
+  SequenceId add_sequence() { return add_sequence(Sequence(heads_, r_, dk_, dv_, log_domain_)); }
 
   /// Appends `sequence` (e.g. one prefilled alone, or restored from bytes); returns its id.
   /// Throws ShapeError if its heads or shapes differ from this batch's.
   SequenceId add_sequence(Sequence sequence) {
-    sequence.check_shape(heads_, r_, dk_, dv_);
+    sequence.check_shape(heads_, r_, dk_, dv_, log_domain_);
     sequences_.push_back(std::move(sequence));
     ids_.push_back(next_id_);
     return next_id_++;
@@ -168,6 +180,7 @@ class BatchState {
   }
 
   Index heads_ = 0, r_ = 0, dk_ = 0, dv_ = 0;
+  bool log_domain_ = false;
   std::vector<Sequence> sequences_;
   std::vector<SequenceId> ids_;
   SequenceId next_id_ = 0;

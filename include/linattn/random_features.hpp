@@ -23,6 +23,7 @@
 /// |x'|^2 / 2 = 112) gives finite outputs that are causal in every path. apply() gives the
 /// unscaled features, which do overflow or underflow for such inputs.
 
+#include <linattn/detail/bytes.hpp>
 #include <linattn/detail/random.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/feature_maps.hpp>
@@ -35,6 +36,7 @@
 #include <concepts>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <sstream>
 #include <stdexcept>
 
@@ -72,6 +74,16 @@ class RandomProjection {
   [[nodiscard]] const RandomFeatureOptions& options() const noexcept { return options_; }
   /// The seed of the last draw (unchanged by set_projection).
   [[nodiscard]] std::uint64_t seed() const noexcept { return seed_; }
+
+  /// A 64-bit FNV-1a hash of everything that defines the features: W's bits, tau and the
+  /// options. A saved state records it, so it is never restored under another draw.
+  [[nodiscard]] std::uint64_t fingerprint() const noexcept {
+    const double fields[3] = {scale_, options_.hyperbolic ? 1.0 : 0.0,
+                              static_cast<double>(options_.projection)};
+    std::uint64_t h = fnv1a64(std::as_bytes(std::span<const double>(fields)));
+    const auto w = std::as_bytes(std::span<const Scalar>(W_.data(), static_cast<std::size_t>(W_.size())));
+    return h ^ (fnv1a64(w) * 0x100000001b3ull);
+  }
 
   /// W, m x d, one projection vector per row (not multiplied by sqrt(tau)).
   [[nodiscard]] const RowMatrix<Scalar>& projection() const noexcept { return W_; }

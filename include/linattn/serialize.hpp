@@ -14,8 +14,9 @@
 ///   32      4     n, length of the feature-map name; then n bytes of the name
 ///                 (Phi::name, see detail::feature_map_name)
 ///   ...     6*8   H_q, H_kv, dk, r, dv, N (number of sequences)
-///   ...           N * H_q head blocks, sequence-major: u64 tokens, then S (r x dv, row-major),
-///                 then z (r)
+///   ...           N * H_q head blocks, sequence-major: u64 tokens, the log-scale M (one
+///                 scalar; 0 for ordinary maps, see AttentionState::log_scale()), then
+///                 S (r x dv, row-major), then z (r)
 ///   end-8   8     FNV-1a 64 checksum of every byte before it
 ///
 /// A blob is checked in this order before anything is modified: length and magic, version,
@@ -27,7 +28,7 @@
 /// a learned projection), by an optional `std::uint64_t fingerprint() const` member that
 /// should change whenever the parameters do. Maps without a name all read as "user".
 ///
-/// Cost: O(N H_q r dv) time, output of 8 + N H_q (8 + (r dv + r) sizeof(Scalar)) bytes plus
+/// Cost: O(N H_q r dv) time, output of 8 + N H_q (8 + (r dv + r + 1) sizeof(Scalar)) bytes plus
 /// a header of about 100 bytes.
 
 #include <linattn/batch_state.hpp>
@@ -131,6 +132,7 @@ std::vector<std::byte> save_sequences(const MultiHeadAttention<Phi, Scalar>& lay
     for (Index head = 0; head < h.q_heads; ++head) {
       const AttentionState<Scalar>& st = seq.head(head);
       w.put_u64(static_cast<std::uint64_t>(st.tokens()));
+      w.put_scalar(st.log_scale());
       const auto& S = st.S();
       for (Index i = 0; i < S.rows(); ++i)
         for (Index j = 0; j < S.cols(); ++j) w.put_scalar(S(i, j));
@@ -256,7 +258,7 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
   // The dims now equal this layer's, so the per-sequence size cannot overflow; the count is
   // bounded by the bytes actually present before anything is allocated.
   const std::uint64_t per_head =
-      8 + static_cast<std::uint64_t>(r * h.value_dim + r) * sizeof(Scalar);
+      8 + static_cast<std::uint64_t>(r * h.value_dim + r + 1) * sizeof(Scalar);
   const std::uint64_t per_sequence = per_head * static_cast<std::uint64_t>(h.q_heads);
   const std::uint64_t count = dims[5];
   if (count > rd.remaining() / per_sequence || count * per_sequence != rd.remaining())
@@ -266,7 +268,8 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
   std::vector<SequenceState<Scalar>> loaded;
   loaded.reserve(static_cast<std::size_t>(count));
   for (std::uint64_t s = 0; s < count; ++s) {
-    SequenceState<Scalar> seq(h.q_heads, r, h.key_dim, h.value_dim);
+    SequenceState<Scalar> seq(h.q_heads, r, h.key_dim, h.value_dim,
+                              LogScaledFeatureMap<Phi, Scalar>);
     for (Index head = 0; head < h.q_heads; ++head) {
       AttentionState<Scalar>& st = seq.head(head);
       std::uint64_t tokens = 0;
@@ -274,6 +277,9 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
       if (tokens > static_cast<std::uint64_t>(std::numeric_limits<Index>::max()))
         format_error(R::size_mismatch, "a token count does not fit an Index");
       st.set_tokens(static_cast<Index>(tokens));
+      Scalar log_scale{};
+      static_cast<void>(rd.get_scalar(log_scale));
+      st.set_log_scale(log_scale);
       auto S = st.mutable_S();
       for (Index i = 0; i < S.rows(); ++i)
         for (Index j = 0; j < S.cols(); ++j) static_cast<void>(rd.get_scalar(S(i, j)));
