@@ -17,7 +17,9 @@
 
 #include <Eigen/Core>
 
+#include <cmath>
 #include <concepts>
+#include <limits>
 #include <type_traits>
 
 namespace linattn {
@@ -58,6 +60,32 @@ struct EluPlusOne {
   void apply(const In& x, Out& out) const {
     // min(x, 0) keeps exp from overflowing on the branch that select() discards.
     out = (x.array() > 0).select(x.array() + 1, x.array().min(0).exp()).matrix();
+  }
+};
+
+/// phi(x) = x / |x|_2 per row (a zero row stays zero). The usual key/query map of the delta
+/// rule: with |phi(k)| = 1 and beta in [0, 1], I - beta phi(k) phi(k)^T is a contraction.
+/// Signed features, so only for unnormalized reads. Rows whose squared norm over- or
+/// underflows are rescaled first (Eigen's stableNorm). Cost: about 3 T*d flops.
+struct L2Normalize {
+  static constexpr bool strictly_positive = false;
+  static constexpr const char* name = "l2_normalize";
+  [[nodiscard]] Index feature_dim(Index d) const noexcept { return d; }
+  template <class In, class Out>
+  void apply(const In& x, Out& out) const {
+    for (Index t = 0; t < x.rows(); ++t) {
+      auto row = x.row(t);
+      using Real = typename Eigen::NumTraits<typename In::Scalar>::Real;
+      Real norm = row.norm();
+      // The plain norm squares first: fall back to the scaled one when that left the range.
+      if (!(norm > 0) || !(norm < std::numeric_limits<Real>::infinity()) ||
+          norm < std::sqrt(std::numeric_limits<Real>::min()))
+        norm = row.stableNorm();
+      if (norm > 0)
+        out.row(t) = row / norm;
+      else
+        out.row(t).setZero();
+    }
   }
 };
 

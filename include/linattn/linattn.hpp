@@ -7,5 +7,8 @@
 #include <linattn/feature_maps.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/reference.hpp>
+#include <linattn/rule_attention.hpp>
+#include <linattn/rule_state.hpp>
 #include <linattn/state.hpp>
 #include <linattn/types.hpp>
+#include <linattn/write_rules.hpp>
