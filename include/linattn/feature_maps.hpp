@@ -63,28 +63,36 @@ struct EluPlusOne {
   }
 };
 
-/// phi(x) = x / |x|_2 per row (a zero row stays zero). The usual key/query map of the delta
-/// rule: with |phi(k)| = 1 and beta in [0, 1], I - beta phi(k) phi(k)^T is a contraction.
-/// Signed features, so only for unnormalized reads. Rows whose squared norm over- or
-/// underflows are rescaled first (Eigen's stableNorm). Cost: about 3 T*d flops.
+/// phi(x) = x / |x|_2 per row (a zero row stays zero; NaN or Inf in a row gives NaN). The usual
+/// key/query map of the delta rule: with |phi(k)| = 1 and beta in [0, 1], I - beta phi(k)
+/// phi(k)^T is a contraction. Signed features, so only for unnormalized reads. A row whose
+/// squared norm would leave the normal range is first divided by its largest |entry|.
+/// Cost: about 3 T*d flops (5 T*d for rescaled rows).
 struct L2Normalize {
   static constexpr bool strictly_positive = false;
   static constexpr const char* name = "l2_normalize";
   [[nodiscard]] Index feature_dim(Index d) const noexcept { return d; }
   template <class In, class Out>
   void apply(const In& x, Out& out) const {
+    using Real = typename Eigen::NumTraits<typename In::Scalar>::Real;
+    // Below this the sum of squares may hold subnormal terms that lose relative accuracy.
+    const Real low = std::sqrt(std::numeric_limits<Real>::min() / std::numeric_limits<Real>::epsilon());
     for (Index t = 0; t < x.rows(); ++t) {
       auto row = x.row(t);
-      using Real = typename Eigen::NumTraits<typename In::Scalar>::Real;
-      Real norm = row.norm();
-      // The plain norm squares first: fall back to the scaled one when that left the range.
-      if (!(norm > 0) || !(norm < std::numeric_limits<Real>::infinity()) ||
-          norm < std::sqrt(std::numeric_limits<Real>::min()))
-        norm = row.stableNorm();
-      if (norm > 0)
+      const Real norm = row.norm();
+      if (norm >= low && norm <= std::numeric_limits<Real>::max()) {
         out.row(t) = row / norm;
-      else
+        continue;
+      }
+      const Real largest = row.cwiseAbs().maxCoeff();
+      if (std::isnan(norm) || !std::isfinite(largest)) {
+        out.row(t).setConstant(std::numeric_limits<Real>::quiet_NaN());
+      } else if (largest == 0) {
         out.row(t).setZero();
+      } else {
+        out.row(t) = row / largest;  // entries in [-1, 1], the largest exactly +-1
+        out.row(t) /= out.row(t).norm();
+      }
     }
   }
 };

@@ -55,8 +55,9 @@ namespace linattn {
 namespace detail {
 
 /// An Eigen dense matrix, vector or expression (what per-token inputs are passed as).
+/// (Any class derived from some Eigen::MatrixBase<D>: matrices, blocks, maps, expressions.)
 template <class T>
-concept EigenDense = std::derived_from<T, Eigen::MatrixBase<T>>;
+concept EigenDense = requires(const T& x) { []<class D>(const Eigen::MatrixBase<D>&) {}(x); };
 
 /// A per-token input of one step: a number, or an Eigen vector (per-channel log-gates).
 template <class T>
