@@ -75,9 +75,11 @@ TEMPLATE_TEST_CASE("Decay: chunked, recurrent and step agree with the quadratic 
       const auto K = random_matrix<TestType>(s.T, s.dk, 2 + s.T);
       const auto V = random_matrix<TestType>(s.T, s.dv, 3 + s.T);
       const Eigen::MatrixXd lg = Eigen::MatrixXd::Constant(s.T, 1, std::log(gamma));
-      for (Index chunk : chunks) {
+      const auto refs = naive_gated(Q, K, V, lg, PhiKind::elu_plus_one, true, chunks);
+      for (std::size_t c = 0; c < chunks.size(); ++c) {
+        const Index chunk = chunks[c];
         CAPTURE(chunk);
-        const auto ref = naive_gated(Q, K, V, lg, PhiKind::elu_plus_one, true, chunk);
+        const auto& ref = refs[c];
         const RuleAttention<EluPlusOne, Decay, TestType> attn(EluPlusOne{}, Decay(gamma),
                                                               opts(chunk));
         CHECK(worst_ratio<TestType>(attn.parallel(Q, K, V), ref) <= 1);
@@ -102,9 +104,11 @@ TEMPLATE_TEST_CASE("Gated, scalar and per-channel gates: paths agree with the de
       const auto K = random_matrix<TestType>(s.T, s.dk, 12 + s.T);
       const auto V = random_matrix<TestType>(s.T, s.dv, 13 + s.T);
       const auto G = log_gates<TestType>(s.T, cols, 14 + s.T, -0.5);
-      for (Index chunk : chunks) {
+      const auto refs = naive_gated(Q, K, V, G, PhiKind::elu_plus_one, true, chunks);
+      for (std::size_t c = 0; c < chunks.size(); ++c) {
+        const Index chunk = chunks[c];
         CAPTURE(chunk);
-        const auto ref = naive_gated(Q, K, V, G, PhiKind::elu_plus_one, true, chunk);
+        const auto& ref = refs[c];
         const RuleAttention<EluPlusOne, Gated, TestType> attn(EluPlusOne{}, Gated{}, opts(chunk));
         CHECK(worst_ratio<TestType>(attn.parallel(Q, K, V, G), ref) <= 1);
         if (chunk == 1) {
@@ -130,9 +134,12 @@ TEMPLATE_TEST_CASE("Gated with very strong gates: nothing overflows, the paths s
   const auto V = random_matrix<TestType>(T, dv, 23);
   for (Index cols : {Index(1), dk}) {
     const auto G = log_gates<TestType>(T, cols, 24, -60);
-    for (Index chunk : {Index(16), Index(64), Index(200)}) {
+    const std::vector<Index> sizes{16, 64, 200};
+    const auto refs = naive_gated(Q, K, V, G, PhiKind::elu_plus_one, true, sizes);
+    for (std::size_t c = 0; c < sizes.size(); ++c) {
+      const Index chunk = sizes[c];
       CAPTURE(cols, chunk);
-      const auto ref = naive_gated(Q, K, V, G, PhiKind::elu_plus_one, true, chunk);
+      const auto& ref = refs[c];
       const RuleAttention<EluPlusOne, Gated, TestType> attn(EluPlusOne{}, Gated{}, opts(chunk));
       const auto y = attn.parallel(Q, K, V, G);
       CHECK(y.allFinite());

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "test_support.hpp"
 
@@ -54,12 +55,15 @@ struct RuleReference {
 /// min(m, chunk) max_n |d_ijn|. A weighted average N / D with positive weights errs by at most
 /// sum_j a_ij u |w|_ij (|v_j| + |y_i|) / |D| (numerator and denominator errors); the
 /// unnormalized read by sum_j a_ij u |w|_ij |v_j|. Here |w|_ij uses |qf_in kf_jn|.
+/// One reference per chunk size in `chunks` (the outputs are the same; the allowances differ),
+/// computed in one pass because the O(T^2 r) loop dominates a Debug + sanitizer test run.
 template <class MQ, class MK, class MV, class MG>
-RuleReference naive_gated(const MQ& Q, const MK& K, const MV& V, const MG& log_gate, Phi phi,
-                          bool normalize, Index chunk) {
-  const Index T = Q.rows(), dv = V.cols();
-  RuleReference ref{MatrixXdR::Zero(T, dv), MatrixXdR::Zero(T, dv)};
-  if (T == 0) return ref;
+std::vector<RuleReference> naive_gated(const MQ& Q, const MK& K, const MV& V, const MG& log_gate,
+                                       Phi phi, bool normalize, const std::vector<Index>& chunks) {
+  const Index T = Q.rows(), dv = V.cols(), nc = static_cast<Index>(chunks.size());
+  std::vector<RuleReference> refs(chunks.size(),
+                                  RuleReference{MatrixXdR::Zero(T, dv), MatrixXdR::Zero(T, dv)});
+  if (T == 0) return refs;
   MatrixXdR qf(T, 0), kf(T, 0);
   for (Index t = 0; t < T; ++t) {
     const Eigen::RowVectorXd q = features(Q.row(t), phi), k = features(K.row(t), phi);
@@ -75,7 +79,8 @@ RuleReference naive_gated(const MQ& Q, const MK& K, const MV& V, const MG& log_g
   Eigen::RowVectorXd d(r);
   for (Index i = 0; i < T; ++i) {
     double den = 0;
-    Eigen::VectorXd w(i + 1), w_abs(i + 1), a(i + 1);
+    Eigen::VectorXd w(i + 1), w_abs(i + 1);
+    Eigen::MatrixXd a(i + 1, nc);
     d.setZero();  // sum over j < s <= i, built as j goes down
     for (Index j = i; j >= 0; --j) {
       if (j < i) d += (lg.cols() == 1 ? Eigen::RowVectorXd::Constant(r, lg(j + 1, 0))
@@ -87,24 +92,37 @@ RuleReference naive_gated(const MQ& Q, const MK& K, const MV& V, const MG& log_g
         w(j) += qf(i, n) * kf(j, n) * e;
         w_abs(j) += std::abs(qf(i, n) * kf(j, n)) * e;
       }
-      a(j) = double(r + T + 4 + 2 * m) +
-             double(std::min(m, chunk)) * d.cwiseAbs().maxCoeff();
+      const double span = d.cwiseAbs().maxCoeff();
+      for (Index c = 0; c < nc; ++c)
+        a(j, c) = double(r + T + 4 + 2 * m) + double(std::min(m, chunks[c])) * span;
       den += w(j);
     }
+    Eigen::RowVectorXd y(dv);
     for (Index c = 0; c < dv; ++c) {
       double num = 0;
       for (Index j = 0; j <= i; ++j) num += w(j) * double(V(j, c));
-      ref.y(i, c) = normalize ? num / den : num;
+      y(c) = normalize ? num / den : num;
     }
-    for (Index c = 0; c < dv; ++c) {
-      double allow = 0;
-      for (Index j = 0; j <= i; ++j)
-        allow += a(j) * w_abs(j) *
-                 (std::abs(double(V(j, c))) + (normalize ? std::abs(ref.y(i, c)) : 0.0));
-      ref.allowed_units(i, c) = normalize ? allow / std::abs(den) : allow;
+    for (Index k = 0; k < nc; ++k) {
+      RuleReference& ref = refs[k];
+      ref.y.row(i) = y;
+      for (Index c = 0; c < dv; ++c) {
+        double allow = 0;
+        for (Index j = 0; j <= i; ++j)
+          allow += a(j, k) * w_abs(j) *
+                   (std::abs(double(V(j, c))) + (normalize ? std::abs(y(c)) : 0.0));
+        ref.allowed_units(i, c) = normalize ? allow / std::abs(den) : allow;
+      }
     }
   }
-  return ref;
+  return refs;
+}
+
+/// naive_gated for a single chunk size.
+template <class MQ, class MK, class MV, class MG>
+RuleReference naive_gated(const MQ& Q, const MK& K, const MV& V, const MG& log_gate, Phi phi,
+                          bool normalize, Index chunk) {
+  return naive_gated(Q, K, V, log_gate, phi, normalize, std::vector<Index>{chunk}).front();
 }
 
 /// (Gated) delta rule by its recurrence, literally: S_t = alpha_t (I - beta_t k k^T) S_{t-1} +
