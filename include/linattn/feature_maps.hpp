@@ -17,7 +17,9 @@
 
 #include <Eigen/Core>
 
+#include <cmath>
 #include <concepts>
+#include <limits>
 #include <type_traits>
 
 namespace linattn {
@@ -58,6 +60,40 @@ struct EluPlusOne {
   void apply(const In& x, Out& out) const {
     // min(x, 0) keeps exp from overflowing on the branch that select() discards.
     out = (x.array() > 0).select(x.array() + 1, x.array().min(0).exp()).matrix();
+  }
+};
+
+/// phi(x) = x / |x|_2 per row (a zero row stays zero; NaN or Inf in a row gives NaN). The usual
+/// key/query map of the delta rule: with |phi(k)| = 1 and beta in [0, 1], I - beta phi(k)
+/// phi(k)^T is a contraction. Signed features, so only for unnormalized reads. A row whose
+/// squared norm would leave the normal range is first divided by its largest |entry|.
+/// Cost: about 3 T*d flops (5 T*d for rescaled rows).
+struct L2Normalize {
+  static constexpr bool strictly_positive = false;
+  static constexpr const char* name = "l2_normalize";
+  [[nodiscard]] Index feature_dim(Index d) const noexcept { return d; }
+  template <class In, class Out>
+  void apply(const In& x, Out& out) const {
+    using Real = typename Eigen::NumTraits<typename In::Scalar>::Real;
+    // Below this the sum of squares may hold subnormal terms that lose relative accuracy.
+    const Real low = std::sqrt(std::numeric_limits<Real>::min() / std::numeric_limits<Real>::epsilon());
+    for (Index t = 0; t < x.rows(); ++t) {
+      auto row = x.row(t);
+      const Real norm = row.norm();
+      if (norm >= low && norm <= std::numeric_limits<Real>::max()) {
+        out.row(t) = row / norm;
+        continue;
+      }
+      const Real largest = row.cwiseAbs().maxCoeff();
+      if (std::isnan(norm) || !std::isfinite(largest)) {
+        out.row(t).setConstant(std::numeric_limits<Real>::quiet_NaN());
+      } else if (largest == 0) {
+        out.row(t).setZero();
+      } else {
+        out.row(t) = row / largest;  // entries in [-1, 1], the largest exactly +-1
+        out.row(t) /= out.row(t).norm();
+      }
+    }
   }
 };
 

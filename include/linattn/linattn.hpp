@@ -10,7 +10,10 @@
 #include <linattn/normalization.hpp>
 #include <linattn/random_features.hpp>
 #include <linattn/reference.hpp>
+#include <linattn/rule_attention.hpp>
+#include <linattn/rule_state.hpp>
 #include <linattn/serialize.hpp>
 #include <linattn/state.hpp>
 #include <linattn/tensor_view.hpp>
 #include <linattn/types.hpp>
+#include <linattn/write_rules.hpp>
