@@ -56,8 +56,10 @@ struct EluPlusOne {
   [[nodiscard]] Index feature_dim(Index d) const noexcept { return d; }
   template <class In, class Out>
   void apply(const In& x, Out& out) const {
-    // min(x, 0) keeps exp from overflowing on the branch that select() discards.
-    out = (x.array() > 0).select(x.array() + 1, x.array().min(0).exp()).matrix();
+    // max(x, 0) + exp(min(x, 0)) is x + 1 for x > 0 (exp(0) = 1 exactly) and exp(x) otherwise:
+    // the same values as the branchy definition, but every operation has a SIMD packet form
+    // (Eigen's select() does not), so the map runs vectorized instead of one expf per element.
+    out = (x.array().max(0) + x.array().min(0).exp()).matrix();
   }
 };
 
