@@ -56,9 +56,13 @@ struct EluPlusOne {
   [[nodiscard]] Index feature_dim(Index d) const noexcept { return d; }
   template <class In, class Out>
   void apply(const In& x, Out& out) const {
-    // max(x, 0) + exp(min(x, 0)) is x + 1 for x > 0 (exp(0) = 1 exactly) and exp(x) otherwise:
-    // the same values as the branchy definition, but every operation has a SIMD packet form
-    // (Eigen's select() does not), so the map runs vectorized instead of one expf per element.
+    // max(x, 0) + exp(min(x, 0)) is x + 1 for x > 0 (exp(0) = 1 exactly) and exp(x) otherwise,
+    // the definition without a branch: every operation has a SIMD packet form (Eigen's select()
+    // has none, which made this map one scalar expf call per element, the main cost of a
+    // token). NaN propagates (Eigen's max/min return the NaN operand, as std::max does).
+    // Eigen's vectorized exp is accurate to about 1 ulp and flushes results below the normal
+    // range (x < about -87.3 in float) to 0 or the smallest normal, where std::exp would give a
+    // subnormal.
     out = (x.array().max(0) + x.array().min(0).exp()).matrix();
   }
 };
