@@ -155,6 +155,30 @@ void BM_gemm(benchmark::State& state) {
   state.counters["threads"] = threads;
 }
 
+// The memory roofline of a decode token: S_i += a_i v over all rows, alternating direction as
+// the kernel does, without the read. Same traffic as the fused sweep (S read and written once)
+// and half its flops, so its rate, counted as 4 r dv per token, bounds what any one-pass
+// recurrent kernel can reach from the cache level that holds S.
+void BM_stream(benchmark::State& state) {
+  const Index d = state.range(0), T = 4096;
+  const int threads = 1;
+  Matrix S = Matrix::Zero(d, d);
+  const Matrix a = random(T, d, 6), v = random(T, d, 7);
+  measure(state, T, d, threads, linear_flops(T, d) / kHeads, [&] {
+    for (Index t = 0; t < T; ++t) {
+      if (t % 2 == 0) {
+        for (Index i = 0; i < d; ++i) S.row(i) += a(t, i) * v.row(t);
+      } else {
+        for (Index i = d - 1; i >= 0; --i) S.row(i) += a(t, i) * v.row(t);
+      }
+    }
+    benchmark::DoNotOptimize(S.data());
+  });
+  // measure() counts T * kHeads tokens; this loop does one head.
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(T),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // ---- linear attention paths -----------------------------------------------------------------
 
 void BM_chunked(benchmark::State& state) {
@@ -296,6 +320,11 @@ void register_all() {
       b->ArgNames({"d", "threads"})->Unit(benchmark::kMillisecond);
       if (th > 1) b->UseRealTime();
     }
+  for (Index d : dims)
+    benchmark::RegisterBenchmark("stream", BM_stream)
+        ->Args({d})
+        ->ArgNames({"d"})
+        ->Unit(benchmark::kMillisecond);
   const auto add = [&](const char* name, auto fn, Index max_T, bool two_threads) {
     for (Index d : dims)
       for (int th : thread_counts) {

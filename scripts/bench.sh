@@ -3,7 +3,7 @@
 # JSON, print a summary table and render docs/img/bench_paths.png.
 #
 #   bash scripts/bench.sh            default sweep, about three minutes on a 2-core machine
-#   bash scripts/bench.sh --full     T = 256 ... 16384 in powers of two, 3 repetitions each
+#   bash scripts/bench.sh --full     T = 256 ... 16384 in powers of two, 5 repetitions each
 #
 # Environment: BUILD_DIR (default build-bench), JOBS (default: number of CPUs).
 set -euo pipefail
@@ -53,10 +53,13 @@ json="$build/bench_paths.json"
 args=(--benchmark_out="$json" --benchmark_out_format=json)
 if [ "$full" -eq 1 ]; then
   export LINATTN_BENCH_FULL=1
-  args+=(--benchmark_min_time=0.2 --benchmark_repetitions=3)
+  args+=(--benchmark_min_time=0.2 --benchmark_repetitions=5)
 else
-  args+=(--benchmark_min_time=0.1)
+  args+=(--benchmark_min_time=0.05 --benchmark_repetitions=3)
 fi
+# Repetitions are spread over the run rather than back to back, so a burst of other work on the
+# machine hits one repetition of many rows instead of every repetition of one row.
+args+=(--benchmark_enable_random_interleaving=true)
 echo "bench.sh: running bench_paths (raw results: $json)"
 "$build/bench/bench_paths" "${args[@]}" >"$build/bench_paths.log"
 
