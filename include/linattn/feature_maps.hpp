@@ -46,6 +46,17 @@ struct Identity {
   }
 };
 
+namespace detail {
+/// True for a row-major (or row-vector) expression with storage and unit inner stride.
+template <class X>
+constexpr bool has_contiguous_rows() {
+  if constexpr ((X::Flags & Eigen::DirectAccessBit) != 0)
+    return X::IsRowMajor && X::InnerStrideAtCompileTime == 1;
+  else
+    return false;
+}
+}  // namespace detail
+
 /// phi(x) = ELU(x) + 1, elementwise: x + 1 for x > 0, exp(x) for x <= 0 (Katharopoulos et al.
 /// 2020, section 3.2). Positive for finite input, so the denominator is positive in exact
 /// arithmetic; exp(x) underflows to 0 below about -87 (float) or -708 (double).
@@ -65,13 +76,21 @@ struct EluPlusOne {
     // subnormal or 0 that std::exp would give. Cost: one extra multiply; error about 2 ulp
     // (exp's ~1 ulp, doubled by the square, plus one rounding). NaN propagates (Eigen's max and
     // min return the NaN operand, as std::max does).
-    // The input is first copied into `out` and transformed there: Eigen takes the SIMD exp on
-    // contiguous data and the scalar std::exp on strided data, which differ in the last bit, so
-    // working in `out` makes the result independent of how the caller's input is laid out.
+    // Eigen takes the SIMD exp where it can load packets and the scalar std::exp elsewhere, and
+    // the two differ in the last bit. Which elements take which path depends only on the
+    // destination when the input rows are contiguous, so other inputs (column-major, strided
+    // rows, expressions) are first copied into `out` and transformed there: the result is the
+    // same whatever the caller's layout.
     using Scalar = typename Out::Scalar;
-    out = x;
-    auto a = out.array();
-    a = a.max(Scalar(0)) + (a.min(Scalar(0)) * Scalar(0.5)).exp().square();
+    const auto f = [](const auto& v) {
+      return v.max(Scalar(0)) + (v.min(Scalar(0)) * Scalar(0.5)).exp().square();
+    };
+    if constexpr (detail::has_contiguous_rows<In>()) {
+      out = f(x.array()).matrix();
+    } else {
+      out = x;
+      out.array() = f(out.array());
+    }
   }
 };
 
