@@ -162,14 +162,26 @@ void BM_gemm(benchmark::State& state) {
 void BM_stream(benchmark::State& state) {
   const Index d = state.range(0), T = 4096;
   const int threads = 1;
+  constexpr int W = 64;  // 64-float slices in registers, as the kernel's
+  using Slice = Eigen::Array<float, W, 1>;
   Matrix S = Matrix::Zero(d, d);
   const Matrix a = random(T, d, 6), v = random(T, d, 7);
+  const auto row = [&](Index t, Index i, Index c0, const Slice& vs) {
+    Eigen::Map<Slice> s(S.data() + i * d + c0);
+    s += a(t, i) * vs;
+  };
   measure(state, T, d, threads, linear_flops(T, d) / kHeads, [&] {
     for (Index t = 0; t < T; ++t) {
       if (t % 2 == 0) {
-        for (Index i = 0; i < d; ++i) S.row(i) += a(t, i) * v.row(t);
+        for (Index c0 = 0; c0 + W <= d; c0 += W) {
+          const Slice vs = Eigen::Map<const Slice>(v.data() + t * d + c0);
+          for (Index i = 0; i < d; ++i) row(t, i, c0, vs);
+        }
       } else {
-        for (Index i = d - 1; i >= 0; --i) S.row(i) += a(t, i) * v.row(t);
+        for (Index c0 = d - W; c0 >= 0; c0 -= W) {
+          const Slice vs = Eigen::Map<const Slice>(v.data() + t * d + c0);
+          for (Index i = d - 1; i >= 0; --i) row(t, i, c0, vs);
+        }
       }
     }
     benchmark::DoNotOptimize(S.data());
