@@ -17,8 +17,9 @@ namespace linattn::detail {
 template <class Scalar>
 inline constexpr int sweep_width = static_cast<int>(256 / sizeof(Scalar));
 
-/// Columns [c0, c0 + w) of the sweep, W = compile-time width (w == W) or the maximum of a
-/// dynamic remainder (w < W, stored in fixed-capacity arrays, so nothing is allocated).
+/// Columns [c0, c0 + w) of the sweep. W > 0: a full slice of compile-time width W (w == W).
+/// W == 0: the remainder, w < sweep_width, held in fixed-capacity arrays so nothing is
+/// allocated.
 /// Rows go upwards or downwards (`reverse`); see update_and_read for why.
 template <int W, class Scalar>
 void sweep_columns(Scalar* S, Index ld, Index r, Index c0, Index w, const Scalar* qf,
