@@ -1,16 +1,49 @@
-// Parallel (causal, chunked) vs recurrent linear attention over T, one head, float.
-// Counters: tokens/s and useful GFLOP/s (4 T dk dv flops per call).
+// Where each causal path wins: chunked parallel, recurrent, step-by-step decode, the quadratic
+// masked form, softmax attention, and a plain Eigen GEMM of chunk-like shape in the same binary.
+//
+// One call processes H = 8 heads of T tokens, float, d = dk = dv. Counters:
+//   tokens/s   T * H per call / time
+//   GFLOP/s    useful flops 4 T H dk dv per call / time (the same count for every path, so the
+//              quadratic and softmax forms show as slow rather than busy)
+//   gemm_frac  GFLOP/s / the rate of the reference GEMM at the same d and thread count, both
+//              measured in this process (run the reference first: it is registered first)
+// Threads: 1, or 2 splitting the heads (rows named threads:2; timed in wall-clock time).
+// Single-thread rows are timed in thread CPU time, which other processes on the machine
+// disturb less than wall-clock time.
+//
+// scripts/bench.sh runs this and summarizes the JSON; `--full` there widens the sweep.
+// LINATTN_BENCH_FULL=1 in the environment registers the full sweep.
 
 #include <linattn/linattn.hpp>
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <ctime>
+#include <map>
 #include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 namespace {
 
 using linattn::Index;
 using Matrix = linattn::RowMatrix<float>;
+using HeadMap = Eigen::Map<Matrix, 0, Eigen::OuterStride<>>;
+using Attention = linattn::LinearAttention<linattn::EluPlusOne, float>;
+
+constexpr Index kHeads = 8;
+constexpr Index kGemmRows = 64;  // the reference GEMM: (64 x d) times (d x d), as in a chunk
+
+bool full_sweep() {
+  const char* env = std::getenv("LINATTN_BENCH_FULL");
+  return env != nullptr && env[0] == '1';
+}
 
 Matrix random(Index rows, Index cols, unsigned seed) {
   std::mt19937 gen(seed);
@@ -20,40 +53,346 @@ Matrix random(Index rows, Index cols, unsigned seed) {
   return m;
 }
 
-void set_counters(benchmark::State& state, Index T, Index d) {
-  const double flops = 4.0 * static_cast<double>(T) * static_cast<double>(d * d);
-  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(T),
-                                                  benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9,
-                                                 benchmark::Counter::kIsIterationInvariantRate);
+// Inputs shared by all heads (each head reads them again, as a separate head would); outputs
+// go to each head's columns of one [T, H*d] buffer, as a model lays them out.
+struct Problem {
+  Index T, d;
+  Matrix Q, K, V, out;
+  Problem(Index T_, Index d_)
+      : T(T_), d(d_), Q(random(T_, d_, 1)), K(random(T_, d_, 2)), V(random(T_, d_, 3)),
+        out(Matrix::Zero(T_, kHeads * d_)) {}
+  HeadMap head_out(Index h) {
+    return HeadMap(out.data() + h * d, T, d, Eigen::OuterStride<>(kHeads * d));
+  }
+};
+
+// Heads h with h % threads == i run on thread i; thread 0 is the caller.
+template <class F>
+void over_heads(int threads, F&& work) {
+  if (threads == 1) {
+    for (Index h = 0; h < kHeads; ++h) work(h);
+    return;
+  }
+  std::vector<std::thread> pool;
+  for (int i = 1; i < threads; ++i)
+    pool.emplace_back([&work, i, threads] {
+      for (Index h = i; h < kHeads; h += threads) work(h);
+    });
+  for (Index h = 0; h < kHeads; h += threads) work(h);
+  for (auto& t : pool) t.join();
 }
 
-template <bool Recurrent>
-void BM_causal(benchmark::State& state) {
-  const Index T = state.range(0), d = state.range(1);
-  const Matrix Q = random(T, d, 1), K = random(T, d, 2), V = random(T, d, 3);
-  const linattn::LinearAttention<linattn::EluPlusOne> attn;
-  Matrix out(T, d);
+// The clock Google Benchmark uses for the row: thread CPU time (1 thread) or wall (2 threads).
+double clock_seconds(int threads) {
+  if (threads == 1) {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// GFLOP/s of the reference GEMM per (d, threads), filled by BM_gemm.
+std::map<std::pair<Index, int>, double>& gemm_rate() {
+  static std::map<std::pair<Index, int>, double> rates;
+  return rates;
+}
+
+// Runs `call` in the benchmark loop and sets the counters for `useful_flops` per call.
+template <class Call>
+void measure(benchmark::State& state, Index T, Index d, int threads, double useful_flops,
+             Call&& call) {
+  double seconds = 0;
   for (auto _ : state) {
-    auto s = attn.make_state(d, d);
-    if constexpr (Recurrent)
-      attn.recurrent_into(Q, K, V, s, out);
-    else
-      attn.parallel_into(Q, K, V, linattn::Mask::causal, s, out);
-    benchmark::DoNotOptimize(out.data());
+    const double start = clock_seconds(threads);
+    call();
+    seconds += clock_seconds(threads) - start;
     benchmark::ClobberMemory();
   }
-  set_counters(state, T, d);
+  const double iters = static_cast<double>(state.iterations());
+  const double gflops = useful_flops * iters / seconds * 1e-9;
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(T * kHeads),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] = benchmark::Counter(useful_flops * 1e-9,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+  const auto ref = gemm_rate().find({d, threads});
+  if (ref != gemm_rate().end()) state.counters["gemm_frac"] = gflops / ref->second;
+  state.counters["T"] = static_cast<double>(T);
+  state.counters["d"] = static_cast<double>(d);
+  state.counters["threads"] = threads;
 }
 
-void args(benchmark::internal::Benchmark* b) {
-  for (Index d : {64, 128})
-    for (Index T : {256, 1024, 4096}) b->Args({T, d});
-  b->ArgNames({"T", "d"})->Unit(benchmark::kMillisecond);
+double linear_flops(Index T, Index d) {
+  return 4.0 * static_cast<double>(T) * static_cast<double>(kHeads) * static_cast<double>(d * d);
+}
+
+// ---- the reference GEMM ---------------------------------------------------------------------
+
+// Per head: every 64-row block of a T x d input times a d x d matrix, C += A B, the shape of
+// the chunked path's state read. Rate counted in real flops, 2 * 64 * d * d per block.
+void BM_gemm(benchmark::State& state) {
+  const Index d = state.range(0), T = 4096;
+  const int threads = static_cast<int>(state.range(1));
+  const Matrix A = random(T, d, 4), B = random(d, d, 5);
+  std::vector<Matrix> C(kHeads, Matrix::Zero(kGemmRows, d));
+  const double flops = 2.0 * static_cast<double>(T * kHeads) * static_cast<double>(d * d);
+  double seconds = 0;
+  for (auto _ : state) {
+    const double start = clock_seconds(threads);
+    over_heads(threads, [&](Index h) {
+      for (Index first = 0; first < T; first += kGemmRows)
+        C[static_cast<std::size_t>(h)].noalias() += A.middleRows(first, kGemmRows) * B;
+    });
+    seconds += clock_seconds(threads) - start;
+    benchmark::DoNotOptimize(C.data());
+    benchmark::ClobberMemory();
+  }
+  gemm_rate()[{d, threads}] = flops * static_cast<double>(state.iterations()) / seconds * 1e-9;
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["d"] = static_cast<double>(d);
+  state.counters["threads"] = threads;
+}
+
+// The memory roofline of a decode token: S_i += a_i v over all rows, alternating direction as
+// the kernel does, without the read. Same traffic as the fused sweep (S read and written once)
+// and half its flops, so its rate, counted as 4 r dv per token, bounds what any one-pass
+// recurrent kernel can reach from the cache level that holds S.
+void BM_stream(benchmark::State& state) {
+  const Index d = state.range(0), T = 4096;
+  const int threads = 1;
+  constexpr int W = 64;  // 64-float slices in registers, as the kernel's
+  using Slice = Eigen::Array<float, W, 1>;
+  Matrix S = Matrix::Zero(d, d);
+  const Matrix a = random(T, d, 6), v = random(T, d, 7);
+  const auto row = [&](Index t, Index i, Index c0, const Slice& vs) {
+    Eigen::Map<Slice> s(S.data() + i * d + c0);
+    s += a(t, i) * vs;
+  };
+  measure(state, T, d, threads, linear_flops(T, d) / kHeads, [&] {
+    for (Index t = 0; t < T; ++t) {
+      if (t % 2 == 0) {
+        for (Index c0 = 0; c0 + W <= d; c0 += W) {
+          const Slice vs = Eigen::Map<const Slice>(v.data() + t * d + c0);
+          for (Index i = 0; i < d; ++i) row(t, i, c0, vs);
+        }
+      } else {
+        for (Index c0 = d - W; c0 >= 0; c0 -= W) {
+          const Slice vs = Eigen::Map<const Slice>(v.data() + t * d + c0);
+          for (Index i = d - 1; i >= 0; --i) row(t, i, c0, vs);
+        }
+      }
+    }
+    benchmark::DoNotOptimize(S.data());
+  });
+  // measure() counts T * kHeads tokens; this loop does one head.
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(T),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// ---- linear attention paths -----------------------------------------------------------------
+
+void BM_chunked(benchmark::State& state) {
+  const Index T = state.range(0), d = state.range(1);
+  const int threads = static_cast<int>(state.range(2));
+  const Index chunk = state.range(3) > 0 ? state.range(3) : Attention().options().chunk_size;
+  Problem p(T, d);
+  const Attention attn(linattn::EluPlusOne{}, linattn::Options{{}, chunk});
+  std::vector<Attention::State> states(kHeads, attn.make_state(d, d));
+  measure(state, T, d, threads, linear_flops(T, d), [&] {
+    over_heads(threads, [&](Index h) {
+      auto& s = states[static_cast<std::size_t>(h)];
+      s.reset();
+      attn.parallel_into(p.Q, p.K, p.V, linattn::Mask::causal, s, p.head_out(h));
+    });
+  });
+  state.counters["chunk"] = static_cast<double>(chunk);
+}
+
+void BM_recurrent(benchmark::State& state) {
+  const Index T = state.range(0), d = state.range(1);
+  const int threads = static_cast<int>(state.range(2));
+  Problem p(T, d);
+  const Attention attn;
+  std::vector<Attention::State> states(kHeads, attn.make_state(d, d));
+  measure(state, T, d, threads, linear_flops(T, d), [&] {
+    over_heads(threads, [&](Index h) {
+      auto& s = states[static_cast<std::size_t>(h)];
+      s.reset();
+      attn.recurrent_into(p.Q, p.K, p.V, s, p.head_out(h));
+    });
+  });
+}
+
+// Decode: step() token by token. Head-major (each head decodes its T tokens; its state stays
+// hot in cache between tokens) or, for `interleaved`, token-major (every head advances one token
+// before the next token, as a model decodes; the H states compete for L1/L2).
+template <bool Interleaved>
+void BM_decode(benchmark::State& state) {
+  const Index T = state.range(0), d = state.range(1);
+  const int threads = static_cast<int>(state.range(2));
+  Problem p(T, d);
+  const Attention attn;
+  std::vector<Attention::State> states(kHeads, attn.make_state(d, d));
+  measure(state, T, d, threads, linear_flops(T, d), [&] {
+    for (auto& s : states) s.reset();
+    if constexpr (Interleaved) {
+      // Threads split the heads; each thread walks tokens outer, its heads inner.
+      std::vector<std::thread> pool;
+      const auto work = [&](int i) {
+        for (Index t = 0; t < T; ++t)
+          for (Index h = i; h < kHeads; h += threads)
+            attn.step_into(states[static_cast<std::size_t>(h)], p.Q.row(t), p.K.row(t),
+                           p.V.row(t), p.head_out(h).row(t));
+      };
+      for (int i = 1; i < threads; ++i) pool.emplace_back(work, i);
+      work(0);
+      for (auto& th : pool) th.join();
+    } else {
+      over_heads(threads, [&](Index h) {
+        auto& s = states[static_cast<std::size_t>(h)];
+        auto out = p.head_out(h);
+        for (Index t = 0; t < T; ++t) attn.step_into(s, p.Q.row(t), p.K.row(t), p.V.row(t), out.row(t));
+      });
+    }
+  });
+}
+
+// ---- quadratic baselines (T x T scores per head) --------------------------------------------
+
+void BM_quadratic(benchmark::State& state) {
+  const Index T = state.range(0), d = state.range(1);
+  const int threads = static_cast<int>(state.range(2));
+  Problem p(T, d);
+  measure(state, T, d, threads, linear_flops(T, d), [&] {
+    over_heads(threads, [&](Index h) {
+      p.head_out(h) = linattn::quadratic_attention(linattn::EluPlusOne{}, p.Q, p.K, p.V,
+                                                   linattn::Mask::causal);
+    });
+  });
+}
+
+// Softmax attention as a straightforward GEMM-based kernel: for each block of 128 queries,
+// scores against the keys up to the block's last row (one GEMM; keys after it are masked
+// anyway, so they are skipped), a masked, max-shifted exp per row, and one GEMM with V. The
+// same arithmetic as linattn::softmax_attention (which forms the whole T x T matrix), organized
+// so it is a fair baseline: 2 T^2 (dk + dv) flops per head up to the block granularity.
+void softmax_causal(const Matrix& Q, const Matrix& K, const Matrix& V, HeadMap out,
+                    Matrix& scores) {
+  constexpr Index kBlock = 128;
+  const Index T = Q.rows();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Q.cols()));
+  for (Index first = 0; first < T; first += kBlock) {
+    const Index n = std::min(kBlock, T - first), keys = first + n;
+    auto s = scores.topLeftCorner(n, keys);
+    s.noalias() = (Q.middleRows(first, n) * scale) * K.topRows(keys).transpose();
+    for (Index i = 0; i < n; ++i) {
+      auto row = s.row(i);
+      const Index visible = first + i + 1;
+      auto live = row.head(visible);
+      live = (live.array() - live.maxCoeff()).exp().matrix();
+      live /= live.sum();
+      row.tail(keys - visible).setZero();
+    }
+    out.middleRows(first, n).noalias() = s * V.topRows(keys);
+  }
+}
+
+void BM_softmax(benchmark::State& state) {
+  const Index T = state.range(0), d = state.range(1);
+  const int threads = static_cast<int>(state.range(2));
+  Problem p(T, d);
+  std::vector<Matrix> scores(kHeads, Matrix(std::min<Index>(T, 128), T));
+  measure(state, T, d, threads, linear_flops(T, d), [&] {
+    over_heads(threads, [&](Index h) {
+      softmax_causal(p.Q, p.K, p.V, p.head_out(h), scores[static_cast<std::size_t>(h)]);
+    });
+  });
+}
+
+// ---- registration -------------------------------------------------------------------------
+
+std::vector<Index> lengths(Index max_T) {
+  const std::vector<Index> all = full_sweep()
+                                     ? std::vector<Index>{256, 512, 1024, 2048, 4096, 8192, 16384}
+                                     : std::vector<Index>{256, 1024, 2048, 4096, 16384};
+  std::vector<Index> out;
+  for (Index T : all)
+    if (T <= max_T) out.push_back(T);
+  return out;
+}
+
+void register_all() {
+  const std::vector<Index> dims{64, 128};
+  const std::vector<int> thread_counts{1, 2};
+  for (Index d : dims)
+    for (int th : thread_counts) {
+      auto* b = benchmark::RegisterBenchmark("gemm", BM_gemm)->Args({d, th});
+      b->ArgNames({"d", "threads"})->Unit(benchmark::kMillisecond);
+      if (th > 1) b->UseRealTime();
+    }
+  for (Index d : dims)
+    benchmark::RegisterBenchmark("stream", BM_stream)
+        ->Args({d})
+        ->ArgNames({"d"})
+        ->Unit(benchmark::kMillisecond);
+  const auto add = [&](const char* name, auto fn, Index max_T, bool two_threads) {
+    for (Index d : dims)
+      for (int th : thread_counts) {
+        if (th > 1 && !two_threads) continue;
+        for (Index T : lengths(max_T)) {
+          auto* b = benchmark::RegisterBenchmark(name, fn);
+          if (std::string(name) == "chunked")
+            b->Args({T, d, th, 0})->ArgNames({"T", "d", "threads", "chunk"});
+          else
+            b->Args({T, d, th})->ArgNames({"T", "d", "threads"});
+          b->Unit(benchmark::kMillisecond);
+          if (th > 1) b->UseRealTime();
+        }
+      }
+  };
+  add("chunked", BM_chunked, 16384, true);
+  add("recurrent", BM_recurrent, 16384, true);
+  add("decode", BM_decode<false>, 16384, true);
+  if (full_sweep()) add("decode_interleaved", BM_decode<true>, 16384, true);
+  add("quadratic", BM_quadratic, 4096, false);
+  add("softmax", BM_softmax, 4096, false);
+  // The chunk-size sweep behind Options::chunk_size's default.
+  for (Index d : dims)
+    for (Index C : {8, 16, 32, 64, 128})
+      benchmark::RegisterBenchmark("chunk_size", BM_chunked)
+          ->Args({4096, d, 1, C})
+          ->ArgNames({"T", "d", "threads", "chunk"})
+          ->Unit(benchmark::kMillisecond);
 }
 
 }  // namespace
 
-BENCHMARK(BM_causal<false>)->Name("parallel_causal")->Apply(args);
-BENCHMARK(BM_causal<true>)->Name("recurrent")->Apply(args);
-BENCHMARK_MAIN();
+// The SIMD instruction set this binary was compiled for (scripts/bench.sh prints it).
+const char* simd_isa() {
+#if defined(__AVX512F__)
+  return "AVX-512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "AVX2+FMA";
+#elif defined(__AVX__)
+  return "AVX";
+#elif defined(__SSE2__)
+  return "SSE2";
+#else
+  return "scalar";
+#endif
+}
+
+int main(int argc, char** argv) {
+  register_all();
+  benchmark::AddCustomContext("simd_isa", simd_isa());
+  benchmark::AddCustomContext("heads", std::to_string(kHeads));
+  benchmark::AddCustomContext("default_chunk_size", std::to_string(Attention().options().chunk_size));
+  benchmark::AddCustomContext("sweep", full_sweep() ? "full" : "default");
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

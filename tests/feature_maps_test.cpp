@@ -8,6 +8,8 @@
 #include "test_support.hpp"
 
 #include <cmath>
+#include <limits>
+#include <vector>
 
 using namespace linattn;
 
@@ -73,4 +75,35 @@ TEST_CASE("a user-written feature map plugs into LinearAttention", "[phi]") {
   const double tol = 2.0 * (d + T + 4) * linattn_test::unit_roundoff<double>() * V.cwiseAbs().maxCoeff();
   CHECK((attn.recurrent(Q, K, V) - expected).cwiseAbs().maxCoeff() <= tol);
   CHECK((attn.parallel(Q, K, V, Mask::causal) - expected).cwiseAbs().maxCoeff() <= tol);
+}
+
+TEMPLATE_TEST_CASE("EluPlusOne is exact above 0, underflows like std::exp and keeps NaN",
+                   "[phi]", float, double) {
+  // 40 entries: whole SIMD packets and a scalar tail, so both code paths are covered.
+  using L = std::numeric_limits<TestType>;
+  const std::vector<TestType> xs{TestType(1e-8), TestType(0.5), TestType(3.25), TestType(1e30),
+                                 TestType(0), TestType(-0.0), TestType(-1e-6), TestType(-1),
+                                 TestType(-20), TestType(-87), TestType(-90), TestType(-100),
+                                 TestType(-150), TestType(-200), TestType(-700), TestType(-720),
+                                 TestType(-745), TestType(-1000), L::infinity(), -L::infinity()};
+  RowMatrix<TestType> x(1, 40), out(1, 40);
+  for (Index j = 0; j < 40; ++j) x(0, j) = xs[static_cast<std::size_t>(j % 20)];
+  x(0, 39) = L::quiet_NaN();
+  x(0, 7) = L::quiet_NaN();
+  Eigen::Ref<RowMatrix<TestType>> view(out);
+  EluPlusOne{}.apply(x, view);
+  for (Index j = 0; j < 40; ++j) {
+    const TestType v = x(0, j);
+    CAPTURE(j, v);
+    if (std::isnan(v)) {
+      CHECK(std::isnan(out(0, j)));
+    } else if (v > 0) {
+      CHECK(out(0, j) == v + 1);  // one rounding, as in the definition
+    } else {
+      // exp(x / 2)^2: exp's ~1 ulp doubled by the square plus one rounding, below 4 eps; where
+      // std::exp is subnormal or 0, the square rounds to the same spacing (denorm_min).
+      const TestType e = std::exp(v);
+      CHECK(std::abs(out(0, j) - e) <= 4 * L::epsilon() * e + L::denorm_min());
+    }
+  }
 }

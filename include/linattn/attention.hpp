@@ -16,9 +16,11 @@
 /// All members are const and the object holds no scratch, so one LinearAttention can serve
 /// many threads; each thread needs its own state.
 
+#include <linattn/detail/chunked.hpp>
 #include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/kernels.hpp>
 #include <linattn/detail/log_domain.hpp>
+#include <linattn/detail/recurrent_sweep.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/feature_maps.hpp>
 #include <linattn/normalization.hpp>
@@ -30,6 +32,7 @@
 #include <algorithm>
 #include <concepts>
 #include <stdexcept>
+#include <type_traits>
 
 namespace linattn {
 
@@ -37,8 +40,11 @@ namespace linattn {
 struct Options {
   /// What the read divides by; strict (throwing) by default.
   Normalization normalization{};
-  /// Tokens per chunk in the causal parallel path (>= 1).
-  Index chunk_size = 64;
+  /// Tokens per chunk in the causal parallel path (>= 1). Per token the chunked path costs
+  /// 4 r dv + 2 C (r + dv) flops: smaller chunks waste less on the masked score block, larger
+  /// ones run the GEMMs closer to peak. 32 was fastest at r = dv = 64 and 128 in float on
+  /// the reference machine (docs/performance.md, bench_paths chunk_size sweep).
+  Index chunk_size = 32;
 };
 
 /// Linear attention with feature map Phi in precision Scalar (float or double).
@@ -257,36 +263,31 @@ class LinearAttention {
       detail::log_domain_causal<Scalar>(phi_, Q, K, V, state.S_, state.z_, state.log_scale_,
                                         state.tokens_, options_.chunk_size, out,
                                         options_.normalization);
-      return;
-    }
-    const Index T = Q.rows();
-    const Index r = state.feature_dim();
-    const Index C = std::min(options_.chunk_size, std::max<Index>(T, 1));
-    RowMatrix<Scalar> qf(C, r), kf(C, r), scores(C, C);
-    ColVector<Scalar> den(C);
-    for (Index first = 0; first < T; first += C) {
-      const Index n = std::min(C, T - first);
-      detail::causal_chunk(state.S_, state.z_, features(Q, first, n, qf), features(K, first, n, kf),
-                           V.middleRows(first, n), out.middleRows(first, n), scores, den,
-                           options_.normalization, first);
-      state.tokens_ += n;
+    } else {
+      detail::causal_chunked<Scalar>(phi_, Q, K, V, state.S_, state.z_, state.tokens_,
+                                     options_.chunk_size, options_.normalization, out);
     }
   }
 
   template <class Rq, class Rk, class Rv, class Ry>
   void token(State& state, const Rq& q, const Rk& k, const Rv& v, Ry&& y, Index row) const {
+    static_assert(std::remove_reference_t<Ry>::InnerStrideAtCompileTime == 1,
+                  "token() writes y through a pointer; pass a contiguous row");
     if constexpr (log_scaled) {
       detail::log_domain_step<Scalar>(phi_, q, k, v, state.query_features_, state.key_features_,
                                       state.S_, state.z_, state.z_next_, state.log_scale_, y,
                                       options_.normalization, row);
-      ++state.tokens_;
-      return;
+    } else {
+      Eigen::Ref<RowMatrix<Scalar>> qf(state.query_features_), kf(state.key_features_);
+      phi_.apply(q, qf);
+      phi_.apply(k, kf);
+      // Sweeps alternate direction by token parity (see detail::update_and_read), so the order
+      // of the read's sum depends only on the token's position: results are reproducible.
+      detail::recurrent_token_fused<Scalar>(
+          state.S_, state.z_, state.z_next_, qf.data(), kf.data(),
+          detail::contiguous_data(v, state.value_row_), y.data(), options_.normalization, row,
+          state.tokens_ % 2 != 0);
     }
-    Eigen::Ref<RowMatrix<Scalar>> qf(state.query_features_), kf(state.key_features_);
-    phi_.apply(q, qf);
-    phi_.apply(k, kf);
-    detail::recurrent_token<Scalar>(state.S_, state.z_, state.z_next_, qf.row(0), kf.row(0), v, y,
-                                    options_.normalization, row);
     ++state.tokens_;
   }
 

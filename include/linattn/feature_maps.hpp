@@ -48,6 +48,17 @@ struct Identity {
   }
 };
 
+namespace detail {
+/// True for a row-major (or row-vector) expression with storage and unit inner stride.
+template <class X>
+constexpr bool has_contiguous_rows() {
+  if constexpr ((X::Flags & Eigen::DirectAccessBit) != 0)
+    return X::IsRowMajor && X::InnerStrideAtCompileTime == 1;
+  else
+    return false;
+}
+}  // namespace detail
+
 /// phi(x) = ELU(x) + 1, elementwise: x + 1 for x > 0, exp(x) for x <= 0 (Katharopoulos et al.
 /// 2020, section 3.2). Positive for finite input, so the denominator is positive in exact
 /// arithmetic; exp(x) underflows to 0 below about -87 (float) or -708 (double).
@@ -58,8 +69,30 @@ struct EluPlusOne {
   [[nodiscard]] Index feature_dim(Index d) const noexcept { return d; }
   template <class In, class Out>
   void apply(const In& x, Out& out) const {
-    // min(x, 0) keeps exp from overflowing on the branch that select() discards.
-    out = (x.array() > 0).select(x.array() + 1, x.array().min(0).exp()).matrix();
+    // max(x, 0) + exp(min(x, 0)) is x + 1 for x > 0 (exp(0) = 1 exactly) and exp(x) otherwise,
+    // the definition without a branch: every operation has a SIMD packet form (Eigen's select()
+    // has none, which made this map one scalar expf call per element, the main cost of a
+    // token). exp(m) is taken as exp(m / 2)^2 because Eigen's vectorized exp clamps its input
+    // (at about -88 in float, -708 in double) and so never returns 0 or a subnormal: halving
+    // keeps the input in range down to twice that, and the square then underflows to the
+    // subnormal or 0 that std::exp would give. Cost: one extra multiply; error about 2 ulp
+    // (exp's ~1 ulp, doubled by the square, plus one rounding). NaN propagates (Eigen's max and
+    // min return the NaN operand, as std::max does).
+    // Eigen takes the SIMD exp where it can load packets and the scalar std::exp elsewhere, and
+    // the two differ in the last bit. Which elements take which path depends only on the
+    // destination when the input rows are contiguous, so other inputs (column-major, strided
+    // rows, expressions) are first copied into `out` and transformed there: the result is the
+    // same whatever the caller's layout.
+    using Scalar = typename Out::Scalar;
+    const auto f = [](const auto& v) {
+      return v.max(Scalar(0)) + (v.min(Scalar(0)) * Scalar(0.5)).exp().square();
+    };
+    if constexpr (detail::has_contiguous_rows<In>()) {
+      out = f(x.array()).matrix();
+    } else {
+      out = x;
+      out.array() = f(out.array());
+    }
   }
 };
 

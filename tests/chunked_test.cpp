@@ -1,0 +1,249 @@
+// The tuned kernels behind the causal paths: the chunked form (detail/chunked.hpp) over chunk
+// sizes that do and do not divide T, T < C, T = 1, carried state and errors mid-sequence; the
+// fused recurrent sweep (detail/recurrent_sweep.hpp) over value widths that exercise its full
+// and remainder column blocks in both sweep directions; and a length whose T x T matrix could
+// not be allocated. References: the double loop of test_support.hpp, quadratic_attention and
+// the recurrent path.
+
+#include <linattn/attention.hpp>
+#include <linattn/detail/recurrent_sweep.hpp>
+#include <linattn/reference.hpp>
+
+#include <catch2/catch.hpp>
+
+#include "test_support.hpp"
+
+#include <cmath>
+#include <vector>
+
+using namespace linattn;
+using linattn_test::naive_attention;
+using linattn_test::random_matrix;
+using linattn_test::unit_roundoff;
+using linattn_test::worst_error_ratio;
+
+namespace {
+
+// Rounding bound in units of u for a normalized read over T keys with r features, as in
+// attention_test.cpp: each weight phi(q)^T phi(k) carries gamma_r, the sum over T keys gamma_T
+// (the chunked form sums a chunk's keys inside a GEMM and earlier chunks through S, which is a
+// re-association of the same T terms, so the recursive-sum bound still covers it), numerator
+// and denominator each, plus the division and the feature map's few ulps: 2 (r + T + 4) u
+// times sum |w| |v| / |den|.
+double bound_units(Index r, Index T) { return 2.0 * static_cast<double>(r + T + 4); }
+
+template <class Scalar>
+using Attn = LinearAttention<EluPlusOne, Scalar>;
+
+template <class Scalar>
+Attn<Scalar> with_chunk(Index chunk) {
+  return Attn<Scalar>(EluPlusOne{}, Options{{}, chunk});
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("chunked causal path agrees with a double loop for every chunk size",
+                   "[chunked]", float, double) {
+  struct Shape {
+    Index T, dk, dv;
+  };
+  // T = 1; T < C; C dividing T (96 = 3 * 32) and not (97, 130); dk != dv.
+  const std::vector<Shape> shapes{{1, 5, 3}, {2, 4, 4}, {31, 8, 8}, {96, 16, 12}, {97, 12, 20},
+                                  {130, 9, 70}};
+  for (const Shape& s : shapes) {
+    const auto Q = random_matrix<TestType>(s.T, s.dk, 100 + s.T);
+    const auto K = random_matrix<TestType>(s.T, s.dk, 200 + s.T);
+    const auto V = random_matrix<TestType>(s.T, s.dv, 300 + s.T);
+    const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
+    const double units = bound_units(s.dk, s.T);
+    const auto quadratic = quadratic_attention(EluPlusOne{}, Q, K, V, Mask::causal);
+    const auto recurrent = Attn<TestType>().recurrent(Q, K, V);
+    CHECK(worst_error_ratio<TestType>(quadratic, ref, units) <= 1);
+    CHECK(worst_error_ratio<TestType>(recurrent, ref, units) <= 1);
+    for (Index chunk : {1, 2, 3, 7, 16, 31, 32, 33, 64, 1000}) {
+      CAPTURE(s.T, s.dk, s.dv, chunk);
+      auto state = with_chunk<TestType>(chunk).make_state(s.dk, s.dv);
+      const auto out = with_chunk<TestType>(chunk).parallel(Q, K, V, Mask::causal, state);
+      CHECK(worst_error_ratio<TestType>(out, ref, units) <= 1);
+      CHECK(state.tokens() == s.T);
+      // Agreement with the other two forms follows (each is within the bound of the exact
+      // value); checked directly as well, with twice the bound since both sides round.
+      const double u = unit_roundoff<TestType>();
+      for (Index i = 0; i < s.T; ++i)
+        for (Index c = 0; c < s.dv; ++c) {
+          const double allowed = 2 * units * u * ref.magnitude(i, c);
+          CHECK(std::abs(double(out(i, c)) - double(quadratic(i, c))) <= allowed);
+          CHECK(std::abs(double(out(i, c)) - double(recurrent(i, c))) <= allowed);
+        }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("chunked state equals the recurrent state and carries across calls",
+                   "[chunked][state]", float, double) {
+  const Index T = 150, dk = 10, dv = 6;
+  const auto Q = random_matrix<TestType>(T, dk, 11);
+  const auto K = random_matrix<TestType>(T, dk, 12);
+  const auto V = random_matrix<TestType>(T, dv, 13);
+  const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
+  const double units = bound_units(dk, T);
+
+  // S and z in double from the formula: sums of T positive-weight terms, so each entry agrees
+  // to gamma_T relative to sum |phi(k)| |v| (sum phi(k) for z): bound 2 (T + 4) u times that.
+  linattn::RowMatrix<double> kf(T, dk);
+  for (Index t = 0; t < T; ++t)
+    for (Index n = 0; n < dk; ++n) kf(t, n) = linattn_test::elu_plus_one(double(K(t, n)));
+  const linattn::RowMatrix<double> S_exact = kf.transpose() * V.template cast<double>();
+  const linattn::RowMatrix<double> S_scale = kf.transpose() * V.template cast<double>().cwiseAbs();
+  const double u = unit_roundoff<TestType>(), s_units = 2.0 * static_cast<double>(T + 4);
+  const auto check_state = [&](const AttentionState<TestType>& st) {
+    REQUIRE(st.tokens() == T);
+    for (Index i = 0; i < dk; ++i) {
+      for (Index c = 0; c < dv; ++c)
+        CHECK(std::abs(double(st.S()(i, c)) - S_exact(i, c)) <= s_units * u * S_scale(i, c));
+      CHECK(std::abs(double(st.z()(i)) - kf.col(i).sum()) <= s_units * u * kf.col(i).sum());
+    }
+  };
+
+  // Pieces of 1, 40 (not a multiple of C = 16), 16, 77 and 16 tokens, chunk size 16.
+  const auto attn = with_chunk<TestType>(16);
+  auto state = attn.make_state(dk, dv);
+  linattn::RowMatrix<TestType> out(T, dv);
+  Index first = 0;
+  for (Index n : {1, 40, 16, 77, 16}) {
+    out.middleRows(first, n) = attn.parallel(Q.middleRows(first, n), K.middleRows(first, n),
+                                             V.middleRows(first, n), Mask::causal, state);
+    first += n;
+  }
+  REQUIRE(first == T);
+  CHECK(worst_error_ratio<TestType>(out, ref, units) <= 1);
+  check_state(state);
+
+  auto recurrent_state = attn.make_state(dk, dv);
+  (void)attn.recurrent(Q, K, V, recurrent_state);
+  check_state(recurrent_state);
+}
+
+TEST_CASE("a DenominatorError mid-sequence leaves the state holding the earlier chunks",
+          "[chunked][errors]") {
+  // Identity features: keys (1, 0) except key 45 = (-45, 0), so query (1, 0) sees the running
+  // sum 1, 2, ..., 45, then 45 - 45 = 0 at row 45, inside the fourth chunk of 12 (rows 36..47).
+  const Index T = 60;
+  Eigen::MatrixXd Q = Eigen::MatrixXd::Zero(T, 2), K = Eigen::MatrixXd::Zero(T, 2);
+  Q.col(0).setOnes();
+  K.col(0).setOnes();
+  K(45, 0) = -45;
+  const Eigen::MatrixXd V = random_matrix<double>(T, 3, 7);
+  const LinearAttention<Identity, double> attn(Identity{}, Options{{}, 12});
+  auto state = attn.make_state(2, 3);
+  try {
+    (void)attn.parallel(Q, K, V, Mask::causal, state);
+    FAIL("expected a DenominatorError");
+  } catch (const DenominatorError& e) {
+    CHECK(e.row() == 45);
+  }
+  CHECK(state.tokens() == 36);  // three whole chunks
+  // Exactly the state of the first 36 tokens: S = sum of v_t over them (keys are (1, 0)), z =
+  // (36, 0); integer-valued z is exact, S to the rounding of 36 additions.
+  const Eigen::RowVectorXd expected = V.topRows(36).colwise().sum();
+  CHECK(state.z()(0) == 36.0);
+  CHECK(state.z()(1) == 0.0);
+  for (Index c = 0; c < 3; ++c)
+    CHECK(std::abs(state.S()(0, c) - expected(c)) <=
+          2.0 * 40 * unit_roundoff<double>() * V.col(c).head(36).cwiseAbs().sum());
+  CHECK(state.S().row(1).isZero(0.0));
+}
+
+TEMPLATE_TEST_CASE("the fused sweep matches a double loop over full and remainder blocks",
+                   "[recurrent]", float, double) {
+  // sweep_width is 64 floats or 32 doubles: dv below, at, and between multiples of it.
+  constexpr Index W = detail::sweep_width<TestType>;
+  for (Index dv : {Index{1}, Index{5}, W - 1, W, W + 3, 2 * W, 2 * W + 2}) {
+    for (Index r : {1, 7, 33}) {
+      CAPTURE(dv, r);
+      auto S = random_matrix<TestType>(r, dv, 5 + dv);
+      const auto qf = random_matrix<TestType>(1, r, 6);
+      const auto kf = random_matrix<TestType>(1, r, 7);
+      const auto v = random_matrix<TestType>(1, dv, 8);
+      for (bool reverse : {false, true}) {
+        auto S_run = S;
+        linattn::RowMatrix<TestType> y(1, dv);
+        detail::update_and_read(S_run.data(), dv, r, dv, qf.data(), kf.data(), v.data(), y.data(),
+                                reverse);
+        // Each S entry is one fused multiply-add away from exact: |error| <= 2u |terms|.
+        // y_c = sum_i qf_i S'_ic, a sum of r products: gamma_{r+1} relative to sum |qf| |S'|
+        // (plus the S' error carried through qf): 2 (r + 3) u.
+        const double u = unit_roundoff<TestType>();
+        for (Index c = 0; c < dv; ++c) {
+          double y_exact = 0, y_scale = 0;
+          for (Index i = 0; i < r; ++i) {
+            const double s_new = double(S(i, c)) + double(kf(0, i)) * double(v(0, c));
+            const double s_scale = std::abs(double(S(i, c))) + std::abs(double(kf(0, i)) * v(0, c));
+            CHECK(std::abs(double(S_run(i, c)) - s_new) <= 2 * u * s_scale);
+            y_exact += double(qf(0, i)) * s_new;
+            y_scale += std::abs(double(qf(0, i))) * s_scale;
+          }
+          CHECK(std::abs(double(y(0, c)) - y_exact) <=
+                2.0 * static_cast<double>(r + 3) * u * y_scale);
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("step and recurrent agree with a double loop for wide and odd value widths",
+                   "[recurrent]", float, double) {
+  // Odd and even token counts exercise both sweep directions; dv crosses the block widths.
+  constexpr Index W = detail::sweep_width<TestType>;
+  for (Index dv : {Index{3}, W, W + 6, 2 * W + 1}) {
+    const Index T = 41, dk = 65;
+    CAPTURE(dv);
+    const auto Q = random_matrix<TestType>(T, dk, 51);
+    const auto K = random_matrix<TestType>(T, dk, 52);
+    const auto V = random_matrix<TestType>(T, dv, 53);
+    const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
+    const double units = bound_units(dk, T);
+    const Attn<TestType> attn;
+    CHECK(worst_error_ratio<TestType>(attn.recurrent(Q, K, V), ref, units) <= 1);
+    // Column-major V: its rows are strided, so the kernel reads a contiguous copy.
+    const Eigen::Matrix<TestType, Eigen::Dynamic, Eigen::Dynamic> Vcol = V;
+    CHECK(worst_error_ratio<TestType>(attn.recurrent(Q, K, Vcol), ref, units) <= 1);
+    auto state = attn.make_state(dk, dv);
+    linattn::RowMatrix<TestType> stepped(T, dv);
+    for (Index t = 0; t < T; ++t) stepped.row(t) = attn.step(state, Q.row(t), K.row(t), Vcol.row(t));
+    CHECK(worst_error_ratio<TestType>(stepped, ref, units) <= 1);
+    // The sweep direction depends on the token's position only: the same inputs give the same
+    // bits on a second run.
+    CHECK(attn.recurrent(Q, K, V) == attn.recurrent(Q, K, V));
+  }
+}
+
+TEST_CASE("a length whose T x T score matrix could not be allocated runs in O(T) memory",
+          "[chunked]") {
+  // T = 300,000: a T x T float matrix would take 360 GB. The chunked path holds a few chunks.
+  const Index T = 300000, d = 4;
+  const auto Q = random_matrix<float>(T, d, 61);
+  const auto K = random_matrix<float>(T, d, 62);
+  const auto V = random_matrix<float>(T, d, 63);
+  const Attn<float> attn;
+  const auto out = attn.parallel(Q, K, V, Mask::causal);
+  REQUIRE(out.rows() == T);
+  // Check the last row against the formula in double: y = sum_j w_j v_j / sum_j w_j over all
+  // j <= T - 1 with w_j = phi(q)^T phi(k_j) > 0, bound 2 (d + T + 4) u relative to the weighted
+  // mean of |v| (all weights positive, so sum |w| |v| / |den| is that mean).
+  const Index i = T - 1;
+  double num[d] = {}, mag[d] = {}, den = 0;
+  for (Index j = 0; j <= i; ++j) {
+    double w = 0;
+    for (Index n = 0; n < d; ++n)
+      w += linattn_test::elu_plus_one(Q(i, n)) * linattn_test::elu_plus_one(K(j, n));
+    den += w;
+    for (Index c = 0; c < d; ++c) {
+      num[c] += w * V(j, c);
+      mag[c] += w * std::abs(double(V(j, c)));
+    }
+  }
+  for (Index c = 0; c < d; ++c)
+    CHECK(std::abs(double(out(i, c)) - num[c] / den) <=
+          bound_units(d, T) * unit_roundoff<float>() * mag[c] / den);
+}
