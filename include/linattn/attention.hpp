@@ -18,7 +18,6 @@
 
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/eigen_utils.hpp>
-#include <linattn/detail/kernels.hpp>
 #include <linattn/detail/log_domain.hpp>
 #include <linattn/detail/recurrent_sweep.hpp>
 #include <linattn/errors.hpp>

@@ -1,7 +1,8 @@
 #pragma once
 // Kernels behind LinearAttention for a LogScaledFeatureMap: the same recurrent token, chunked
-// causal form and full read as detail/kernels.hpp, on features phi(x) = exp(l) f with f of
-// order one, keeping the state as exp(M) (S, z) with M the running maximum of key log-scales.
+// causal form and full read as detail/recurrent_sweep.hpp and detail/chunked.hpp, on features
+// phi(x) = exp(l) f with f of order one, keeping the state as exp(M) (S, z) with M the
+// running maximum of key log-scales.
 //
 // Why a running maximum and not the maximum over the chunk or the sequence: a key shift cancels
 // in the ratio only if every key that shares a sum gets the same shift, so the shift has to be
@@ -74,7 +75,7 @@ Scalar log_domain_reciprocal(const Normalization& norm, Scalar den, Scalar log_s
 ///   M' = max(M, lk),  S = exp(M - M') S + exp(lk - M') kf^T v,  z likewise,
 ///   y = (qf S) * log_domain_reciprocal(qf z, lq + M').
 /// The denominator is checked before S, z or M change (a throw leaves the state as it was).
-/// Cost: as detail::recurrent_token plus r dv multiplies when M grows, and two exp.
+/// Cost: as the plain recurrent token (detail::recurrent_token_fused) plus r dv multiplies when M grows, and two exp.
 template <class Scalar, class Qf, class Kf, class V, class Y>
 void log_domain_token(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scalar>& z_next,
                       Scalar& M, const Qf& qf, Scalar lq, const Kf& kf, Scalar lk, const V& v,
@@ -113,7 +114,7 @@ void log_domain_token(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scal
 /// exp(lk_j - m_i) is applied as exp(lk_j - m_j) (per column, <= 1) times exp(m_j - m_i) (only
 /// where the running maximum grew between j and i, usually a few entries per chunk).
 /// `kf` is scaled in place; `scores`, `den`, `run_max` are scratch of at least n x n, n, n.
-/// Rows are normalized before the state is touched. Cost: as detail::causal_chunk plus
+/// Rows are normalized before the state is touched. Cost: as a plain chunk (detail/chunked.hpp) plus
 /// n exp per chunk and one exp per score whose running maximum grew inside the chunk.
 template <class Scalar, class Qf, class LQ, class Kf, class LK, class V, class Out>
 void log_domain_causal_chunk(RowMatrix<Scalar>& S, ColVector<Scalar>& z, Scalar& M,
