@@ -4,15 +4,18 @@
 #
 #   bash scripts/bench.sh            default sweep, about three minutes on a 2-core machine
 #   bash scripts/bench.sh --full     T = 256 ... 16384 in powers of two, 5 repetitions each
+#   bash scripts/bench.sh --build-only   build every benchmark program, run nothing (CI)
 #
 # Environment: BUILD_DIR (default build-bench), JOBS (default: number of CPUs).
 set -euo pipefail
 
 full=0
+build_only=0
 for arg in "$@"; do
   case "$arg" in
     --full) full=1 ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    --build-only) build_only=1 ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
     *) echo "bench.sh: unknown option '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -46,6 +49,11 @@ fi
 # ---- build ------------------------------------------------------------------------------------
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DLINATTN_BUILD_BENCH=ON \
   -DLINATTN_NATIVE=ON -DLINATTN_BUILD_TESTS=OFF -DLINATTN_BUILD_EXAMPLES=OFF >/dev/null
+if [ "$build_only" -eq 1 ]; then
+  cmake --build "$build" -j "$jobs"
+  echo "bench.sh: built every benchmark in $build"
+  exit 0
+fi
 cmake --build "$build" -j "$jobs" --target bench_paths
 
 # ---- run --------------------------------------------------------------------------------------
