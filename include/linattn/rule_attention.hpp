@@ -66,6 +66,9 @@ concept StepInput = std::is_arithmetic_v<T> || EigenDense<T>;
 }  // namespace detail
 
 /// Causal linear attention with feature map Phi and write rule Rule, in precision Scalar.
+/// A log-scaled map (random features) is used here through its plain features, without the
+/// running-maximum stabiliser of LinearAttention: keys of large norm can underflow, and the
+/// strict normalization then throws rather than return a wrong average.
 template <class Phi, class Rule = Additive, class Scalar = float>
 class RuleAttention {
   static_assert(SupportedScalar<Scalar>, "linattn computes in float or double");
