@@ -66,9 +66,10 @@ concept StepInput = std::is_arithmetic_v<T> || EigenDense<T>;
 }  // namespace detail
 
 /// Causal linear attention with feature map Phi and write rule Rule, in precision Scalar.
-/// A log-scaled map (random features) is used here through its plain features, without the
-/// running-maximum stabiliser of LinearAttention: keys of large norm can underflow, and the
-/// strict normalization then throws rather than return a wrong average.
+/// Except under Additive (which delegates to LinearAttention), a log-scaled map (random
+/// features) is used through its plain features, without LinearAttention's running-maximum
+/// stabiliser: keys of large norm can underflow, and the strict normalization then throws
+/// rather than return a wrong average.
 template <class Phi, class Rule = Additive, class Scalar = float>
 class RuleAttention {
   static_assert(SupportedScalar<Scalar>, "linattn computes in float or double");
