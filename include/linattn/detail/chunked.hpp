@@ -1,13 +1,16 @@
 #pragma once
-// The tuned chunked causal kernel (REFERENCES.md section 2), built from Eigen GEMMs on buffers
-// allocated once per call.
+// The tuned chunked causal kernel (REFERENCES.md section 2): register-blocked products on
+// buffers allocated once per call (detail/small_gemm.hpp), with an Eigen-GEMM form for the
+// scalar types and value widths the register kernel does not cover.
 
+#include <linattn/detail/small_gemm.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/types.hpp>
 
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <utility>
 
 namespace linattn::detail {
 
@@ -26,7 +29,7 @@ namespace linattn::detail {
 /// that run fastest, a full small GEMM beats a triangular one). Memory: O(C (r + C) + r dv),
 /// never T x T. Allocates once per call, not per chunk.
 template <class Scalar, class Phi, class DQ, class DK, class DV>
-void causal_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& V, RowMatrix<Scalar>& S,
+void causal_chunked_eigen(const Phi& phi, const DQ& Q, const DK& K, const DV& V, RowMatrix<Scalar>& S,
                     ColVector<Scalar>& z, Index& tokens, Index chunk_size,
                     const Normalization& norm, Eigen::Ref<RowMatrix<Scalar>> out) {
   const Index T = Q.rows(), r = S.rows(), dv = S.cols();
@@ -70,6 +73,101 @@ void causal_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& V, RowMa
     B.topRows(r).noalias() += kfc.transpose() * v_chunk;
     z += kfc.colwise().sum().transpose();
     tokens += n;
+  }
+}
+
+/// True when X's rows can be read in place through a pointer and a row stride.
+template <class X>
+constexpr bool has_row_major_storage() {
+  return (X::Flags & Eigen::DirectAccessBit) != 0 && (X::Flags & Eigen::RowMajorBit) != 0 &&
+         X::InnerStrideAtCompileTime == 1;
+}
+
+/// Rows [first, first + n) of V as a row-major pointer and row stride: V's own storage when its
+/// rows are contiguous, else a copy in `buffer` (at least n rows).
+template <class DV, class Scalar>
+std::pair<const Scalar*, Index> row_major_rows(const DV& V, Index first, Index n,
+                                               RowMatrix<Scalar>& buffer) {
+  if constexpr (has_row_major_storage<DV>()) {
+    return {V.data() + first * V.outerStride(), V.outerStride()};
+  } else {
+    buffer.topRows(n) = V.middleRows(first, n);
+    return {buffer.data(), buffer.cols()};
+  }
+}
+
+/// The same chunked recurrence on the register kernel, for Scalar types Eigen vectorizes and
+/// dv a multiple of the packet width (the common head sizes); otherwise causal_chunked_eigen.
+/// Per chunk of n <= C rows with qf = phi(Q_c), kf = phi(K_c), P = tril(qf kf^T) (diagonal
+/// included):
+///   z_i = z + kf_0 + ... + kf_i,  den_i = qf_i . z_i      checked before anything is written
+///   out_c = (qf S + P V_c) / den                  two products into the output rows, the
+///                                                 division folded into the second one's store
+///   S += kf^T V_c,  z = z_(n-1)
+/// The denominators are the recurrent path's (a running z, one dot product per row), which is
+/// cheaper here than a product plus masked row sums of P. The products skip the zero half of
+/// P: scores are computed only up to each row tile's diagonal, and P V_c stops each row tile's
+/// inner loop there. S is updated in place and the output written in place through its row
+/// stride; nothing is re-packed. Per token: 4 r dv + about C (r + dv) flops (the triangle
+/// rounded up to whole tiles) + 3 r for the denominator; memory O(C (r + C) + C dv), never
+/// T x T. Allocates once per call, not per chunk. After a DenominatorError the state holds
+/// exactly the chunks before the failing one.
+template <class Scalar, class Phi, class DQ, class DK, class DV>
+void causal_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& V, RowMatrix<Scalar>& S,
+                    ColVector<Scalar>& z, Index& tokens, Index chunk_size,
+                    const Normalization& norm, Eigen::Ref<RowMatrix<Scalar>> out) {
+  const Index T = Q.rows(), r = S.rows(), dv = S.cols();
+  if constexpr (!has_gemm_kernel<Scalar>) {
+    causal_chunked_eigen<Scalar>(phi, Q, K, V, S, z, tokens, chunk_size, norm, out);
+  } else {
+    constexpr Index lanes = GemmTile<Scalar>::lanes;
+    if (dv % lanes != 0) {
+      causal_chunked_eigen<Scalar>(phi, Q, K, V, S, z, tokens, chunk_size, norm, out);
+      return;
+    }
+    if (T == 0) return;
+    const Index C = std::min(chunk_size, T);
+    const Index padded = (C + lanes - 1) / lanes * lanes;  // P and kf^T columns, whole packets
+    // Zero-filled once: the padding columns of kf^T feed score columns that are never read,
+    // and must hold finite values.
+    RowMatrix<Scalar> qf(C, r), kf(C, r), kf_t = RowMatrix<Scalar>::Zero(r, padded),
+                      scores = RowMatrix<Scalar>::Zero(C, padded),
+                      v_buffer(has_row_major_storage<DV>() ? 0 : C, dv);
+    RowVector<Scalar> running_z(r);
+    ColVector<Scalar> inverse(C);
+    const Index ld_out = out.outerStride();
+    for (Index first = 0; first < T; first += C) {
+      const Index n = std::min(C, T - first);
+      const Index n_padded = (n + lanes - 1) / lanes * lanes;
+      {
+        Eigen::Ref<RowMatrix<Scalar>> qf_view(qf.topRows(n)), kf_view(kf.topRows(n));
+        phi.apply(Q.middleRows(first, n), qf_view);
+        phi.apply(K.middleRows(first, n), kf_view);
+      }
+      running_z = z.transpose();
+      for (Index i = 0; i < n; ++i) {
+        running_z += kf.row(i);
+        if (norm.divides()) {
+          const Scalar den = qf.row(i).dot(running_z);
+          inverse(i) = Scalar(1) / norm.divisor(den, first + i);
+        }
+      }
+      transpose_into(n, r, kf.data(), r, kf_t.data(), padded);
+      small_gemm<Scalar, false>(n, n_padded, r, qf.data(), r, kf_t.data(), padded, scores.data(),
+                                padded, Triangle::lower_result);
+      // The read below walks P up to each row tile's diagonal: the entries right of the
+      // diagonal inside that range must be zero (they hold q_i . k_j for j > i).
+      for (Index i = 0; i + 1 < n; ++i) scores.row(i).segment(i + 1, n - i - 1).setZero();
+
+      const auto [v_chunk, ld_v] = row_major_rows(V, first, n, v_buffer);
+      Scalar* o = out.data() + first * ld_out;
+      small_gemm<Scalar, false>(n, dv, r, qf.data(), r, S.data(), dv, o, ld_out);
+      small_gemm<Scalar, true>(n, dv, n, scores.data(), padded, v_chunk, ld_v, o, ld_out,
+                               Triangle::lower_lhs, norm.divides() ? inverse.data() : nullptr);
+      small_gemm<Scalar, true>(r, dv, n, kf_t.data(), padded, v_chunk, ld_v, S.data(), dv);
+      z = running_z.transpose();
+      tokens += n;
+    }
   }
 }
 
