@@ -7,6 +7,7 @@
 
 #include <linattn/attention.hpp>
 #include <linattn/detail/recurrent_sweep.hpp>
+#include <linattn/detail/small_gemm.hpp>
 #include <linattn/reference.hpp>
 
 #include <catch2/catch.hpp>
@@ -14,6 +15,7 @@
 #include "test_support.hpp"
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 using namespace linattn;
@@ -246,4 +248,182 @@ TEST_CASE("a length whose T x T score matrix could not be allocated runs in O(T)
   for (Index c = 0; c < d; ++c)
     CHECK(std::abs(double(out(i, c)) - num[c] / den) <=
           bound_units(d, T) * unit_roundoff<float>() * mag[c] / den);
+}
+
+// ---- the register kernel behind the chunked path (detail/small_gemm.hpp) --------------------
+
+TEMPLATE_TEST_CASE("small_gemm matches a double loop for every tile shape and triangle",
+                   "[chunked][kernel]", float, double) {
+  using Tile = detail::GemmTile<TestType>;
+  using detail::Triangle;
+  const Index L = Tile::lanes, W = Tile::width;
+  const double u = unit_roundoff<TestType>();
+  // m crosses the row tile (6) and its remainders; n crosses the column panel and its packet
+  // remainders; depth 0 leaves C as it was (or zero).
+  for (Index m : {1, 2, 5, 6, 7, 13}) {
+    for (Index n : {L, 2 * L, W, W + L, 2 * W + L}) {
+      for (Index depth : {0, 1, 7, 33}) {
+        for (Triangle tri : {Triangle::none, Triangle::lower_lhs, Triangle::lower_result}) {
+          // Leading dimensions wider than the matrices, so strides are exercised.
+          const Index lda = depth + 3, ldb = n + L, ldc = n + 2 * L;
+          auto A = random_matrix<TestType>(m, lda, 71 + m);
+          const auto B = random_matrix<TestType>(std::max<Index>(depth, 1), ldb, 72 + n);
+          const auto C0 = random_matrix<TestType>(m, ldc, 73 + depth);
+          const auto scale = random_matrix<TestType>(1, m, 74);
+          if (tri == Triangle::lower_lhs)  // the contract: A(i, k) = 0 for k > i
+            for (Index i = 0; i < m; ++i)
+              for (Index k = i + 1; k < depth; ++k) A(i, k) = 0;
+          for (bool accumulate : {false, true}) {
+            for (bool scaled : {false, true}) {
+              CAPTURE(m, n, depth, int(tri), accumulate, scaled);
+              auto C = C0;
+              const TestType* s = scaled ? scale.data() : nullptr;
+              if (accumulate)
+                detail::small_gemm<TestType, true>(m, n, depth, A.data(), lda, B.data(), ldb,
+                                                   C.data(), ldc, tri, s);
+              else
+                detail::small_gemm<TestType, false>(m, n, depth, A.data(), lda, B.data(), ldb,
+                                                    C.data(), ldc, tri, s);
+              // Each entry is a sum of depth (+1 with C's old value) products, then one
+              // multiply: |error| <= gamma_(depth + 2) times the sum of magnitudes; 2 (depth +
+              // 2) u covers it.
+              for (Index i = 0; i < m; ++i) {
+                for (Index j = 0; j < ldc; ++j) {
+                  const bool computed = j < n && (tri != Triangle::lower_result || j <= i);
+                  const bool may_be_written = j < n;  // lower_result leaves the rest alone
+                  if (!computed) {
+                    if (!may_be_written) CHECK(C(i, j) == C0(i, j));
+                    continue;
+                  }
+                  double exact = accumulate ? double(C0(i, j)) : 0.0;
+                  double magnitude = std::abs(exact);
+                  for (Index k = 0; k < depth; ++k) {
+                    exact += double(A(i, k)) * double(B(k, j));
+                    magnitude += std::abs(double(A(i, k)) * double(B(k, j)));
+                  }
+                  const double factor = scaled ? double(scale(0, i)) : 1.0;
+                  CHECK(std::abs(double(C(i, j)) - exact * factor) <=
+                        2.0 * double(depth + 2) * u * magnitude * std::abs(factor) +
+                            std::numeric_limits<TestType>::min());
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("transpose_into copies exactly across packet blocks and edges",
+                   "[chunked][kernel]", float, double) {
+  const Index L = detail::GemmTile<TestType>::lanes;
+  for (Index rows : {Index{1}, L - 1, L, L + 1, 2 * L + 3}) {
+    for (Index cols : {Index{1}, L, L + 2, 3 * L}) {
+      CAPTURE(rows, cols);
+      const Index lds = cols + 1, ldd = rows + 2;
+      const auto src = random_matrix<TestType>(rows, lds, 81);
+      linattn::RowMatrix<TestType> dst = linattn::RowMatrix<TestType>::Constant(cols, ldd, -7);
+      detail::transpose_into(rows, cols, src.data(), lds, dst.data(), ldd);
+      CHECK(dst.leftCols(rows) == src.leftCols(cols).transpose());
+      CHECK((dst.rightCols(ldd - rows).array() == TestType(-7)).all());  // padding untouched
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("the register-kernel chunked path agrees with a double loop",
+                   "[chunked][kernel]", float, double) {
+  // dv a multiple of the packet width takes the register kernel; widths cross its column
+  // panel. Chunk sizes cross its row tile (6) and packet widths; T = 1, T < C, C not dividing T.
+  using Tile = detail::GemmTile<TestType>;
+  const Index L = Tile::lanes, W = Tile::width;
+  for (Index dv : {L, W, W + L}) {
+    for (Index dk : {1, 7, 20}) {
+      for (Index T : {1, 45, 131}) {
+        const auto Q = random_matrix<TestType>(T, dk, 91 + T);
+        const auto K = random_matrix<TestType>(T, dk, 92 + T);
+        const auto V = random_matrix<TestType>(T, dv, 93 + T);
+        const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
+        const double units = bound_units(dk, T);
+        for (Index chunk : {1, 5, 6, 7, 16, 33, 64, 200}) {
+          CAPTURE(dv, dk, T, chunk);
+          const auto attn = with_chunk<TestType>(chunk);
+          CHECK(worst_error_ratio<TestType>(attn.parallel(Q, K, V, Mask::causal), ref, units) <= 1);
+          // Column-major V (read through a copy of each chunk) into a strided output view.
+          const Eigen::Matrix<TestType, Eigen::Dynamic, Eigen::Dynamic> Vcol = V;
+          linattn::RowMatrix<TestType> wide = linattn::RowMatrix<TestType>::Zero(T, dv + 3);
+          auto state = attn.make_state(dk, dv);
+          attn.parallel_into(Q, K, Vcol, Mask::causal, state, wide.leftCols(dv));
+          CHECK(worst_error_ratio<TestType>(wide.leftCols(dv), ref, units) <= 1);
+          CHECK(wide.rightCols(3).isZero(0));
+          CHECK(state.tokens() == T);
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("the register-kernel chunked path carries state across uneven calls",
+                   "[chunked][kernel][state]", float, double) {
+  const Index L = detail::GemmTile<TestType>::lanes;
+  const Index T = 150, dk = 10, dv = 2 * L;
+  const auto Q = random_matrix<TestType>(T, dk, 21);
+  const auto K = random_matrix<TestType>(T, dk, 22);
+  const auto V = random_matrix<TestType>(T, dv, 23);
+  const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
+  const auto attn = with_chunk<TestType>(16);
+  auto state = attn.make_state(dk, dv);
+  linattn::RowMatrix<TestType> out(T, dv);
+  Index first = 0;
+  for (Index n : {1, 40, 16, 77, 16}) {
+    out.middleRows(first, n) = attn.parallel(Q.middleRows(first, n), K.middleRows(first, n),
+                                             V.middleRows(first, n), Mask::causal, state);
+    first += n;
+  }
+  CHECK(worst_error_ratio<TestType>(out, ref, bound_units(dk, T)) <= 1);
+  // The state after the pieces equals the recurrent state to rounding: both are sums of the
+  // same T terms, so each entry is within 2 gamma_T of the exact sum (relative to the sum of
+  // magnitudes, which is the sum itself for z).
+  auto recurrent_state = attn.make_state(dk, dv);
+  (void)attn.recurrent(Q, K, V, recurrent_state);
+  const double u = unit_roundoff<TestType>(), units = 4.0 * double(T + 4);
+  CHECK(state.tokens() == T);
+  for (Index i = 0; i < dk; ++i) {
+    CHECK(std::abs(double(state.z()(i)) - double(recurrent_state.z()(i))) <=
+          units * u * double(recurrent_state.z()(i)));
+    for (Index c = 0; c < dv; ++c) {
+      double magnitude = 0;
+      for (Index t = 0; t < T; ++t)
+        magnitude += linattn_test::elu_plus_one(double(K(t, i))) * std::abs(double(V(t, c)));
+      CHECK(std::abs(double(state.S()(i, c)) - double(recurrent_state.S()(i, c))) <=
+            units * u * magnitude);
+    }
+  }
+}
+
+TEST_CASE("a DenominatorError in the register-kernel path leaves the earlier chunks",
+          "[chunked][kernel][errors]") {
+  // As the test above with dv a multiple of the packet width: keys (1, 0) except key 45 =
+  // (-45, 0), so row 45 (in the fourth chunk of 12) has denominator 0.
+  const Index T = 60, dv = 2 * detail::GemmTile<double>::lanes;
+  Eigen::MatrixXd Q = Eigen::MatrixXd::Zero(T, 2), K = Eigen::MatrixXd::Zero(T, 2);
+  Q.col(0).setOnes();
+  K.col(0).setOnes();
+  K(45, 0) = -45;
+  const Eigen::MatrixXd V = random_matrix<double>(T, dv, 7);
+  const LinearAttention<Identity, double> attn(Identity{}, Options{{}, 12});
+  auto state = attn.make_state(2, dv);
+  try {
+    (void)attn.parallel(Q, K, V, Mask::causal, state);
+    FAIL("expected a DenominatorError");
+  } catch (const DenominatorError& e) {
+    CHECK(e.row() == 45);
+  }
+  CHECK(state.tokens() == 36);
+  CHECK(state.z()(0) == 36.0);  // integer sums are exact
+  const Eigen::RowVectorXd expected = V.topRows(36).colwise().sum();
+  for (Index c = 0; c < dv; ++c)
+    CHECK(std::abs(state.S()(0, c) - expected(c)) <=
+          2.0 * 40 * unit_roundoff<double>() * V.col(c).head(36).cwiseAbs().sum());
+  CHECK(state.S().row(1).isZero(0.0));
 }
