@@ -5,23 +5,33 @@
 #   bash scripts/bench.sh            default sweep, about three minutes on a 2-core machine
 #   bash scripts/bench.sh --full     T = 256 ... 16384 in powers of two, 5 repetitions each
 #   bash scripts/bench.sh --build-only   build every benchmark program, run nothing (CI)
+#   bash scripts/bench.sh --avx2     build for AVX2+FMA instead of the host's own instruction set
+#                                    (into build-bench-avx2; the plot is not replaced)
 #
 # Environment: BUILD_DIR (default build-bench), JOBS (default: number of CPUs).
 set -euo pipefail
 
 full=0
 build_only=0
+avx2=0
 for arg in "$@"; do
   case "$arg" in
     --full) full=1 ;;
     --build-only) build_only=1 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    --avx2) avx2=1 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "bench.sh: unknown option '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-build="${BUILD_DIR:-$root/build-bench}"
+if [ "$avx2" -eq 1 ]; then
+  build="${BUILD_DIR:-$root/build-bench-avx2}"
+  arch=(-DLINATTN_NATIVE=OFF "-DCMAKE_CXX_FLAGS=-mavx2 -mfma")
+else
+  build="${BUILD_DIR:-$root/build-bench}"
+  arch=(-DLINATTN_NATIVE=ON -DCMAKE_CXX_FLAGS=)
+fi
 jobs="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
 python=/usr/bin/python3  # Debian's python3-matplotlib lives here, not in a pyenv python
 
@@ -48,7 +58,7 @@ fi
 
 # ---- build ------------------------------------------------------------------------------------
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DLINATTN_BUILD_BENCH=ON \
-  -DLINATTN_NATIVE=ON -DLINATTN_BUILD_TESTS=OFF -DLINATTN_BUILD_EXAMPLES=OFF >/dev/null
+  "${arch[@]}" -DLINATTN_BUILD_TESTS=OFF -DLINATTN_BUILD_EXAMPLES=OFF >/dev/null
 if [ "$build_only" -eq 1 ]; then
   cmake --build "$build" -j "$jobs"
   echo "bench.sh: built every benchmark in $build"
@@ -72,7 +82,11 @@ echo "bench.sh: running bench_paths (raw results: $json)"
 "$build/bench/bench_paths" "${args[@]}" >"$build/bench_paths.log"
 
 # ---- summarize and plot -------------------------------------------------------------------------
-mkdir -p "$root/docs/img"
-"$python" "$root/scripts/summarize_bench.py" "$json" --plot "$root/docs/img/bench_paths.png" \
-  | tee "$build/bench_summary.txt"
-echo "bench.sh: summary saved to $build/bench_summary.txt, plot to docs/img/bench_paths.png"
+if [ "$avx2" -eq 1 ]; then
+  plot="$build/bench_paths.png"
+else
+  mkdir -p "$root/docs/img"
+  plot="$root/docs/img/bench_paths.png"
+fi
+"$python" "$root/scripts/summarize_bench.py" "$json" --plot "$plot" | tee "$build/bench_summary.txt"
+echo "bench.sh: summary saved to $build/bench_summary.txt, plot to $plot"

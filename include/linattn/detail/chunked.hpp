@@ -14,8 +14,10 @@
 
 namespace linattn::detail {
 
-/// Chunked causal linear attention of T tokens continuing from (S, z); S, z and `tokens`
-/// absorb the tokens. For each chunk of n <= C rows with features qf = phi(Q_c), kf = phi(K_c):
+/// Chunked causal linear attention of T tokens continuing from (S, z), on Eigen's GEMM: the
+/// form for scalar types Eigen does not vectorize and value widths that are not a multiple of
+/// the packet width (causal_chunked below dispatches). S, z and `tokens` absorb the tokens.
+/// For each chunk of n <= C rows with features qf = phi(Q_c), kf = phi(K_c):
 ///   A = [qf | tril(qf kf^T)]   (n x (r + n)),   B = [S ; V_c]   ((r + n) x dv),
 ///   out_c = A B = qf S + tril(qf kf^T) V_c      (one GEMM instead of two),
 ///   den_c = qf z + rowsum(tril(qf kf^T)),  then  S += kf^T V_c,  z += colsum(kf).
@@ -29,9 +31,10 @@ namespace linattn::detail {
 /// that run fastest, a full small GEMM beats a triangular one). Memory: O(C (r + C) + r dv),
 /// never T x T. Allocates once per call, not per chunk.
 template <class Scalar, class Phi, class DQ, class DK, class DV>
-void causal_chunked_eigen(const Phi& phi, const DQ& Q, const DK& K, const DV& V, RowMatrix<Scalar>& S,
-                    ColVector<Scalar>& z, Index& tokens, Index chunk_size,
-                    const Normalization& norm, Eigen::Ref<RowMatrix<Scalar>> out) {
+void causal_chunked_eigen(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                          RowMatrix<Scalar>& S, ColVector<Scalar>& z, Index& tokens,
+                          Index chunk_size, const Normalization& norm,
+                          Eigen::Ref<RowMatrix<Scalar>> out) {
   const Index T = Q.rows(), r = S.rows(), dv = S.cols();
   if (T == 0) return;
   const Index C = std::min(chunk_size, T);
