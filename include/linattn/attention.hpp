@@ -283,6 +283,7 @@ class LinearAttention {
                                       options_.normalization, row);
       ++state.tokens_;
     } else {
+      detail::prefetch_for_write(y.data(), y.size());
       Eigen::Ref<RowMatrix<Scalar>> qf(state.query_features_), kf(state.key_features_);
       phi_.apply(q, qf);
       phi_.apply(k, kf);
@@ -297,9 +298,9 @@ class LinearAttention {
   // time, and tokens at positions (2m, 2m + 1) share one sweep over S, which halves the state
   // traffic per token; a token without its partner in this call (the first when the state holds
   // an odd count, the last when the count ends odd) sweeps alone. The arithmetic per token is
-  // the same either way (detail::sweep_tokens, detail::sweep_reversed), so the results equal
-  // step()'s bit for bit, whatever the split between calls. Allocates the block scratch once
-  // per call, nothing per token.
+  // the same either way (detail::sweep_tokens), so the results equal step()'s bit for bit,
+  // whatever the split between calls. Allocates the block scratch once per call, nothing per
+  // token.
   template <class DQ, class DK, class DV>
   void recurrent_pairs(const DQ& Q, const DK& K, const DV& V, State& state, OutputRef out) const {
     const Index T = Q.rows(), r = state.feature_dim(), dv = state.value_dim();
@@ -337,6 +338,9 @@ class LinearAttention {
       Index i = 0;
       while (i < n) {
         const Index t = first + i;
+        // The next sweep's output rows, so that they are in cache when this sweep's follow.
+        for (Index ahead = t + 2; ahead < std::min(t + 4, T); ++ahead)
+          detail::prefetch_for_write(out.row(ahead).data(), dv);
         if (state.tokens_ % 2 == 0 && i + 1 < n) {
           const Scalar* const qf2[2] = {qf.row(i).data(), qf.row(i + 1).data()};
           const Scalar* const kf2[2] = {kf.row(i).data(), kf.row(i + 1).data()};

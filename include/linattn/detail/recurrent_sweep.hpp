@@ -47,56 +47,84 @@ struct SweepToken {
   Scalar divisor;
 };
 
+/// Where a sweep splits the rows of S. The read of a column is summed over rows [0, split)
+/// and [split, r) separately, each upwards, and the two sums are added (which is commutative):
+/// the result then does not depend on which half a sweep visits first, so sweeps can alternate
+/// their order freely (see sweep_tokens) and every path gives the same bits.
+constexpr Index sweep_split(Index r) noexcept { return r / 2; }
+
 /// One pass over columns [c0, c0 + Packets * packet size) of all rows of S, for `Tokens`
 /// tokens in order: for each row i, S_i += kf_i v (token 0), acc_0 += qf_i S_i, S_i += kf_i v
 /// (token 1), acc_1 += qf_i S_i. Each token reads the state including itself, exactly as
 /// one token per sweep would, and each row is loaded and stored once for all tokens. The
 /// register arrays are indexed by compile-time constants only (loops fully unrolled), so
-/// the compiler keeps them in registers.
+/// the compiler keeps them in registers. `upper_first` visits rows [split, r) before
+/// [0, split).
 template <int Tokens, int Packets, class Scalar>
 void sweep_packet_columns(Scalar* S, Index ld, Index r, Index c0, const SweepToken<Scalar>* tokens,
-                          bool divide, bool reverse) noexcept {
+                          bool divide, bool upper_first) noexcept {
   namespace ei = Eigen::internal;
   using Packet = SweepPacket<Scalar>;
   constexpr int N = sweep_packet_size<Scalar>;
-  Packet v[Tokens][Packets], acc[Tokens][Packets];
+  // Local copies: Eigen's unaligned stores may alias anything, so fields read through
+  // `tokens` would be reloaded after every store.
+  const Scalar* kf[Tokens];
+  const Scalar* qf[Tokens];
+  Packet v[Tokens][Packets], acc[Tokens][Packets], first_half[Tokens][Packets];
+#pragma GCC unroll 4
+  for (int j = 0; j < Tokens; ++j) {
+    kf[j] = tokens[j].kf;
+    qf[j] = tokens[j].qf;
+#pragma GCC unroll 8
+    for (int p = 0; p < Packets; ++p) v[j][p] = ei::ploadu<Packet>(tokens[j].v + c0 + p * N);
+  }
+  const auto rows = [&](Index begin, Index end) {
+#pragma GCC unroll 4
+    for (int j = 0; j < Tokens; ++j) {
+#pragma GCC unroll 8
+      for (int p = 0; p < Packets; ++p) acc[j][p] = ei::pset1<Packet>(Scalar(0));
+    }
+    for (Index i = begin; i < end; ++i) {
+      Scalar* s_row = S + i * ld + c0;
+      Packet s[Packets];
+#pragma GCC unroll 8
+      for (int p = 0; p < Packets; ++p) s[p] = ei::ploadu<Packet>(s_row + p * N);
+#pragma GCC unroll 4
+      for (int j = 0; j < Tokens; ++j) {
+        const Packet k = ei::pset1<Packet>(kf[j][i]);
+        const Packet q = ei::pset1<Packet>(qf[j][i]);
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) {
+          s[p] = ei::pmadd(k, v[j][p], s[p]);
+          acc[j][p] = ei::pmadd(q, s[p], acc[j][p]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int p = 0; p < Packets; ++p) ei::pstoreu(s_row + p * N, s[p]);
+    }
+  };
+  const Index split = sweep_split(r);
+  if (upper_first)
+    rows(split, r);
+  else
+    rows(0, split);
 #pragma GCC unroll 4
   for (int j = 0; j < Tokens; ++j) {
 #pragma GCC unroll 8
-    for (int p = 0; p < Packets; ++p) {
-      v[j][p] = ei::ploadu<Packet>(tokens[j].v + c0 + p * N);
-      acc[j][p] = ei::pset1<Packet>(Scalar(0));
-    }
+    for (int p = 0; p < Packets; ++p) first_half[j][p] = acc[j][p];
   }
-  const auto row = [&](Index i) {
-    Scalar* s_row = S + i * ld + c0;
-    Packet s[Packets];
-#pragma GCC unroll 8
-    for (int p = 0; p < Packets; ++p) s[p] = ei::ploadu<Packet>(s_row + p * N);
-#pragma GCC unroll 4
-    for (int j = 0; j < Tokens; ++j) {
-      const Packet k = ei::pset1<Packet>(tokens[j].kf[i]);
-      const Packet q = ei::pset1<Packet>(tokens[j].qf[i]);
-#pragma GCC unroll 8
-      for (int p = 0; p < Packets; ++p) {
-        s[p] = ei::pmadd(k, v[j][p], s[p]);
-        acc[j][p] = ei::pmadd(q, s[p], acc[j][p]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int p = 0; p < Packets; ++p) ei::pstoreu(s_row + p * N, s[p]);
-  };
-  if (reverse) {
-    for (Index i = r - 1; i >= 0; --i) row(i);
-  } else {
-    for (Index i = 0; i < r; ++i) row(i);
-  }
+  if (upper_first)
+    rows(0, split);
+  else
+    rows(split, r);
 #pragma GCC unroll 4
   for (int j = 0; j < Tokens; ++j) {
     const Packet divisor = ei::pset1<Packet>(tokens[j].divisor);
 #pragma GCC unroll 8
-    for (int p = 0; p < Packets; ++p)
-      ei::pstoreu(tokens[j].y + c0 + p * N, divide ? ei::pdiv(acc[j][p], divisor) : acc[j][p]);
+    for (int p = 0; p < Packets; ++p) {
+      const Packet sum = ei::padd(first_half[j][p], acc[j][p]);
+      ei::pstoreu(tokens[j].y + c0 + p * N, divide ? ei::pdiv(sum, divisor) : sum);
+    }
   }
 }
 
@@ -104,34 +132,44 @@ void sweep_packet_columns(Scalar* S, Index ld, Index r, Index c0, const SweepTok
 /// nothing is allocated). Scalar arithmetic in the same order as the packet pass.
 template <int Tokens, class Scalar>
 void sweep_scalar_columns(Scalar* S, Index ld, Index r, Index c0, Index w,
-                          const SweepToken<Scalar>* tokens, bool divide, bool reverse) noexcept {
+                          const SweepToken<Scalar>* tokens, bool divide,
+                          bool upper_first) noexcept {
   namespace ei = Eigen::internal;
   constexpr int Cap = std::max(1, sweep_packet_size<Scalar> - 1);
-  Scalar v[Tokens][Cap], acc[Tokens][Cap];
+  Scalar v[Tokens][Cap]{}, acc[Tokens][Cap]{}, first_half[Tokens][Cap]{};
   for (int j = 0; j < Tokens; ++j)
-    for (Index c = 0; c < w; ++c) {
-      v[j][c] = tokens[j].v[c0 + c];
-      acc[j][c] = Scalar(0);
-    }
-  const auto row = [&](Index i) {
-    Scalar* s_row = S + i * ld + c0;
-    for (Index c = 0; c < w; ++c) {
-      Scalar s = s_row[c];
-      for (int j = 0; j < Tokens; ++j) {
-        s = ei::pmadd(tokens[j].kf[i], v[j][c], s);
-        acc[j][c] = ei::pmadd(tokens[j].qf[i], s, acc[j][c]);
+    for (Index c = 0; c < w; ++c) v[j][c] = tokens[j].v[c0 + c];
+  const auto rows = [&](Index begin, Index end) {
+    for (int j = 0; j < Tokens; ++j)
+      for (Index c = 0; c < w; ++c) acc[j][c] = Scalar(0);
+    for (Index i = begin; i < end; ++i) {
+      Scalar* s_row = S + i * ld + c0;
+      for (Index c = 0; c < w; ++c) {
+        Scalar s = s_row[c];
+        for (int j = 0; j < Tokens; ++j) {
+          s = ei::pmadd(tokens[j].kf[i], v[j][c], s);
+          acc[j][c] = ei::pmadd(tokens[j].qf[i], s, acc[j][c]);
+        }
+        s_row[c] = s;
       }
-      s_row[c] = s;
     }
   };
-  if (reverse) {
-    for (Index i = r - 1; i >= 0; --i) row(i);
-  } else {
-    for (Index i = 0; i < r; ++i) row(i);
-  }
+  const Index split = sweep_split(r);
+  if (upper_first)
+    rows(split, r);
+  else
+    rows(0, split);
   for (int j = 0; j < Tokens; ++j)
-    for (Index c = 0; c < w; ++c)
-      tokens[j].y[c0 + c] = divide ? acc[j][c] / tokens[j].divisor : acc[j][c];
+    for (Index c = 0; c < w; ++c) first_half[j][c] = acc[j][c];
+  if (upper_first)
+    rows(0, split);
+  else
+    rows(split, r);
+  for (int j = 0; j < Tokens; ++j)
+    for (Index c = 0; c < w; ++c) {
+      const Scalar sum = first_half[j][c] + acc[j][c];
+      tokens[j].y[c0 + c] = divide ? sum / tokens[j].divisor : sum;
+    }
 }
 
 /// A pass of `packets` (1 <= packets <= Max) whole packets: dispatches to the unrolled kernel
@@ -139,26 +177,27 @@ void sweep_scalar_columns(Scalar* S, Index ld, Index r, Index c0, Index w,
 template <int Tokens, int Max, class Scalar>
 void sweep_packet_columns_upto(int packets, Scalar* S, Index ld, Index r, Index c0,
                                const SweepToken<Scalar>* tokens, bool divide,
-                               bool reverse) noexcept {
+                               bool upper_first) noexcept {
   if constexpr (Max > 0) {
     if (packets == Max)
-      sweep_packet_columns<Tokens, Max>(S, ld, r, c0, tokens, divide, reverse);
+      sweep_packet_columns<Tokens, Max>(S, ld, r, c0, tokens, divide, upper_first);
     else
-      sweep_packet_columns_upto<Tokens, Max - 1>(packets, S, ld, r, c0, tokens, divide, reverse);
+      sweep_packet_columns_upto<Tokens, Max - 1>(packets, S, ld, r, c0, tokens, divide,
+                                                 upper_first);
   }
 }
 
-/// For each of `Tokens` tokens in order: S += kf^T v, then y = (kf S) with the updated S,
+/// For each of `Tokens` tokens in order: S += kf^T v, then y = kf S with the updated S,
 /// divided by the token's divisor if `divide`. S is r x dv with row stride ld. Each element of
 /// S is loaded and stored once per sweep; 4 r dv flops per token.
 ///
-/// `reverse` walks the sweep backwards (columns from the right, rows upwards). Alternating it
-/// between sweeps makes the start of one sweep reuse what the end of the previous one left in
-/// L1: when S is larger than L1 (r = dv = 128 in float is 64 KiB), a same-direction sweep
-/// misses L1 on every line (LRU evicts each line just before it is needed again), while
-/// alternating keeps most of L1 useful. The direction only changes the order of the read's
-/// sum over rows; each column's arithmetic is otherwise the same however the columns are
-/// grouped into passes.
+/// `reverse` walks the sweep backwards: column passes from the right, the upper half of the
+/// rows before the lower. Alternating it between sweeps makes the start of one sweep reuse
+/// what the end of the previous one left in L1: when S is larger than L1 (r = dv = 128 in
+/// float is 64 KiB), a same-order sweep misses L1 on every line (LRU evicts each line just
+/// before it is needed again), while alternating keeps most of L1 useful. The order changes
+/// no result (see sweep_split), and each column's arithmetic is the same however the
+/// columns are grouped into passes, so one token gives the same bits alone or paired.
 template <int Tokens, class Scalar>
 void sweep_tokens(Scalar* S, Index ld, Index r, Index dv, const SweepToken<Scalar>* tokens,
                   bool divide, bool reverse) noexcept {
@@ -199,14 +238,6 @@ void update_and_read(Scalar* S, Index ld, Index r, Index dv, const Scalar* qf, c
   sweep_tokens<1>(S, ld, r, dv, &token, false, reverse);
 }
 
-/// The sweep direction of the sweep that starts at token position `position` (tokens absorbed
-/// before it). Sweeps cover a pair of tokens at even positions when the recurrent path has
-/// both, so the direction alternates per pair of positions, and a lone token (decode, or a
-/// call that starts or ends mid-pair) sweeps as its pair would. Each token's read then sums
-/// the rows in an order fixed by its position alone: recurrent() and step() give the same
-/// bits, however a sequence is split between calls.
-constexpr bool sweep_reversed(Index position) noexcept { return (position / 2) % 2 != 0; }
-
 /// z_out = z + kf and returns qf . z_out (the denominator of the token's read), in a fixed
 /// order: packets from index 0 into two accumulators, then the scalar tail. The result
 /// depends on the values only, not on where the vectors lie in memory. z_out must not
@@ -241,6 +272,23 @@ Scalar add_keys_and_dot(const Scalar* z, const Scalar* kf, const Scalar* qf, Sca
   return sum;
 }
 
+/// Asks for the cache lines of [p, p + n) in a writable state, so that the output stores at the
+/// end of a sweep do not wait for them: an output row that is not in cache (the next row of a
+/// large [T, H*dv] buffer, say) otherwise holds up every store after it until its lines arrive,
+/// since stores leave the store buffer in order, and the next token's sweep stalls behind them.
+template <class Scalar>
+void prefetch_for_write(Scalar* p, Index n) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  constexpr Index kLine = 64;
+  char* const bytes = reinterpret_cast<char*>(p);
+  const Index size = n * static_cast<Index>(sizeof(Scalar));
+  for (Index b = 0; b < size; b += kLine) __builtin_prefetch(bytes + b, 1, 3);
+#else
+  static_cast<void>(p);
+  static_cast<void>(n);
+#endif
+}
+
 /// Pointer to the elements of vector `x` if they are contiguous, else to a copy in the 1 x n
 /// row `scratch` (a row of a column-major matrix, say). The copy is n scalars, no allocation.
 template <class X, class Scalar>
@@ -265,7 +313,8 @@ void recurrent_token_fused(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector
   const Index r = S.rows(), dv = S.cols();
   const Scalar den = add_keys_and_dot(z.data(), kf, qf, z_next.data(), r);
   const SweepToken<Scalar> token{qf, kf, v, y, norm.divisor(den, row)};
-  sweep_tokens<1>(S.data(), dv, r, dv, &token, norm.divides(), sweep_reversed(tokens));
+  // Alternate per token (see sweep_tokens); the parity of the position keeps it reproducible.
+  sweep_tokens<1>(S.data(), dv, r, dv, &token, norm.divides(), tokens % 2 != 0);
   z.swap(z_next);
   ++tokens;
 }
@@ -284,8 +333,8 @@ void recurrent_token_pair(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<
   const Index r = S.rows(), dv = S.cols();
   const Scalar den0 = add_keys_and_dot(z.data(), kf[0], qf[0], z_mid.data(), r);
   const Scalar den1 = add_keys_and_dot(z_mid.data(), kf[1], qf[1], z_next.data(), r);
-  const bool reverse = sweep_reversed(tokens);
   const bool divide = norm.divides();
+  const bool reverse = (tokens / 2) % 2 != 0;  // alternate per pair sweep
   SweepToken<Scalar> pair[2] = {{qf[0], kf[0], v[0], y[0], norm.divisor(den0, row)},
                                 {qf[1], kf[1], v[1], y[1], Scalar(1)}};
   try {
