@@ -299,8 +299,9 @@ class LinearAttention {
   // traffic per token; a token without its partner in this call (the first when the state holds
   // an odd count, the last when the count ends odd) sweeps alone. The arithmetic per token is
   // the same either way (detail::sweep_tokens), so the results equal step()'s bit for bit,
-  // whatever the split between calls. Allocates the block scratch once per call, nothing per
-  // token.
+  // whatever the split between calls (given a feature map whose rows do not depend on the
+  // other rows of the call, as linattn's). Allocates the block scratch once per call, nothing
+  // per token.
   template <class DQ, class DK, class DV>
   void recurrent_pairs(const DQ& Q, const DK& K, const DV& V, State& state, OutputRef out) const {
     const Index T = Q.rows(), r = state.feature_dim(), dv = state.value_dim();
@@ -338,7 +339,7 @@ class LinearAttention {
       Index i = 0;
       while (i < n) {
         const Index t = first + i;
-        // The next sweep's output rows, so that they are in cache when this sweep's follow.
+        // Output rows of the next sweep, requested now so that they arrive during this one.
         for (Index ahead = t + 2; ahead < std::min(t + 4, T); ++ahead)
           detail::prefetch_for_write(out.row(ahead).data(), dv);
         if (state.tokens_ % 2 == 0 && i + 1 < n) {
