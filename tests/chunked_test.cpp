@@ -14,8 +14,11 @@
 
 #include "test_support.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
+#include <string>
 #include <vector>
 
 using namespace linattn;
@@ -158,7 +161,8 @@ TEST_CASE("a DenominatorError mid-sequence leaves the state holding the earlier 
 
 TEMPLATE_TEST_CASE("the fused sweep matches a double loop over full and remainder blocks",
                    "[recurrent]", float, double) {
-  // sweep_width is 64 floats or 32 doubles: dv below, at, and between multiples of it.
+  // sweep_width is four SIMD packets of this build (64 floats with AVX-512, 16 with SSE): dv
+  // below, at, and between multiples of it, with and without a scalar tail.
   constexpr Index W = detail::sweep_width<TestType>;
   for (Index dv : {Index{1}, Index{5}, W - 1, W, W + 3, 2 * W, 2 * W + 2}) {
     for (Index r : {1, 7, 33}) {
@@ -468,4 +472,156 @@ TEST_CASE("a DenominatorError in the register-kernel path leaves the earlier chu
     CHECK(std::abs(state.S()(0, c) - expected(c)) <=
           2.0 * 40 * unit_roundoff<double>() * V.col(c).head(36).cwiseAbs().sum());
   CHECK(state.S().row(1).isZero(0.0));
+}
+
+TEMPLATE_TEST_CASE("a two-token sweep gives the bits of two one-token sweeps in either order",
+                   "[recurrent]", float, double, long double) {
+  // long double has no SIMD packet in Eigen: the kernels run as plain scalar loops.
+  constexpr Index N = detail::sweep_packet_size<TestType>;
+  constexpr Index W = detail::sweep_width<TestType>;
+  for (Index dv : {Index{1}, Index{5}, N - 1 > 0 ? N - 1 : 2, N, N + 1, W - 1, W, W + 3, 2 * W + 2,
+                   Index{70}, Index{130}}) {
+    for (Index r : {1, 2, 7, 33}) {
+      CAPTURE(dv, r);
+      const auto S0 = random_matrix<TestType>(r, dv, 90 + dv);
+      const auto qf = random_matrix<TestType>(2, r, 91);
+      const auto kf = random_matrix<TestType>(2, r, 92);
+      const auto v = random_matrix<TestType>(2, dv, 93);
+      linattn::RowMatrix<TestType> y_single(2, dv), y_pair(2, dv);
+      auto S_single = S0;
+      for (Index j = 0; j < 2; ++j)
+        detail::update_and_read(S_single.data(), dv, r, dv, qf.row(j).data(), kf.row(j).data(),
+                                v.row(j).data(), y_single.row(j).data(), j == 1);
+      for (bool reverse : {false, true}) {
+        auto S_pair = S0;
+        const detail::SweepToken<TestType> pair[2] = {
+            {qf.row(0).data(), kf.row(0).data(), v.row(0).data(), y_pair.row(0).data(), 1},
+            {qf.row(1).data(), kf.row(1).data(), v.row(1).data(), y_pair.row(1).data(), 1}};
+        detail::sweep_tokens<2>(S_pair.data(), dv, r, dv, pair, false, reverse);
+        CHECK(S_pair == S_single);
+        CHECK(y_pair == y_single);
+      }
+    }
+  }
+}
+
+TEST_CASE("the scalar fallback of the sweep is exact on small integers", "[recurrent]") {
+  // Integer values below 2^10 keep every product and sum exact, in long double (no SIMD
+  // packet, so the plain loops run) as in the double reference.
+  const Index r = 9, dv = 7;
+  linattn::RowMatrix<long double> S(r, dv), qf(1, r), kf(1, r), v(1, dv), y(1, dv);
+  for (Index i = 0; i < r; ++i) {
+    qf(0, i) = static_cast<long double>(i % 3 - 1);
+    kf(0, i) = static_cast<long double>(2 - i % 4);
+    for (Index c = 0; c < dv; ++c) S(i, c) = static_cast<long double>((i * 7 + c * 3) % 11 - 5);
+  }
+  for (Index c = 0; c < dv; ++c) v(0, c) = static_cast<long double>(c - 3);
+  const auto S_before = S;
+  detail::update_and_read(S.data(), dv, r, dv, qf.data(), kf.data(), v.data(), y.data(), true);
+  for (Index c = 0; c < dv; ++c) {
+    double y_exact = 0;
+    for (Index i = 0; i < r; ++i) {
+      const double s_new = double(S_before(i, c)) + double(kf(0, i)) * double(v(0, c));
+      CHECK(double(S(i, c)) == s_new);
+      y_exact += double(qf(0, i)) * s_new;
+    }
+    CHECK(double(y(0, c)) == y_exact);
+  }
+}
+
+TEMPLATE_TEST_CASE("recurrent() equals step() bit for bit and both agree with a double loop",
+                   "[recurrent]", float, double) {
+  // dv not a multiple of the sweep width (5, 70, 130), r = dk != dv, T odd and even; recurrent()
+  // sweeps tokens in pairs, step() one at a time, a sequence in pieces of odd lengths starts
+  // pairs at odd offsets of a call.
+  const Attn<TestType> attn;
+  for (Index dv : {5, 70, 130}) {
+    for (Index dk : {9, 33}) {
+      for (Index T : {1, 2, 7, 40, 41}) {
+        CAPTURE(dv, dk, T);
+        const auto Q = random_matrix<TestType>(T, dk, 400 + T);
+        const auto K = random_matrix<TestType>(T, dk, 500 + T);
+        const auto V = random_matrix<TestType>(T, dv, 600 + dv);
+        const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
+        const double units = bound_units(dk, T);
+
+        auto whole_state = attn.make_state(dk, dv);
+        const linattn::RowMatrix<TestType> whole = attn.recurrent(Q, K, V, whole_state);
+        CHECK(worst_error_ratio<TestType>(whole, ref, units) <= 1);
+
+        auto step_state = attn.make_state(dk, dv);
+        linattn::RowMatrix<TestType> stepped(T, dv);
+        for (Index t = 0; t < T; ++t)
+          stepped.row(t) = attn.step(step_state, Q.row(t), K.row(t), V.row(t));
+        CHECK(worst_error_ratio<TestType>(stepped, ref, units) <= 1);
+        CHECK(stepped == whole);
+        CHECK(step_state.S() == whole_state.S());
+        CHECK(step_state.z() == whole_state.z());
+
+        // Carried state across calls of odd lengths, and a column-major V (copied per block).
+        const Eigen::Matrix<TestType, Eigen::Dynamic, Eigen::Dynamic> Vcol = V;
+        auto piece_state = attn.make_state(dk, dv);
+        linattn::RowMatrix<TestType> pieces(T, dv);
+        Index first = 0;
+        for (Index n = 3; first < T; n = n == 3 ? 1 : n + 4) {
+          const Index len = std::min(n, T - first);
+          pieces.middleRows(first, len) =
+              attn.recurrent(Q.middleRows(first, len), K.middleRows(first, len),
+                             Vcol.middleRows(first, len), piece_state);
+          first += len;
+        }
+        CHECK(pieces == whole);
+        CHECK(piece_state.S() == whole_state.S());
+        CHECK(piece_state.z() == whole_state.z());
+        CHECK(piece_state.tokens() == T);
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("a rejected denominator inside a token pair absorbs exactly the tokens before it",
+                   "[recurrent][errors]", float, double) {
+  // Identity features, queries (1, 0): the denominator is the running sum of the keys' first
+  // entries, integers here, so z is exact and the failing row is known.
+  using M = Eigen::Matrix<TestType, Eigen::Dynamic, Eigen::Dynamic>;
+  const LinearAttention<Identity, TestType> attn;
+  using Catch::Matchers::Contains;
+  const auto run = [&](std::initializer_list<TestType> keys, Index carried, Index bad_row,
+                       Index absorbed) {
+    CAPTURE(carried, bad_row);
+    const Index T = static_cast<Index>(keys.size());
+    M Q = M::Zero(T, 2), K = M::Zero(T, 2);
+    Q.col(0).setOnes();
+    Index t = 0;
+    for (TestType k : keys) K(t++, 0) = k;
+    const M V = random_matrix<TestType>(T, 3, 77);
+    // `carried` tokens with key (1, 0) first, through step().
+    auto state = attn.make_state(2, 3);
+    auto reference = attn.make_state(2, 3);
+    const Eigen::Matrix<TestType, 1, 2> one(1, 0);
+    const Eigen::Matrix<TestType, 1, 3> v0(1, 2, 3);
+    for (Index i = 0; i < carried; ++i) {
+      (void)attn.step(state, one, one, v0);
+      (void)attn.step(reference, one, one, v0);
+    }
+    linattn::RowMatrix<TestType> out = linattn::RowMatrix<TestType>::Zero(T, 3);
+    CHECK_THROWS_WITH(attn.recurrent_into(Q, K, V, state, out),
+                      Contains("row " + std::to_string(bad_row)) && Contains("= 0"));
+    CHECK(state.tokens() == carried + absorbed);
+    // The absorbed tokens match step() on the same tokens, bits and outputs.
+    for (Index i = 0; i < absorbed; ++i) {
+      const auto y = attn.step(reference, Q.row(i), K.row(i), V.row(i));
+      CHECK(out.row(i) == y);
+    }
+    CHECK(state.S() == reference.S());
+    CHECK(state.z() == reference.z());
+    CHECK(out.bottomRows(T - absorbed).isZero(0));
+  };
+  // Fresh state: rows 0 and 1 share a sweep; row 1's denominator 1 - 1 = 0.
+  run({1, -1, 1, 1}, 0, 1, 1);
+  // Three tokens carried: row 0 sweeps alone (position 3), rows 1 and 2 are a pair.
+  run({1, 1, -5, 1}, 3, 2, 2);  // second of the pair: z = 3 + 1 + 1 - 5 = 0
+  run({1, -4, 1, 1}, 3, 1, 1);  // first of the pair: nothing of the pair absorbed
+  // Even carry: rows 0 and 1 pair, rows 2 and 3 pair; the second pair's second token fails.
+  run({1, 1, 1, -7, 1}, 4, 3, 3);
 }

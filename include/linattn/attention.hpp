@@ -166,7 +166,12 @@ class LinearAttention {
     const auto& Qm = detail::materialize(Q);
     const auto& Km = detail::materialize(K);
     const auto& Vm = detail::materialize(V);
-    for (Index t = 0; t < Qm.rows(); ++t) token(state, Qm.row(t), Km.row(t), Vm.row(t), out.row(t), t);
+    if constexpr (log_scaled) {
+      for (Index t = 0; t < Qm.rows(); ++t)
+        token(state, Qm.row(t), Km.row(t), Vm.row(t), out.row(t), t);
+    } else {
+      recurrent_pairs(Qm, Km, Vm, state, out);
+    }
   }
 
   /// One decode step: S += phi(k) v^T, z += phi(k), returns y = phi(q)^T S / phi(q)^T z.
@@ -276,18 +281,86 @@ class LinearAttention {
       detail::log_domain_step<Scalar>(phi_, q, k, v, state.query_features_, state.key_features_,
                                       state.S_, state.z_, state.z_next_, state.log_scale_, y,
                                       options_.normalization, row);
+      ++state.tokens_;
     } else {
+      detail::prefetch_for_write(y.data(), y.size());
       Eigen::Ref<RowMatrix<Scalar>> qf(state.query_features_), kf(state.key_features_);
       phi_.apply(q, qf);
       phi_.apply(k, kf);
-      // Sweeps alternate direction by token parity (see detail::update_and_read), so the order
-      // of the read's sum depends only on the token's position: results are reproducible.
-      detail::recurrent_token_fused<Scalar>(
-          state.S_, state.z_, state.z_next_, qf.data(), kf.data(),
-          detail::contiguous_data(v, state.value_row_), y.data(), options_.normalization, row,
-          state.tokens_ % 2 != 0);
+      // Advances state.tokens_ once the token is absorbed.
+      detail::recurrent_token_fused<Scalar>(state.S_, state.z_, state.z_next_, qf.data(),
+                                            kf.data(), detail::contiguous_data(v, state.value_row_),
+                                            y.data(), options_.normalization, row, state.tokens_);
     }
-    ++state.tokens_;
+  }
+
+  // The plain recurrent path over T tokens. Features are computed for blocks of tokens at a
+  // time, and tokens at positions (2m, 2m + 1) share one sweep over S, which halves the state
+  // traffic per token; a token without its partner in this call (the first when the state holds
+  // an odd count, the last when the count ends odd) sweeps alone. The arithmetic per token is
+  // the same either way (detail::sweep_tokens), so the results equal step()'s bit for bit,
+  // whatever the split between calls (given a feature map whose rows do not depend on the
+  // other rows of the call, as linattn's). Allocates the block scratch once per call, nothing
+  // per token.
+  template <class DQ, class DK, class DV>
+  void recurrent_pairs(const DQ& Q, const DK& K, const DV& V, State& state, OutputRef out) const {
+    const Index T = Q.rows(), r = state.feature_dim(), dv = state.value_dim();
+    if (T == 0) return;
+    // 32 tokens of features per block: few calls of the feature map, scratch that stays in L1.
+    // A shorter call is one block (T + 1 rows leave room for the odd start below).
+    const Index block = std::min<Index>(T + 1, 32);
+    // Feature rows start at the alignment Eigen vectorizes for, as the 1 x r rows step() uses:
+    // a vectorized feature map then takes the same packet or scalar path for every element
+    // either way, so features do not differ in the last bit between the two paths.
+    constexpr Index align = std::max<Index>(1, EIGEN_MAX_ALIGN_BYTES / Index{sizeof(Scalar)});
+    const Index ld = (r + align - 1) / align * align;
+    RowMatrix<Scalar> qf_rows(block, ld), kf_rows(block, ld);
+    constexpr bool contiguous_v = DV::IsRowMajor && DV::InnerStrideAtCompileTime == 1;
+    RowMatrix<Scalar> v_rows(contiguous_v ? 0 : block, dv);
+    ColVector<Scalar> z_mid(r);
+    using FeatureRows = Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
+
+    Index first = 0;
+    while (first < T) {
+      // Blocks end at even positions, so a pair never straddles two blocks.
+      const Index n = std::min(block - (state.tokens_ + first) % 2, T - first);
+      FeatureRows qf_map(qf_rows.data(), n, r, Eigen::OuterStride<>(ld));
+      FeatureRows kf_map(kf_rows.data(), n, r, Eigen::OuterStride<>(ld));
+      Eigen::Ref<RowMatrix<Scalar>> qf(qf_map), kf(kf_map);
+      phi_.apply(Q.middleRows(first, n), qf);
+      phi_.apply(K.middleRows(first, n), kf);
+      if constexpr (!contiguous_v) v_rows.topRows(n) = V.middleRows(first, n);
+      const auto v_row = [&](Index i) -> const Scalar* {
+        if constexpr (contiguous_v)
+          return V.row(first + i).data();
+        else
+          return v_rows.row(i).data();
+      };
+      Index i = 0;
+      while (i < n) {
+        const Index t = first + i;
+        // Output rows of the next sweep, requested now so that they arrive during this one.
+        for (Index ahead = t + 2; ahead < std::min(t + 4, T); ++ahead)
+          detail::prefetch_for_write(out.row(ahead).data(), dv);
+        if (state.tokens_ % 2 == 0 && i + 1 < n) {
+          const Scalar* const qf2[2] = {qf.row(i).data(), qf.row(i + 1).data()};
+          const Scalar* const kf2[2] = {kf.row(i).data(), kf.row(i + 1).data()};
+          const Scalar* const v2[2] = {v_row(i), v_row(i + 1)};
+          Scalar* const y2[2] = {out.row(t).data(), out.row(t + 1).data()};
+          detail::recurrent_token_pair<Scalar>(state.S_, state.z_, z_mid, state.z_next_, qf2,
+                                               kf2, v2, y2, options_.normalization, t,
+                                               state.tokens_);
+          i += 2;
+        } else {
+          detail::recurrent_token_fused<Scalar>(state.S_, state.z_, state.z_next_,
+                                                qf.row(i).data(), kf.row(i).data(), v_row(i),
+                                                out.row(t).data(), options_.normalization, t,
+                                                state.tokens_);
+          i += 1;
+        }
+      }
+      first += n;
+    }
   }
 
   // Features in a shifted log domain (random features): S, z kept as exp(M) (S, z).
