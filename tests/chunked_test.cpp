@@ -319,48 +319,6 @@ TEMPLATE_TEST_CASE("small_gemm matches a double loop for every tile shape and tr
   }
 }
 
-TEMPLATE_TEST_CASE("small_gemm_sum adds two products, the second lower triangular",
-                   "[chunked][kernel]", float, double) {
-  // The chunked read: out = (qf S + P V) scaled per row, with P lower triangular (diagonal
-  // included), summed in registers and stored once.
-  using Tile = detail::GemmTile<TestType>;
-  const Index L = Tile::lanes, W = Tile::width;
-  const double u = unit_roundoff<TestType>();
-  for (Index m : {1, 6, 7, 13}) {
-    for (Index n : {L, W + L}) {
-      const Index depth1 = 9;
-      const auto A1 = random_matrix<TestType>(m, depth1, 75);
-      const auto B1 = random_matrix<TestType>(depth1, n, 76);
-      linattn::RowMatrix<TestType> A2 = random_matrix<TestType>(m, m, 77);
-      A2.template triangularView<Eigen::StrictlyUpper>().setZero();
-      const auto B2 = random_matrix<TestType>(m, n, 78);
-      const auto scale = random_matrix<TestType>(1, m, 79);
-      linattn::RowMatrix<TestType> C(m, n);
-      detail::small_gemm_sum<TestType, false>(
-          m, n, detail::GemmOperands<TestType>{depth1, A1.data(), depth1, B1.data(), n},
-          detail::GemmOperands<TestType>{m, A2.data(), m, B2.data(), n}, C.data(), n,
-          detail::Triangle::none, true, scale.data());
-      for (Index i = 0; i < m; ++i)
-        for (Index j = 0; j < n; ++j) {
-          CAPTURE(m, n, i, j);
-          double exact = 0, magnitude = 0;
-          for (Index k = 0; k < depth1; ++k) {
-            exact += double(A1(i, k)) * double(B1(k, j));
-            magnitude += std::abs(double(A1(i, k)) * double(B1(k, j)));
-          }
-          for (Index k = 0; k <= i; ++k) {
-            exact += double(A2(i, k)) * double(B2(k, j));
-            magnitude += std::abs(double(A2(i, k)) * double(B2(k, j)));
-          }
-          // depth1 + i + 1 products summed, then one multiply: 2 (depth1 + m + 2) u.
-          const double factor = double(scale(0, i));
-          CHECK(std::abs(double(C(i, j)) - exact * factor) <=
-                2.0 * double(depth1 + m + 2) * u * magnitude * std::abs(factor));
-        }
-    }
-  }
-}
-
 TEMPLATE_TEST_CASE("transpose_into copies exactly across packet blocks and edges",
                    "[chunked][kernel]", float, double) {
   const Index L = detail::GemmTile<TestType>::lanes;

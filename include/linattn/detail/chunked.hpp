@@ -104,8 +104,8 @@ std::pair<const Scalar*, Index> row_major_rows(const DV& V, Index first, Index n
 /// Per chunk of n <= C rows with qf = phi(Q_c), kf = phi(K_c), P = tril(qf kf^T) (diagonal
 /// included):
 ///   z_i = z + kf_0 + ... + kf_i,  den_i = qf_i . z_i      checked before anything is written
-///   out_c = (qf S + P V_c) / den                  both products summed in registers, divided
-///                                                 and stored once per output tile
+///   out_c = (qf S + P V_c) / den                  two products into the output rows, the
+///                                                 division folded into the second one's store
 ///   S += kf^T V_c,  z = z_(n-1)
 /// The denominators are the recurrent path's (a running z, one dot product per row), which is
 /// cheaper here than a product plus masked row sums of P. The products skip the zero half of
@@ -164,10 +164,9 @@ void causal_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& V, RowMa
 
       const auto [v_chunk, ld_v] = row_major_rows(V, first, n, v_buffer);
       Scalar* o = out.data() + first * ld_out;
-      small_gemm_sum<Scalar, false>(n, dv, GemmOperands<Scalar>{r, qf.data(), r, S.data(), dv},
-                                    GemmOperands<Scalar>{n, scores.data(), padded, v_chunk, ld_v},
-                                    o, ld_out, Triangle::none, /*second_lower_lhs=*/true,
-                                    norm.divides() ? inverse.data() : nullptr);
+      small_gemm<Scalar, false>(n, dv, r, qf.data(), r, S.data(), dv, o, ld_out);
+      small_gemm<Scalar, true>(n, dv, n, scores.data(), padded, v_chunk, ld_v, o, ld_out,
+                               Triangle::lower_lhs, norm.divides() ? inverse.data() : nullptr);
       small_gemm<Scalar, true>(r, dv, n, kf_t.data(), padded, v_chunk, ld_v, S.data(), dv);
       z = running_z.transpose();
       tokens += n;

@@ -15,7 +15,6 @@
 
 #include <algorithm>
 #include <array>
-#include <initializer_list>
 #include <utility>
 
 namespace linattn::detail {
@@ -37,23 +36,12 @@ template <class Scalar>
 inline constexpr bool has_gemm_kernel =
     Eigen::internal::packet_traits<Scalar>::Vectorizable && GemmTile<Scalar>::lanes > 1;
 
-/// One product's operands for a tile: A (rows x depth, row stride lda) times B (depth x
-/// columns, row stride ldb), both row-major.
-template <class Scalar>
-struct GemmOperands {
-  Index depth = 0;
-  const Scalar* a = nullptr;
-  Index lda = 0;
-  const Scalar* b = nullptr;
-  Index ldb = 0;
-};
-
-/// One register tile: C[0, MR) x [0, NP lanes) = (Accumulate ? C : 0) + A1 B1 + A2 B2, then, if
-/// `row_scale` is given, row i times row_scale[i]; stored once. The k loops run in order, so the
+/// One register tile: C[0, MR) x [0, NP lanes) = (Accumulate ? C : 0) + A B over `depth`,
+/// then, if `row_scale` is given, row i times row_scale[i]. The k loop runs in order, so the
 /// result depends only on the operands, never on the tiling.
 template <class Scalar, int MR, int NP, bool Accumulate>
-void gemm_tile(GemmOperands<Scalar> first, GemmOperands<Scalar> second, Scalar* c, Index ldc,
-               const Scalar* row_scale) noexcept {
+void gemm_tile(Index depth, const Scalar* a, Index lda, const Scalar* b, Index ldb, Scalar* c,
+               Index ldc, const Scalar* row_scale) noexcept {
   using namespace Eigen::internal;
   using Packet = typename GemmTile<Scalar>::Packet;
   constexpr int L = GemmTile<Scalar>::lanes;
@@ -63,22 +51,15 @@ void gemm_tile(GemmOperands<Scalar> first, GemmOperands<Scalar> second, Scalar* 
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p)
       acc[i][p] = Accumulate ? ploadu<Packet>(c + i * ldc + p * L) : pset1<Packet>(Scalar(0));
-  // One loop over both products (not a helper taking acc by reference, which made g++ keep
-  // the accumulators in memory).
-  for (const GemmOperands<Scalar>* op : {&first, &second}) {
-    const Scalar* a = op->a;
-    const Scalar* b = op->b;
-    const Index lda = op->lda, ldb = op->ldb;
-    for (Index k = 0; k < op->depth; ++k) {
-      Packet bk[NP];
+  for (Index k = 0; k < depth; ++k) {
+    Packet bk[NP];
 #pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) bk[p] = ploadu<Packet>(b + k * ldb + p * L);
+    for (int p = 0; p < NP; ++p) bk[p] = ploadu<Packet>(b + k * ldb + p * L);
 #pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) {
-        const Packet ai = pset1<Packet>(a[i * lda + k]);
+    for (int i = 0; i < MR; ++i) {
+      const Packet ai = pset1<Packet>(a[i * lda + k]);
 #pragma GCC unroll 8
-        for (int p = 0; p < NP; ++p) acc[i][p] = pmadd(ai, bk[p], acc[i][p]);
-      }
+      for (int p = 0; p < NP; ++p) acc[i][p] = pmadd(ai, bk[p], acc[i][p]);
     }
   }
   if (row_scale != nullptr) {
@@ -96,7 +77,7 @@ void gemm_tile(GemmOperands<Scalar> first, GemmOperands<Scalar> second, Scalar* 
 }
 
 template <class Scalar>
-using GemmTileFn = void (*)(GemmOperands<Scalar>, GemmOperands<Scalar>, Scalar*, Index,
+using GemmTileFn = void (*)(Index, const Scalar*, Index, const Scalar*, Index, Scalar*, Index,
                             const Scalar*) noexcept;
 
 /// gemm_tile for every (rows, packets) up to the full tile: entry (mr - 1) * packets + np - 1.
@@ -117,17 +98,15 @@ enum class Triangle {
   lower_result,
 };
 
-/// C (m x n) = (Accumulate ? C : 0) + A1 B1 + A2 B2, each row then scaled by row_scale[i] when
-/// row_scale is not null; each tile of C is loaded (if Accumulate) and stored once. `triangle`
-/// describes the first product; `second_lower_lhs` says A2(i, k) = 0 for k > i. n must be a
-/// multiple of GemmTile<Scalar>::lanes. Panels of `width` columns outside, row tiles inside, so
-/// a panel of B stays in L1 while the rows of A stream. Cost: 2 m n (depth1 + depth2) flops
-/// (less with triangles), no allocation.
+/// C (m x n) = (Accumulate ? C : 0) + A (m x depth) B (depth x n), each row then scaled by
+/// row_scale[i] when row_scale is not null. A, B, C row-major with leading dimensions lda, ldb,
+/// ldc; n must be a multiple of GemmTile<Scalar>::lanes. Panels of `width` columns outside,
+/// row tiles inside, so a panel of B (depth x width) stays in L1 while the rows of A stream.
+/// Cost: 2 m n depth flops (about half that with a triangle), no allocation.
 template <class Scalar, bool Accumulate>
-void small_gemm_sum(Index m, Index n, const GemmOperands<Scalar>& first,
-                    const GemmOperands<Scalar>& second, Scalar* C, Index ldc,
-                    Triangle triangle = Triangle::none, bool second_lower_lhs = false,
-                    const Scalar* row_scale = nullptr) noexcept {
+void small_gemm(Index m, Index n, Index depth, const Scalar* A, Index lda, const Scalar* B,
+                Index ldb, Scalar* C, Index ldc, Triangle triangle = Triangle::none,
+                const Scalar* row_scale = nullptr) noexcept {
   using Tile = GemmTile<Scalar>;
   static constexpr auto table =
       gemm_tile_table<Scalar, Accumulate>(std::make_integer_sequence<int, Tile::rows * Tile::packets>{});
@@ -135,34 +114,20 @@ void small_gemm_sum(Index m, Index n, const GemmOperands<Scalar>& first,
     const Index panel = std::min<Index>(Tile::width, n - c0);
     for (Index i0 = 0; i0 < m; i0 += Tile::rows) {
       const Index mr = std::min<Index>(Tile::rows, m - i0);
-      Index cols = panel;
-      GemmOperands<Scalar> one{first.depth, first.a + i0 * first.lda, first.lda, first.b + c0,
-                               first.ldb};
-      GemmOperands<Scalar> two{second.depth, second.a + i0 * second.lda, second.lda,
-                               second.b + c0, second.ldb};
+      Index cols = panel, inner = depth;
       if (triangle == Triangle::lower_result) {
         const Index last_col = i0 + mr;  // columns [0, i0 + mr) hold the wanted entries
         if (last_col <= c0) continue;
         const Index wanted = (last_col - c0 + Tile::lanes - 1) / Tile::lanes * Tile::lanes;
         cols = std::min(panel, wanted);
       } else if (triangle == Triangle::lower_lhs) {
-        one.depth = std::min(one.depth, i0 + mr);
+        inner = std::min(depth, i0 + mr);
       }
-      if (second_lower_lhs) two.depth = std::min(two.depth, i0 + mr);
       const auto tile = table[static_cast<std::size_t>((mr - 1) * Tile::packets + cols / Tile::lanes - 1)];
-      tile(one, two, C + i0 * ldc + c0, ldc, row_scale != nullptr ? row_scale + i0 : nullptr);
+      tile(inner, A + i0 * lda, lda, B + c0, ldb, C + i0 * ldc + c0, ldc,
+           row_scale != nullptr ? row_scale + i0 : nullptr);
     }
   }
-}
-
-/// C (m x n) = (Accumulate ? C : 0) + A (m x depth) B (depth x n), each row then scaled by
-/// row_scale[i] when row_scale is not null: small_gemm_sum with one product.
-template <class Scalar, bool Accumulate>
-void small_gemm(Index m, Index n, Index depth, const Scalar* A, Index lda, const Scalar* B,
-                Index ldb, Scalar* C, Index ldc, Triangle triangle = Triangle::none,
-                const Scalar* row_scale = nullptr) noexcept {
-  small_gemm_sum<Scalar, Accumulate>(m, n, GemmOperands<Scalar>{depth, A, lda, B, ldb},
-                                     GemmOperands<Scalar>{}, C, ldc, triangle, false, row_scale);
 }
 
 /// dst (cols x rows, row stride ldd) = src^T for src (rows x cols, row stride lds), both
