@@ -73,7 +73,7 @@ if [ "$full" -eq 1 ]; then
   export LINATTN_BENCH_FULL=1
   args+=(--benchmark_min_time=0.2 --benchmark_repetitions=5)
 else
-  args+=(--benchmark_min_time=0.05 --benchmark_repetitions=3)
+  args+=(--benchmark_min_time=0.1 --benchmark_repetitions=5)
 fi
 # Repetitions are spread over the run rather than back to back, so a burst of other work on the
 # machine hits one repetition of many rows instead of every repetition of one row.
