@@ -45,6 +45,22 @@ Attn<Scalar> with_chunk(Index chunk) {
   return Attn<Scalar>(EluPlusOne{}, Options{{}, chunk});
 }
 
+// Causal parallel over Q, K, V in pieces of 1, 40 (not a multiple of C = 16), 16, 77 and 16
+// tokens (T = 150), carrying `state` across the calls; the outputs of all pieces.
+template <class Scalar, class Attention, class M, class MV>
+linattn::RowMatrix<Scalar> parallel_in_pieces(const Attention& attn, const M& Q, const M& K,
+                                              const MV& V, AttentionState<Scalar>& state) {
+  linattn::RowMatrix<Scalar> out(Q.rows(), V.cols());
+  Index first = 0;
+  for (Index n : {1, 40, 16, 77, 16}) {
+    out.middleRows(first, n) = attn.parallel(Q.middleRows(first, n), K.middleRows(first, n),
+                                             V.middleRows(first, n), Mask::causal, state);
+    first += n;
+  }
+  REQUIRE(first == Q.rows());
+  return out;
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("chunked causal path agrees with a double loop for every chunk size",
@@ -113,14 +129,7 @@ TEMPLATE_TEST_CASE("chunked state equals the recurrent state and carries across 
   // Pieces of 1, 40 (not a multiple of C = 16), 16, 77 and 16 tokens, chunk size 16.
   const auto attn = with_chunk<TestType>(16);
   auto state = attn.make_state(dk, dv);
-  linattn::RowMatrix<TestType> out(T, dv);
-  Index first = 0;
-  for (Index n : {1, 40, 16, 77, 16}) {
-    out.middleRows(first, n) = attn.parallel(Q.middleRows(first, n), K.middleRows(first, n),
-                                             V.middleRows(first, n), Mask::causal, state);
-    first += n;
-  }
-  REQUIRE(first == T);
+  const auto out = parallel_in_pieces<TestType>(attn, Q, K, V, state);
   CHECK(worst_error_ratio<TestType>(out, ref, units) <= 1);
   check_state(state);
 
@@ -377,13 +386,7 @@ TEMPLATE_TEST_CASE("the register-kernel chunked path carries state across uneven
   const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
   const auto attn = with_chunk<TestType>(16);
   auto state = attn.make_state(dk, dv);
-  linattn::RowMatrix<TestType> out(T, dv);
-  Index first = 0;
-  for (Index n : {1, 40, 16, 77, 16}) {
-    out.middleRows(first, n) = attn.parallel(Q.middleRows(first, n), K.middleRows(first, n),
-                                             V.middleRows(first, n), Mask::causal, state);
-    first += n;
-  }
+  const auto out = parallel_in_pieces<TestType>(attn, Q, K, V, state);
   CHECK(worst_error_ratio<TestType>(out, ref, bound_units(dk, T)) <= 1);
   // The state after the pieces equals the recurrent state to rounding: both are sums of the
   // same T terms, so each entry is within 2 gamma_T of the exact sum (relative to the sum of
