@@ -40,9 +40,11 @@ struct Options {
   /// What the read divides by; strict (throwing) by default.
   Normalization normalization{};
   /// Tokens per chunk in the causal parallel path (>= 1). Per token the chunked path costs
-  /// 4 r dv + 2 C (r + dv) flops: smaller chunks waste less on the masked score block, larger
-  /// ones run the GEMMs closer to peak. 32 was fastest at r = dv = 64 and 128 in float on
-  /// the reference machine (docs/performance.md, bench_paths chunk_size sweep).
+  /// about 4 r dv + C (r + dv) flops: smaller chunks spend less on the within-chunk score
+  /// block, larger ones read and write S less often and give the products more rows. 16 and
+  /// 32 measured within a few percent of each other at r = dv = 64 and 128 in float on the
+  /// reference machine, 64 and more slower (docs/performance.md, chunk_size sweep); 32 also
+  /// suits RuleAttention, which shares these options.
   Index chunk_size = 32;
 };
 
