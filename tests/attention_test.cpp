@@ -2,6 +2,7 @@
 // loop, carried state, strided views, and every error path.
 
 #include <linattn/attention.hpp>
+#include <linattn/random_features.hpp>
 #include <linattn/reference.hpp>
 
 #include <catch2/catch.hpp>
@@ -9,6 +10,7 @@
 #include "test_support.hpp"
 
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -232,6 +234,46 @@ TEST_CASE("strided views and column-major inputs read in place give the copy's r
   const RowMatrix<float> Qexpr = Qcopy * 0.5f;
   CHECK(attn.parallel(Qcopy * 0.5f, Krow, V, Mask::causal) ==
         attn.parallel(Qexpr, Krow, V, Mask::causal));
+}
+
+TEST_CASE("step reads q, k, v in place or from a copy with the same result, also when y is v",
+          "[views]") {
+  // step() reads contiguous vectors where they lie and copies the others (strided columns,
+  // expressions); the arithmetic is the same, so the bits must be too.
+  const Index T = 9, d = 8;
+  const auto Q = random_matrix<float>(T, d, 51);
+  const auto K = random_matrix<float>(T, d, 52);
+  const auto V = random_matrix<float>(T, d, 53);
+  const Eigen::MatrixXf Kcol = K;                    // column-major: rows are strided
+  const RowMatrix<float> Vt = V.transpose();         // columns of Vt are strided
+  const auto check_layouts = [&](const auto& attn) {
+    const RowMatrix<float> expected = attn.recurrent(Q, K, V);
+    auto rows = attn.make_state(d, d), mixed = attn.make_state(d, d);
+    auto in_place = attn.make_state(d, d);
+    for (Index t = 0; t < T; ++t) {
+      CHECK(attn.step(rows, Q.row(t), K.row(t), V.row(t)) == expected.row(t));
+      // A column vector, a strided row, a strided column and an expression without storage.
+      const Eigen::VectorXf q_column = Q.row(t).transpose();
+      CHECK(attn.step(mixed, q_column, Kcol.row(t), Vt.col(t) * 1.0f) == expected.row(t));
+      // y written over v itself: the random-feature step writes y while it still reads v,
+      // so a v that overlaps y is copied first.
+      RowVector<float> v_then_y = V.row(t);
+      attn.step_into(in_place, Q.row(t), K.row(t), v_then_y, v_then_y);
+      CHECK(v_then_y == expected.row(t));
+    }
+  };
+  check_layouts(LinearAttention<EluPlusOne>());
+  check_layouts(LinearAttention<PositiveRandomFeatures<float>>(PositiveRandomFeatures<float>(d, 16, 7)));
+}
+
+TEST_CASE("states in a vector do not share cache lines", "[state]") {
+  // Each step writes its state's token count and swaps its z buffers; states of heads that
+  // different threads decode must not share a cache line (or the adjacent-line pair Intel
+  // prefetches), or every token moves the line between cores.
+  const LinearAttention<EluPlusOne> attn;
+  const std::vector<AttentionState<float>> heads(3, attn.make_state(8, 8));
+  for (const auto& h : heads) CHECK(reinterpret_cast<std::uintptr_t>(&h) % 128 == 0);
+  CHECK(sizeof(AttentionState<float>) % 128 == 0);
 }
 
 TEST_CASE("T = 0 gives an empty 0 x dv result", "[shapes]") {

@@ -12,6 +12,7 @@
 #include "test_support.hpp"
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <random>
 #include <string>
@@ -528,4 +529,12 @@ TEST_CASE("T = 0 gives an empty result for every rule", "[shapes]") {
   CHECK(RuleAttention<EluPlusOne, Gated>().parallel(Q, K, V, Eigen::MatrixXf(0, 1)).rows() == 0);
   CHECK(RuleAttention<L2Normalize, Delta>().recurrent(Q, K, V, none).cols() == 3);
   CHECK(RuleAttention<L2Normalize, GatedDelta>().parallel(Q, K, V, none, none).rows() == 0);
+}
+
+TEST_CASE("rule states in a vector do not share cache lines", "[state]") {
+  // As AttentionState: each step writes the state object, and heads on different threads
+  // must not share a line (or the adjacent-line pair x86 prefetches).
+  const RuleAttention<EluPlusOne, Decay, float> attn(EluPlusOne{}, Decay(0.5f));
+  const std::vector<decltype(attn.make_state(8, 8))> heads(3, attn.make_state(8, 8));
+  for (const auto& h : heads) CHECK(reinterpret_cast<std::uintptr_t>(&h) % 128 == 0);
 }

@@ -196,10 +196,12 @@ class LinearAttention {
       detail::throw_shape_error("step output has length ", y.size(), ", expected dv = ",
                                 state.value_dim());
     check_state(state, state.key_dim(), state.value_dim());
-    detail::copy_as_row(state.query_row_, q, "q");
-    detail::copy_as_row(state.key_row_, k, "k");
-    detail::copy_as_row(state.value_row_, v, "v");
-    token(state, state.query_row_, state.key_row_, state.value_row_, y, state.tokens());
+    // Read in place where the caller's vectors are contiguous and are not y (an in-place
+    // update y = v, say), else from copies in the state's scratch.
+    const auto q_row = detail::row_view(q, state.query_row_, "q", y.data(), y.size());
+    const auto k_row = detail::row_view(k, state.key_row_, "k", y.data(), y.size());
+    const auto v_row = detail::row_view(v, state.value_row_, "v", y.data(), y.size());
+    token(state, q_row, k_row, v_row, y, state.tokens());
   }
 
  private:

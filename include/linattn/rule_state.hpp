@@ -19,9 +19,10 @@ template <class Phi, class Rule, class Scalar>
 class RuleAttention;
 
 /// Recurrent state plus the scratch one decode step needs, so that step() never allocates.
-/// Create it with RuleAttention::make_state(dk, dv).
+/// Create it with RuleAttention::make_state(dk, dv). Aligned as AttentionState, for the same
+/// reason.
 template <class Rule, class Scalar>
-class RuleState {
+class alignas(kStateAlignment) RuleState {
   static_assert(SupportedScalar<Scalar>, "linattn computes in float or double");
   static_assert(WriteRule<Rule>, "Rule is not a write rule (see linattn/write_rules.hpp)");
 

@@ -17,8 +17,11 @@ namespace linattn {
 
 /// Recurrent state of one head plus the scratch a decode step needs, so that step() never
 /// allocates. Create it with LinearAttention::make_state(dk, dv).
+/// Aligned to 128 bytes: each step writes the state object (token count, z buffers), so states
+/// of heads that different threads decode must not share a cache line, nor the pair of lines
+/// x86 cores prefetch together; in a std::vector they then never do.
 template <class Scalar>
-class AttentionState {
+class alignas(kStateAlignment) AttentionState {
   static_assert(SupportedScalar<Scalar>, "linattn computes in float or double");
 
  public:

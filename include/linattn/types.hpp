@@ -6,10 +6,15 @@
 #include <Eigen/Core>
 
 #include <concepts>
+#include <cstddef>
 
 namespace linattn {
 
 using Index = Eigen::Index;
+
+/// Alignment of a recurrent state object, in bytes: two x86 cache lines (the pair an x86 core
+/// prefetches together), so that states written by different threads never share one.
+inline constexpr std::size_t kStateAlignment = 128;
 
 /// Row-major dynamic matrix, the layout of every output and of the state S.
 template <class Scalar>

@@ -6,6 +6,9 @@
 
 #include <Eigen/Core>
 
+#include <cstdint>
+#include <type_traits>
+
 namespace linattn::detail {
 
 /// A view of `x` when it already has storage (matrix, Map, Block, Ref), otherwise its value.
@@ -31,6 +34,40 @@ void copy_as_row(Dst& dst, const Eigen::MatrixBase<Src>& src, const char* what) 
     dst = src;
   else
     dst = src.transpose();
+}
+
+/// True if the ranges [a, a + n) and [b, b + m) share an element.
+template <class Scalar>
+bool overlaps(const Scalar* a, Index n, const Scalar* b, Index m) noexcept {
+  const auto begin_a = reinterpret_cast<std::uintptr_t>(a), begin_b = reinterpret_cast<std::uintptr_t>(b);
+  const auto end_a = begin_a + static_cast<std::uintptr_t>(n) * sizeof(Scalar);
+  const auto end_b = begin_b + static_cast<std::uintptr_t>(m) * sizeof(Scalar);
+  return n > 0 && m > 0 && begin_a < end_b && begin_b < end_a;
+}
+
+/// `x`, a row or column vector of length n = scratch.cols(), as a 1 x n row: a view of x's own
+/// elements when they are adjacent in memory (a row of a row-major matrix, a VectorX, a
+/// contiguous Map or Ref) and do not overlap `written` (the output the caller writes while it
+/// still reads the view), otherwise a view of a copy in the 1 x n row `scratch`. Saves a
+/// decode step three copies; nothing is allocated either way. Throws ShapeError as
+/// copy_as_row.
+template <class Scalar, class Src>
+Eigen::Map<const RowMatrix<Scalar>> row_view(const Eigen::MatrixBase<Src>& x,
+                                             RowMatrix<Scalar>& scratch, const char* what,
+                                             const Scalar* written, Index written_size) {
+  const Index n = scratch.cols();
+  if constexpr (std::is_same_v<typename Src::Scalar, Scalar> &&
+                (Src::Flags & Eigen::DirectAccessBit) != 0) {
+    if ((x.rows() == 1 || x.cols() == 1) && x.size() == n) {
+      // Distance between consecutive elements of the vector, whichever way it is laid out.
+      const Index step = x.rows() == 1 ? x.derived().colStride() : x.derived().rowStride();
+      const Scalar* data = x.derived().data();
+      if ((step == 1 || n <= 1) && !overlaps(data, n, written, written_size))
+        return Eigen::Map<const RowMatrix<Scalar>>(data, 1, n);
+    }
+  }
+  copy_as_row(scratch, x, what);
+  return Eigen::Map<const RowMatrix<Scalar>>(scratch.data(), 1, n);
 }
 
 }  // namespace linattn::detail
