@@ -6,7 +6,10 @@
 //   GFLOP/s    useful flops 4 T H dk dv per call / time (the same count for every path, so the
 //              quadratic and softmax forms show as slow rather than busy)
 //   gemm_frac  GFLOP/s / the rate of the reference GEMM at the same d and thread count, both
-//              measured in this process (run the reference first: it is registered first)
+//              measured in this process: the reference's latest repetition so far (it is
+//              registered first; with --benchmark_enable_random_interleaving an early row may
+//              lack the counter). scripts/summarize_bench.py recomputes the ratio from each
+//              row's best repetition.
 // Threads: 1, or 2 splitting the heads (rows named threads:2; timed in wall-clock time).
 // Single-thread rows are timed in thread CPU time, which other processes on the machine
 // disturb less than wall-clock time.
@@ -193,35 +196,35 @@ void BM_stream(benchmark::State& state) {
 
 // ---- linear attention paths -----------------------------------------------------------------
 
-void BM_chunked(benchmark::State& state) {
+// One call = every head runs `path(problem, head_state, head_output)` from an empty state.
+template <class Path>
+void over_heads_from_empty(benchmark::State& state, const Attention& attn, Path&& path) {
   const Index T = state.range(0), d = state.range(1);
   const int threads = static_cast<int>(state.range(2));
-  const Index chunk = state.range(3) > 0 ? state.range(3) : Attention().options().chunk_size;
   Problem p(T, d);
-  const Attention attn(linattn::EluPlusOne{}, linattn::Options{{}, chunk});
   std::vector<Attention::State> states(kHeads, attn.make_state(d, d));
   measure(state, T, d, threads, linear_flops(T, d), [&] {
     over_heads(threads, [&](Index h) {
       auto& s = states[static_cast<std::size_t>(h)];
       s.reset();
-      attn.parallel_into(p.Q, p.K, p.V, linattn::Mask::causal, s, p.head_out(h));
+      path(p, s, p.head_out(h));
     });
+  });
+}
+
+void BM_chunked(benchmark::State& state) {
+  const Index chunk = state.range(3) > 0 ? state.range(3) : Attention().options().chunk_size;
+  const Attention attn(linattn::EluPlusOne{}, linattn::Options{{}, chunk});
+  over_heads_from_empty(state, attn, [&](const Problem& p, Attention::State& s, HeadMap out) {
+    attn.parallel_into(p.Q, p.K, p.V, linattn::Mask::causal, s, out);
   });
   state.counters["chunk"] = static_cast<double>(chunk);
 }
 
 void BM_recurrent(benchmark::State& state) {
-  const Index T = state.range(0), d = state.range(1);
-  const int threads = static_cast<int>(state.range(2));
-  Problem p(T, d);
   const Attention attn;
-  std::vector<Attention::State> states(kHeads, attn.make_state(d, d));
-  measure(state, T, d, threads, linear_flops(T, d), [&] {
-    over_heads(threads, [&](Index h) {
-      auto& s = states[static_cast<std::size_t>(h)];
-      s.reset();
-      attn.recurrent_into(p.Q, p.K, p.V, s, p.head_out(h));
-    });
+  over_heads_from_empty(state, attn, [&](const Problem& p, Attention::State& s, HeadMap out) {
+    attn.recurrent_into(p.Q, p.K, p.V, s, out);
   });
 }
 

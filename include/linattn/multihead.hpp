@@ -197,19 +197,10 @@ class MultiHeadAttention {
   void forward(ConstView Q, ConstView K, ConstView V, View out, Mask mask,
                const SequenceLayout& layout = SequenceLayout::batch()) const {
     check_views(Q, K, V, out, layout, mask == Mask::causal);
-    const Index H = heads_.q_heads;
-    const Index n = layout.count(Q.batches()) * H;
-    detail::parallel_for(n, threads_, [&](Index item) {
-      const Index s = item / H, h = item % H;
-      const Rows rows = rows_of(layout, s, Q.times(), K.times());
-      auto o = out.head_matrix(rows.entry, h);
-      zero_padding(o, rows, layout);
-      const Index g = kv_head(h);
-      attention_.parallel_into(Q.head_matrix(rows.entry, h).middleRows(rows.first, rows.q_len),
-                               K.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
-                               V.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
-                               mask, o.middleRows(rows.first, rows.q_len));
-    });
+    over_sequence_heads(Q, K, V, out, layout, layout.count(Q.batches()),
+                        [&](const auto& q, const auto& k, const auto& v, auto o, Index, Index) {
+                          attention_.parallel_into(q, k, v, mask, o);
+                        });
   }
 
   /// Causal prefill: sequence i of `layout` continues the state at batch position slots[i]
@@ -222,19 +213,11 @@ class MultiHeadAttention {
     check_views(Q, K, V, out, layout, true);
     const Index sequences = layout.count(Q.batches());
     check_state(state, sequences, slots);
-    const Index H = heads_.q_heads;
-    detail::parallel_for(sequences * H, threads_, [&](Index item) {
-      const Index s = item / H, h = item % H;
-      const Rows rows = rows_of(layout, s, Q.times(), K.times());
-      auto o = out.head_matrix(rows.entry, h);
-      zero_padding(o, rows, layout);
-      const Index g = kv_head(h);
-      attention_.parallel_into(Q.head_matrix(rows.entry, h).middleRows(rows.first, rows.q_len),
-                               K.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
-                               V.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
-                               Mask::causal, slot_state(state, slots, s, h),
-                               o.middleRows(rows.first, rows.q_len));
-    });
+    over_sequence_heads(Q, K, V, out, layout, sequences,
+                        [&](const auto& q, const auto& k, const auto& v, auto o, Index s, Index h) {
+                          attention_.parallel_into(q, k, v, Mask::causal,
+                                                   slot_state(state, slots, s, h), o);
+                        });
   }
 
   /// One decode token for each sequence: q [N, 1, H_q, dk], k [N, 1, H_kv, dk],
@@ -261,6 +244,27 @@ class MultiHeadAttention {
   struct Rows {
     Index entry, first, q_len, k_len, rows;
   };
+
+  // Calls attend(q, k, v, o, s, h) for every (sequence s, query head h) of `sequences`,
+  // spread over threads_: q, k, v, o are head h's matrices cut to sequence s's rows (k, v those
+  // of h's key/value head); padded rows of the output are zeroed first.
+  template <class Attend>
+  void over_sequence_heads(const ConstView& Q, const ConstView& K, const ConstView& V,
+                           const View& out, const SequenceLayout& layout, Index sequences,
+                           Attend&& attend) const {
+    const Index H = heads_.q_heads;
+    detail::parallel_for(sequences * H, threads_, [&](Index item) {
+      const Index s = item / H, h = item % H;
+      const Rows rows = rows_of(layout, s, Q.times(), K.times());
+      auto o = out.head_matrix(rows.entry, h);
+      zero_padding(o, rows, layout);
+      const Index g = kv_head(h);
+      attend(Q.head_matrix(rows.entry, h).middleRows(rows.first, rows.q_len),
+             K.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
+             V.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
+             o.middleRows(rows.first, rows.q_len), s, h);
+    });
+  }
 
   [[nodiscard]] Index kv_head(Index h) const noexcept {
     return h / (heads_.q_heads / heads_.kv_heads);
