@@ -156,14 +156,7 @@ class RuleAttention {
   void parallel_into(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                      const Eigen::MatrixBase<DV>& V, State& state, OutputRef out,
                      const In&... inputs) const {
-    check_input_count<sizeof...(In)>();
-    if constexpr (additive) {
-      base_.parallel_into(Q, K, V, Mask::causal, state, out);
-    } else {
-      check_shapes(Q, K, V, state, out);
-      run<false>(detail::materialize(Q), detail::materialize(K), detail::materialize(V), state,
-                 out, Q.rows(), inputs...);
-    }
+    causal_into<false>(Q, K, V, state, out, inputs...);
   }
 
   // ---- recurrent path ------------------------------------------------------------------
@@ -195,14 +188,7 @@ class RuleAttention {
   void recurrent_into(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                       const Eigen::MatrixBase<DV>& V, State& state, OutputRef out,
                       const In&... inputs) const {
-    check_input_count<sizeof...(In)>();
-    if constexpr (additive) {
-      base_.recurrent_into(Q, K, V, state, out);
-    } else {
-      check_shapes(Q, K, V, state, out);
-      run<true>(detail::materialize(Q), detail::materialize(K), detail::materialize(V), state,
-                out, Q.rows(), inputs...);
-    }
+    causal_into<true>(Q, K, V, state, out, inputs...);
   }
 
   /// One decode step; q, k (length dk), v (length dv) as rows or columns. Inputs per rule:
@@ -240,6 +226,23 @@ class RuleAttention {
   }
 
  private:
+  // parallel_into (Recurrent = false: chunks) and recurrent_into (true: token by token).
+  template <bool Recurrent, class DQ, class DK, class DV, class... In>
+  void causal_into(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                   const Eigen::MatrixBase<DV>& V, State& state, OutputRef out,
+                   const In&... inputs) const {
+    check_input_count<sizeof...(In)>();
+    if constexpr (additive && Recurrent) {
+      base_.recurrent_into(Q, K, V, state, out);
+    } else if constexpr (additive) {
+      base_.parallel_into(Q, K, V, Mask::causal, state, out);
+    } else {
+      check_shapes(Q, K, V, state, out);
+      run<Recurrent>(detail::materialize(Q), detail::materialize(K), detail::materialize(V),
+                     state, out, Q.rows(), inputs...);
+    }
+  }
+
   template <int N>
   static constexpr void check_input_count() {
     static_assert(N == Rule::token_inputs,
