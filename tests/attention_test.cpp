@@ -263,7 +263,8 @@ TEST_CASE("step reads q, k, v in place or from a copy with the same result, also
     }
   };
   check_layouts(LinearAttention<EluPlusOne>());
-  check_layouts(LinearAttention<PositiveRandomFeatures<float>>(PositiveRandomFeatures<float>(d, 16, 7)));
+  using RandomFeatures = PositiveRandomFeatures<float>;
+  check_layouts(LinearAttention<RandomFeatures>(RandomFeatures(d, 16, 7)));
 }
 
 TEST_CASE("states in a vector do not share cache lines", "[state]") {

@@ -39,7 +39,8 @@ void copy_as_row(Dst& dst, const Eigen::MatrixBase<Src>& src, const char* what) 
 /// True if the ranges [a, a + n) and [b, b + m) share an element.
 template <class Scalar>
 bool overlaps(const Scalar* a, Index n, const Scalar* b, Index m) noexcept {
-  const auto begin_a = reinterpret_cast<std::uintptr_t>(a), begin_b = reinterpret_cast<std::uintptr_t>(b);
+  const auto begin_a = reinterpret_cast<std::uintptr_t>(a);
+  const auto begin_b = reinterpret_cast<std::uintptr_t>(b);
   const auto end_a = begin_a + static_cast<std::uintptr_t>(n) * sizeof(Scalar);
   const auto end_b = begin_b + static_cast<std::uintptr_t>(m) * sizeof(Scalar);
   return n > 0 && m > 0 && begin_a < end_b && begin_b < end_a;
