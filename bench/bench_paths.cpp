@@ -30,6 +30,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -39,6 +40,7 @@ using linattn::Index;
 using Matrix = linattn::RowMatrix<float>;
 using HeadMap = Eigen::Map<Matrix, 0, Eigen::OuterStride<>>;
 using Attention = linattn::LinearAttention<linattn::EluPlusOne, float>;
+using IdentityAttention = linattn::LinearAttention<linattn::Identity, float>;
 
 constexpr Index kHeads = 8;
 constexpr Index kGemmRows = 64;  // the reference GEMM: (64 x d) times (d x d), as in a chunk
@@ -58,12 +60,18 @@ Matrix random(Index rows, Index cols, unsigned seed) {
 
 // Inputs shared by all heads (each head reads them again, as a separate head would); outputs
 // go to each head's columns of one [T, H*d] buffer, as a model lays them out.
+// `positive` takes |Q| and |K|, so that the Identity map gives positive denominators.
 struct Problem {
   Index T, d;
   Matrix Q, K, V, out;
-  Problem(Index T_, Index d_)
+  Problem(Index T_, Index d_, bool positive = false)
       : T(T_), d(d_), Q(random(T_, d_, 1)), K(random(T_, d_, 2)), V(random(T_, d_, 3)),
-        out(Matrix::Zero(T_, kHeads * d_)) {}
+        out(Matrix::Zero(T_, kHeads * d_)) {
+    if (positive) {
+      Q = Q.cwiseAbs();
+      K = K.cwiseAbs();
+    }
+  }
   HeadMap head_out(Index h) {
     return HeadMap(out.data() + h * d, T, d, Eigen::OuterStride<>(kHeads * d));
   }
@@ -230,14 +238,17 @@ void BM_recurrent(benchmark::State& state) {
 
 // Decode: step() token by token. Head-major (each head decodes its T tokens; its state stays
 // hot in cache between tokens) or, for `interleaved`, token-major (every head advances one token
-// before the next token, as a model decodes; the H states compete for L1/L2).
-template <bool Interleaved>
+// before the next token, as a model decodes; the H states compete for L1/L2). `Attn` is the ELU+1
+// attention of every other row, or (decode_identity) the Identity map on |Q| and |K|: the same
+// step without the feature map's exponentials, which measures what they cost.
+template <bool Interleaved, class Attn = Attention>
 void BM_decode(benchmark::State& state) {
   const Index T = state.range(0), d = state.range(1);
   const int threads = static_cast<int>(state.range(2));
-  Problem p(T, d);
-  const Attention attn;
-  std::vector<Attention::State> states(kHeads, attn.make_state(d, d));
+  constexpr bool identity = std::is_same_v<typename Attn::feature_map_type, linattn::Identity>;
+  Problem p(T, d, identity);
+  const Attn attn;
+  std::vector<typename Attn::State> states(kHeads, attn.make_state(d, d));
   measure(state, T, d, threads, linear_flops(T, d), [&] {
     for (auto& s : states) s.reset();
     if constexpr (Interleaved) {
@@ -359,6 +370,11 @@ void register_all() {
   add("recurrent", BM_recurrent, 16384, true);
   add("decode", BM_decode<false>, 16384, true);
   if (full_sweep()) add("decode_interleaved", BM_decode<true>, 16384, true);
+  for (Index d : dims)
+    benchmark::RegisterBenchmark("decode_identity", BM_decode<false, IdentityAttention>)
+        ->Args({4096, d, 1})
+        ->ArgNames({"T", "d", "threads"})
+        ->Unit(benchmark::kMillisecond);
   add("quadratic", BM_quadratic, 4096, false);
   add("softmax", BM_softmax, 4096, false);
   // The chunk-size sweep behind Options::chunk_size's default.

@@ -167,6 +167,15 @@ def main():
         for d, need in ((64, 0.5), (128, 0.45)):
             f = frac(path, d)
             print(f"  {path}, d = {d}: {f:.2f} x GEMM (target >= {need}) {check(f >= need)}")
+    for d in dims:
+        # The same decode with the Identity map on |q|, |k|: what the step costs without the
+        # ELU+1 exponentials, i.e. how much of the gap to the decode target the map accounts for.
+        plain = one(rows, path="decode_identity", d=d, threads=1, T=4096)
+        elu = one(main_rows, path="decode", d=d, threads=1, T=4096)
+        if plain and elu:
+            print(f"  decode without the exponentials (Identity map), d = {d}: "
+                  f"{plain['frac']:.2f} x GEMM; ELU+1's share of a decode token: "
+                  f"{100 * (1 - plain['ms'] / elu['ms']):.0f}%")
     for path in ("chunked", "recurrent", "decode"):
         for d in dims:
             a = one(main_rows, path=path, d=d, threads=1, T=2048)
