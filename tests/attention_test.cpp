@@ -17,6 +17,7 @@
 using namespace linattn;
 using linattn_test::naive_attention;
 using linattn_test::random_matrix;
+using linattn_test::random_qkv;
 using linattn_test::worst_error_ratio;
 
 namespace {
@@ -147,9 +148,7 @@ TEMPLATE_TEST_CASE("full attention with Tq != Tk agrees with a double loop", "[a
 TEMPLATE_TEST_CASE("unnormalized read with signed features agrees with a double loop", "[agree]",
                    float, double) {
   // Identity features have both signs, so the bound scales with sum |w| |v| (no denominator).
-  const auto Q = random_matrix<TestType>(300, 8, 21);
-  const auto K = random_matrix<TestType>(300, 8, 22);
-  const auto V = random_matrix<TestType>(300, 4, 23);
+  const auto [Q, K, V] = random_qkv<TestType>(300, 8, 4, 21);
   const LinearAttention<Identity, TestType> attn(Identity{},
                                                  Options{Normalization::unnormalized(), 32});
   const auto ref = naive_attention(Q, K, V, true, linattn_test::identity, false);
@@ -161,9 +160,7 @@ TEMPLATE_TEST_CASE("unnormalized read with signed features agrees with a double 
 TEMPLATE_TEST_CASE("a sequence in pieces equals one call: prefill then decode", "[state]", float,
                    double) {
   const Index T = 203, dk = 16, dv = 8;
-  const auto Q = random_matrix<TestType>(T, dk, 31);
-  const auto K = random_matrix<TestType>(T, dk, 32);
-  const auto V = random_matrix<TestType>(T, dv, 33);
+  const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 31);
   const LinearAttention<EluPlusOne, TestType> attn(EluPlusOne{}, Options{{}, 32});
   const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
   const double units = bound_units(dk, T);
@@ -241,9 +238,7 @@ TEST_CASE("step reads q, k, v in place or from a copy with the same result, also
   // step() reads contiguous vectors where they lie and copies the others (strided columns,
   // expressions); the arithmetic is the same, so the bits must be too.
   const Index T = 9, d = 8;
-  const auto Q = random_matrix<float>(T, d, 51);
-  const auto K = random_matrix<float>(T, d, 52);
-  const auto V = random_matrix<float>(T, d, 53);
+  const auto [Q, K, V] = random_qkv<float>(T, d, d, 51);
   const Eigen::MatrixXf Kcol = K;                    // column-major: rows are strided
   const RowMatrix<float> Vt = V.transpose();         // columns of Vt are strided
   const auto check_layouts = [&](const auto& attn) {

@@ -24,6 +24,7 @@
 using namespace linattn;
 using linattn_test::naive_attention;
 using linattn_test::random_matrix;
+using linattn_test::random_qkv;
 using linattn_test::unit_roundoff;
 using linattn_test::worst_error_ratio;
 
@@ -103,9 +104,7 @@ TEMPLATE_TEST_CASE("chunked causal path agrees with a double loop for every chun
 TEMPLATE_TEST_CASE("chunked state equals the recurrent state and carries across calls",
                    "[chunked][state]", float, double) {
   const Index T = 150, dk = 10, dv = 6;
-  const auto Q = random_matrix<TestType>(T, dk, 11);
-  const auto K = random_matrix<TestType>(T, dk, 12);
-  const auto V = random_matrix<TestType>(T, dv, 13);
+  const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 11);
   const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
   const double units = bound_units(dk, T);
 
@@ -213,9 +212,7 @@ TEMPLATE_TEST_CASE("step and recurrent agree with a double loop for wide and odd
   for (Index dv : {Index{3}, W, W + 6, 2 * W + 1}) {
     const Index T = 41, dk = 65;
     CAPTURE(dv);
-    const auto Q = random_matrix<TestType>(T, dk, 51);
-    const auto K = random_matrix<TestType>(T, dk, 52);
-    const auto V = random_matrix<TestType>(T, dv, 53);
+    const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 51);
     const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
     const double units = bound_units(dk, T);
     const Attn<TestType> attn;
@@ -237,9 +234,7 @@ TEST_CASE("a length whose T x T score matrix could not be allocated runs in O(T)
           "[chunked]") {
   // T = 300,000: a T x T float matrix would take 360 GB. The chunked path holds a few chunks.
   const Index T = 300000, d = 4;
-  const auto Q = random_matrix<float>(T, d, 61);
-  const auto K = random_matrix<float>(T, d, 62);
-  const auto V = random_matrix<float>(T, d, 63);
+  const auto [Q, K, V] = random_qkv<float>(T, d, d, 61);
   const Attn<float> attn;
   const auto out = attn.parallel(Q, K, V, Mask::causal);
   REQUIRE(out.rows() == T);
@@ -380,9 +375,7 @@ TEMPLATE_TEST_CASE("the register-kernel chunked path carries state across uneven
                    "[chunked][kernel][state]", float, double) {
   const Index L = detail::GemmTile<TestType>::lanes;
   const Index T = 150, dk = 10, dv = 2 * L;
-  const auto Q = random_matrix<TestType>(T, dk, 21);
-  const auto K = random_matrix<TestType>(T, dk, 22);
-  const auto V = random_matrix<TestType>(T, dv, 23);
+  const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 21);
   const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
   const auto attn = with_chunk<TestType>(16);
   auto state = attn.make_state(dk, dv);

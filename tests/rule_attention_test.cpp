@@ -22,6 +22,7 @@ using namespace linattn;
 using linattn_test::naive_delta;
 using linattn_test::naive_gated;
 using linattn_test::random_matrix;
+using linattn_test::random_qkv;
 using linattn_test::worst_ratio;
 using PhiKind = linattn_test::Phi;
 
@@ -130,9 +131,7 @@ TEMPLATE_TEST_CASE("Gated with very strong gates: nothing overflows, the paths s
   // Log-gates down to -60 per token: cumulative log-gates over a chunk of 64 reach about -2000,
   // so any exp(+cumulative) factor (K .* exp(-b)) would overflow even in double.
   const Index T = 200, dk = 8, dv = 4;
-  const auto Q = random_matrix<TestType>(T, dk, 21);
-  const auto K = random_matrix<TestType>(T, dk, 22);
-  const auto V = random_matrix<TestType>(T, dv, 23);
+  const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 21);
   for (Index cols : {Index(1), dk}) {
     const auto G = log_gates<TestType>(T, cols, 24, -60);
     const std::vector<Index> sizes{16, 64, 200};
@@ -153,9 +152,7 @@ TEMPLATE_TEST_CASE("Gated with very strong gates: nothing overflows, the paths s
 TEMPLATE_TEST_CASE("Gated with signed features and the unnormalized read", "[gated][agree]",
                    float, double) {
   const Index T = 130, dk = 8, dv = 5;
-  const auto Q = random_matrix<TestType>(T, dk, 31);
-  const auto K = random_matrix<TestType>(T, dk, 32);
-  const auto V = random_matrix<TestType>(T, dv, 33);
+  const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 31);
   const auto G = log_gates<TestType>(T, dk, 34, -1.0);
   const RuleAttention<Identity, Gated, TestType> attn(Identity{}, Gated{}, raw(32));
   const auto ref = naive_gated(Q, K, V, G, PhiKind::identity, false, 32);
@@ -201,9 +198,7 @@ TEMPLATE_TEST_CASE("Delta and GatedDelta: WY chunks, recurrent and step agree wi
 TEMPLATE_TEST_CASE("a sequence in pieces equals one call for every rule: prefill then decode",
                    "[state]", float, double) {
   const Index T = 203, dk = 16, dv = 8, chunk = 32;
-  const auto Q = random_matrix<TestType>(T, dk, 51);
-  const auto K = random_matrix<TestType>(T, dk, 52);
-  const auto V = random_matrix<TestType>(T, dv, 53);
+  const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 51);
   const auto G = log_gates<TestType>(T, dk, 54, -0.5);
   const ColVector<TestType> la = log_gates<TestType>(T, 1, 55, -0.2);
   const auto beta = betas<TestType>(T, 56);
@@ -283,9 +278,7 @@ TEMPLATE_TEST_CASE("a sequence in pieces equals one call for every rule: prefill
 TEMPLATE_TEST_CASE("gamma = 1 and log-gates = 0 reduce to Additive, which is LinearAttention",
                    "[reduce]", float, double) {
   const Index T = 150, dk = 8, dv = 6;
-  const auto Q = random_matrix<TestType>(T, dk, 61);
-  const auto K = random_matrix<TestType>(T, dk, 62);
-  const auto V = random_matrix<TestType>(T, dv, 63);
+  const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 61);
   for (Index chunk : {Index(1), Index(7), Index(64)}) {
     CAPTURE(chunk);
     const LinearAttention<EluPlusOne, TestType> core(EluPlusOne{}, opts(chunk));
@@ -318,9 +311,7 @@ TEMPLATE_TEST_CASE("gamma = 1 and log-gates = 0 reduce to Additive, which is Lin
 TEMPLATE_TEST_CASE("beta = 0 leaves the delta state unchanged", "[delta][beta0]", float,
                    double) {
   const Index T = 40, dk = 8, dv = 5;
-  const auto Q = random_matrix<TestType>(T, dk, 71);
-  const auto K = random_matrix<TestType>(T, dk, 72);
-  const auto V = random_matrix<TestType>(T, dv, 73);
+  const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 71);
   const auto beta = betas<TestType>(T, 74);
   const ColVector<TestType> zero = ColVector<TestType>::Zero(T);
   const ColVector<TestType> no_decay = ColVector<TestType>::Zero(T);
@@ -433,9 +424,7 @@ TEMPLATE_TEST_CASE("invalid rule parameters and input shapes are rejected before
   CHECK_NOTHROW(Decay(1.0));
 
   const Index T = 6, dk = 4, dv = 3;
-  const auto Q = random_matrix<TestType>(T, dk, 91);
-  const auto K = random_matrix<TestType>(T, dk, 92);
-  const auto V = random_matrix<TestType>(T, dv, 93);
+  const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 91);
   const RuleAttention<L2Normalize, Delta, TestType> delta;
   auto state = delta.make_state(dk, dv);
   (void)delta.parallel(Q, K, V, state, ColVector<TestType>::Constant(T, 0.5));

@@ -36,6 +36,18 @@ linattn::RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::uint64_t s
   return m;
 }
 
+/// Q (T x dk), K (T x dk), V (T x dv) from seeds seed, seed + 1, seed + 2, as three
+/// random_matrix calls would give them.
+template <class Scalar>
+struct QKV {
+  linattn::RowMatrix<Scalar> Q, K, V;
+};
+template <class Scalar>
+QKV<Scalar> random_qkv(Index T, Index dk, Index dv, std::uint64_t seed) {
+  return {random_matrix<Scalar>(T, dk, seed), random_matrix<Scalar>(T, dk, seed + 1),
+          random_matrix<Scalar>(T, dv, seed + 2)};
+}
+
 /// ELU(x) + 1 in double, written from its definition (not from the library).
 inline double elu_plus_one(double x) { return x > 0 ? x + 1 : std::exp(x); }
 inline double identity(double x) { return x; }
