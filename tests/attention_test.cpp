@@ -244,12 +244,15 @@ TEST_CASE("step reads q, k, v in place or from a copy with the same result, also
   const auto check_layouts = [&](const auto& attn) {
     const RowMatrix<float> expected = attn.recurrent(Q, K, V);
     auto rows = attn.make_state(d, d), mixed = attn.make_state(d, d);
-    auto in_place = attn.make_state(d, d);
+    auto transposed = attn.make_state(d, d), in_place = attn.make_state(d, d);
     for (Index t = 0; t < T; ++t) {
       CHECK(attn.step(rows, Q.row(t), K.row(t), V.row(t)) == expected.row(t));
       // A column vector, a strided row, a strided column and an expression without storage.
       const Eigen::VectorXf q_column = Q.row(t).transpose();
       CHECK(attn.step(mixed, q_column, Kcol.row(t), Vt.col(t) * 1.0f) == expected.row(t));
+      // Transposed rows (column vectors over contiguous storage) are read in place.
+      CHECK(attn.step(transposed, Q.row(t).transpose(), K.row(t).transpose(),
+                      V.row(t).transpose()) == expected.row(t));
       // y written over v itself: the random-feature step writes y while it still reads v,
       // so a v that overlaps y is copied first.
       RowVector<float> v_then_y = V.row(t);
@@ -260,6 +263,22 @@ TEST_CASE("step reads q, k, v in place or from a copy with the same result, also
   check_layouts(LinearAttention<EluPlusOne>());
   using RandomFeatures = PositiveRandomFeatures<float>;
   check_layouts(LinearAttention<RandomFeatures>(RandomFeatures(d, 16, 7)));
+}
+
+TEST_CASE("row_view reads contiguous vectors in place and copies the others", "[views]") {
+  const auto M = random_matrix<float>(4, 6, 55);      // row-major: rows contiguous
+  const Eigen::MatrixXf C = M;                          // column-major: rows strided
+  RowMatrix<float> scratch(1, 6);
+  const float* none = nullptr;
+  CHECK(detail::row_view(M.row(2), scratch, "x", none, 0).data() == M.row(2).data());
+  CHECK(detail::row_view(M.row(2).transpose(), scratch, "x", none, 0).data() == M.row(2).data());
+  const auto copied = detail::row_view(C.row(2), scratch, "x", none, 0);
+  CHECK(copied.data() == scratch.data());
+  CHECK(copied == M.row(2));
+  // A view that would overlap what the caller writes is a copy.
+  CHECK(detail::row_view(M.row(2), scratch, "x", M.row(2).data() + 5, 1).data() == scratch.data());
+  CHECK(detail::row_view(M.row(2), scratch, "x", M.row(3).data(), 6).data() == M.row(2).data());
+  CHECK_THROWS_AS(detail::row_view(M.row(2).head(5), scratch, "x", none, 0), ShapeError);
 }
 
 TEST_CASE("states in a vector do not share cache lines", "[state]") {
