@@ -13,6 +13,7 @@
 /// `In` is any Eigen expression with T rows; `out` is already sized T x r (an Eigen::Ref to
 /// row-major storage), so apply must not resize it.
 
+#include <linattn/detail/elu_kernel.hpp>
 #include <linattn/types.hpp>
 
 #include <Eigen/Core>
@@ -83,7 +84,23 @@ struct EluPlusOne {
     // destination when the input rows are contiguous, so other inputs (column-major, strided
     // rows, expressions) are first copied into `out` and transformed there: the result is the
     // same whatever the caller's layout.
+    // With AVX-512 and float, detail::elu_plus_one_row does the same per row in about half the
+    // instructions (exp with an exact power-of-two scaling, so no halving and squaring), and
+    // the same way for every element of a row.
     using Scalar = typename Out::Scalar;
+    if constexpr (detail::has_elu_kernel && std::is_same_v<Scalar, float> &&
+                  detail::has_contiguous_rows<Out>()) {
+      if constexpr (detail::has_contiguous_rows<In>() &&
+                    std::is_same_v<typename In::Scalar, float>) {
+        for (Index i = 0; i < x.rows(); ++i)
+          detail::elu_plus_one_row(x.row(i).data(), out.row(i).data(), x.cols());
+      } else {
+        out = x;
+        for (Index i = 0; i < out.rows(); ++i)
+          detail::elu_plus_one_row(out.row(i).data(), out.row(i).data(), out.cols());
+      }
+      return;
+    }
     const auto f = [](const auto& v) {
       return v.max(Scalar(0)) + (v.min(Scalar(0)) * Scalar(0.5)).exp().square();
     };
