@@ -287,14 +287,16 @@ class LinearAttention {
                                       options_.normalization, row);
       ++state.tokens_;
     } else {
+      static_assert(Rv::InnerStrideAtCompileTime == 1,
+                    "token() reads v through a pointer; pass a contiguous row (row_view)");
       detail::prefetch_for_write(y.data(), y.size());
       Eigen::Ref<RowMatrix<Scalar>> qf(state.query_features_), kf(state.key_features_);
       phi_.apply(q, qf);
       phi_.apply(k, kf);
       // Advances state.tokens_ once the token is absorbed.
       detail::recurrent_token_fused<Scalar>(state.S_, state.z_, state.z_next_, qf.data(),
-                                            kf.data(), detail::contiguous_data(v, state.value_row_),
-                                            y.data(), options_.normalization, row, state.tokens_);
+                                            kf.data(), v.data(), y.data(),
+                                            options_.normalization, row, state.tokens_);
     }
   }
 

@@ -289,18 +289,6 @@ void prefetch_for_write(Scalar* p, Index n) noexcept {
 #endif
 }
 
-/// Pointer to the elements of vector `x` if they are contiguous, else to a copy in the 1 x n
-/// row `scratch` (a row of a column-major matrix, say). The copy is n scalars, no allocation.
-template <class X, class Scalar>
-const Scalar* contiguous_data(const X& x, RowMatrix<Scalar>& scratch) {
-  if constexpr (X::InnerStrideAtCompileTime == 1) {
-    return x.data();
-  } else {
-    scratch = x;
-    return scratch.data();
-  }
-}
-
 /// One recurrent token on features: z_next = z + kf, divisor from qf . z_next (checked
 /// before anything changes, so a DenominatorError leaves S, z and `tokens` as they were), then
 /// the fused sweep, which also divides y. `qf`, `kf` (length r), `v`, `y` (length dv) are
