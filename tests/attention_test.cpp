@@ -242,11 +242,15 @@ TEST_CASE("step reads q, k, v in place or from a copy with the same result, also
   const Eigen::MatrixXf Kcol = K;                    // column-major: rows are strided
   const RowMatrix<float> Vt = V.transpose();         // columns of Vt are strided
   const auto check_layouts = [&](const auto& attn) {
-    const RowMatrix<float> expected = attn.recurrent(Q, K, V);
-    auto rows = attn.make_state(d, d), mixed = attn.make_state(d, d);
+    // The reference: steps over the rows of row-major matrices. A fused step (decode block
+    // <= 1, and every log-scaled map) also equals recurrent() bit for bit.
+    auto rows = attn.make_state(d, d);
+    RowMatrix<float> expected(T, d);
+    for (Index t = 0; t < T; ++t) expected.row(t) = attn.step(rows, Q.row(t), K.row(t), V.row(t));
+    if (attn.decode_block() <= 1) CHECK(expected == attn.recurrent(Q, K, V));
+    auto mixed = attn.make_state(d, d);
     auto transposed = attn.make_state(d, d), in_place = attn.make_state(d, d);
     for (Index t = 0; t < T; ++t) {
-      CHECK(attn.step(rows, Q.row(t), K.row(t), V.row(t)) == expected.row(t));
       // A column vector, a strided row, a strided column and an expression without storage.
       const Eigen::VectorXf q_column = Q.row(t).transpose();
       CHECK(attn.step(mixed, q_column, Kcol.row(t), Vt.col(t) * 1.0f) == expected.row(t));
@@ -260,7 +264,9 @@ TEST_CASE("step reads q, k, v in place or from a copy with the same result, also
       CHECK(v_then_y == expected.row(t));
     }
   };
-  check_layouts(LinearAttention<EluPlusOne>());
+  check_layouts(LinearAttention<EluPlusOne>());                             // block 16 > T
+  check_layouts(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 4}));  // folds twice
+  check_layouts(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 1}));  // fused
   using RandomFeatures = PositiveRandomFeatures<float>;
   check_layouts(LinearAttention<RandomFeatures>(RandomFeatures(d, 16, 7)));
 }

@@ -483,12 +483,13 @@ TEST_CASE("the scalar fallback of the sweep is exact on small integers", "[recur
   }
 }
 
-TEMPLATE_TEST_CASE("recurrent() equals step() bit for bit and both agree with a double loop",
+TEMPLATE_TEST_CASE("recurrent() equals the fused step() bit for bit and both agree with a double loop",
                    "[recurrent]", float, double) {
   // dv not a multiple of the sweep width (5, 70, 130), r = dk != dv, T odd and even; recurrent()
-  // sweeps tokens in pairs, step() one at a time, a sequence in pieces of odd lengths starts
-  // pairs at odd offsets of a call.
-  const Attn<TestType> attn;
+  // sweeps tokens in pairs, step() one at a time (decode block 1: each step folds its token
+  // in the fused sweep), a sequence in pieces of odd lengths starts pairs at odd offsets of a
+  // call.
+  const Attn<TestType> attn(EluPlusOne{}, Options{{}, 32, 1});
   for (Index dv : {5, 70, 130}) {
     for (Index dk : {9, 33}) {
       for (Index T : {1, 2, 7, 40, 41}) {
@@ -531,6 +532,111 @@ TEMPLATE_TEST_CASE("recurrent() equals step() bit for bit and both agree with a 
       }
     }
   }
+}
+
+TEMPLATE_TEST_CASE("the deferred step agrees with a double loop across blocks and other paths",
+                   "[recurrent][deferred]", float, double) {
+  // Decode blocks B = 2, 3 and 16 against T = 1, 7, 40, 41 (blocks that do and do not divide
+  // T), dv 5, 70 and 130 (packet and scalar columns of the read), r = dk != dv. The read
+  // phi(q)^T S_stored + sum of the pending (phi(q)^T phi(k_j)) v_j re-associates the same T
+  // terms as the recurrence, so the double loop's bound (bound_units) covers it; z takes the
+  // fused step's operations, so it equals recurrent()'s bit for bit.
+  for (Index B : {2, 3, 16}) {
+    const Attn<TestType> attn(EluPlusOne{}, Options{{}, 32, B});
+    for (Index dv : {5, 70, 130}) {
+      for (Index dk : {9, 33}) {
+        for (Index T : {1, 7, 40, 41}) {
+          CAPTURE(B, dv, dk, T);
+          const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 700 + T + dv);
+          const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
+          const double units = bound_units(dk, T);
+
+          auto state = attn.make_state(dk, dv);
+          REQUIRE(state.decode_block() == B);
+          linattn::RowMatrix<TestType> stepped(T, dv);
+          for (Index t = 0; t < T; ++t)
+            stepped.row(t) = attn.step(state, Q.row(t), K.row(t), V.row(t));
+          CHECK(worst_error_ratio<TestType>(stepped, ref, units) <= 1);
+          CHECK(state.tokens() == T);
+          CHECK(state.pending_tokens() == T % B);
+          auto whole_state = attn.make_state(dk, dv);
+          static_cast<void>(attn.recurrent(Q, K, V, whole_state));
+          CHECK(state.z() == whole_state.z());
+
+          // S() includes the pending tokens: against sum_t phi(k_t) v_t^T in double, within
+          // gamma_T of sum_t |phi(k_t)| |v_t| (a sum of T products, each rounded once).
+          const auto S = state.S();
+          double worst = 0;
+          for (Index i = 0; i < dk; ++i)
+            for (Index c = 0; c < dv; ++c) {
+              double exact = 0, magnitude = 0;
+              for (Index t = 0; t < T; ++t) {
+                const double kf = linattn_test::elu_plus_one(double(K(t, i)));
+                exact += kf * double(V(t, c));
+                magnitude += std::abs(kf * double(V(t, c)));
+              }
+              const double allowed = 2.0 * double(T + 2) * unit_roundoff<TestType>() * magnitude +
+                                     std::numeric_limits<TestType>::min();
+              worst = std::max(worst, std::abs(double(S(i, c)) - exact) / allowed);
+            }
+          CHECK(worst <= 1);
+
+          // Paths mixed on one state: steps leave tokens pending, recurrent() and the chunked
+          // parallel path fold them first, then steps start new blocks.
+          auto mixed = attn.make_state(dk, dv);
+          linattn::RowMatrix<TestType> out(T, dv);
+          Index first = 0;
+          int turn = 0;
+          for (Index n = 1; first < T; n = n % 5 + 2, ++turn) {
+            const Index len = std::min(n, T - first);
+            const auto rows = [&](const auto& M) { return M.middleRows(first, len); };
+            if (turn % 3 == 0) {
+              for (Index t = first; t < first + len; ++t)
+                out.row(t) = attn.step(mixed, Q.row(t), K.row(t), V.row(t));
+            } else if (turn % 3 == 1) {
+              out.middleRows(first, len) = attn.recurrent(rows(Q), rows(K), rows(V), mixed);
+              CHECK(mixed.pending_tokens() == 0);
+            } else {
+              out.middleRows(first, len) =
+                  attn.parallel(rows(Q), rows(K), rows(V), Mask::causal, mixed);
+              CHECK(mixed.pending_tokens() == 0);
+            }
+            first += len;
+          }
+          CHECK(worst_error_ratio<TestType>(out, ref, units) <= 1);
+          CHECK(mixed.tokens() == T);
+
+          // reset() drops the pending tokens with the rest.
+          state.reset();
+          CHECK(state.pending_tokens() == 0);
+          CHECK(state.S().isZero(0));
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("a rejected deferred step changes nothing, pending tokens included",
+                   "[deferred][errors]", float, double) {
+  // Identity features, queries (1, 0): the denominator is the running sum of the keys' first
+  // entries (integers, so exact), and key -3 after 1, 1, 1 makes it 0 at the fourth token.
+  const LinearAttention<Identity, TestType> attn(Identity{}, Options{{}, 32, 8});
+  auto state = attn.make_state(2, 3);
+  const Eigen::Matrix<TestType, 1, 2> q(1, 0), one(1, 0), bad(-3, 0);
+  const auto V = random_matrix<TestType>(5, 3, 81);
+  for (Index t = 0; t < 3; ++t) static_cast<void>(attn.step(state, q, one, V.row(t)));
+  REQUIRE(state.pending_tokens() == 3);
+  const auto before = state;
+  CHECK_THROWS_AS(attn.step(state, q, bad, V.row(3)), DenominatorError);
+  CHECK(state.pending_tokens() == 3);
+  CHECK(state.tokens() == 3);
+  CHECK(state.S() == before.S());
+  CHECK(state.z() == before.z());
+  CHECK(state.stored_S() == before.stored_S());
+  // It goes on exactly as a state that never saw the rejected token.
+  auto twin = before;
+  CHECK(attn.step(state, q, one, V.row(4)) == attn.step(twin, q, one, V.row(4)));
+  CHECK(state.S() == twin.S());
 }
 
 TEMPLATE_TEST_CASE("a rejected denominator inside a token pair absorbs exactly the tokens before it",

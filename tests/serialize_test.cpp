@@ -38,8 +38,8 @@ struct Session {
   std::vector<Scalar> v = random_buffer<Scalar>(B * T * Hkv * dv, 73);
 
   // `input_scale` multiplies q and k (large values make a log-scaled state's M matter).
-  explicit Session(Phi phi = Phi{}, Scalar input_scale = 1)
-      : mha(HeadConfig{Hq, Hkv, dk, dv}, std::move(phi)) {
+  explicit Session(Phi phi = Phi{}, Scalar input_scale = 1, Options options = {})
+      : mha(HeadConfig{Hq, Hkv, dk, dv}, std::move(phi), options) {
     for (auto& x : q) x *= input_scale;
     for (auto& x : k) x *= input_scale;
   }
@@ -88,23 +88,39 @@ TEST_CASE("FNV-1a 64 matches its published test vectors", "[serialize]") {
 
 TEMPLATE_TEST_CASE("save mid-sequence, restore in a fresh object, continue identically",
                    "[serialize]", float, double) {
+  // Decode blocks: the default (16: the 3 saved tokens are all pending), 2 (one pending, and
+  // blocks fold after the restore) and 1 (fused steps, nothing pending).
+  for (Index block : {Index{16}, Index{2}, Index{1}}) {
+    CAPTURE(block);
+    const Options options{{}, 32, block};
+    const Session<EluPlusOne, TestType> s(EluPlusOne{}, 1, options);
+    auto state = s.mha.make_state(s.B);
+    for (Index t = 0; t < 3; ++t) static_cast<void>(s.step(state, t));
+    const Index pending = block > 1 ? 3 % block : 0;
+    REQUIRE(state.sequence(0).head(0).pending_tokens() == pending);
+    const std::vector<std::byte> blob = save_state(s.mha, state);
+    CHECK(blob.size() ==
+          8 + 4 + 4 + 8 + 8 + 4 + std::string("elu_plus_one").size() + 6 * 8 +
+              s.B * s.Hq *
+                  (16 + (s.dk * s.dv + s.dk + 1 + pending * (s.dk + s.dv)) * sizeof(TestType)) +
+              8);
+
+    // A different layer object of the same configuration restores it, pending tokens as they
+    // were, so every later step gives the same bits.
+    const Session<EluPlusOne, TestType> fresh(EluPlusOne{}, 1, options);
+    auto restored = load_state(fresh.mha, blob);
+    REQUIRE(restored.size() == s.B);
+    CHECK(restored.sequence(1).tokens() == 3);
+    CHECK(restored.sequence(1).head(1).pending_tokens() == pending);
+    for (Index t = 3; t < s.T; ++t) {
+      const auto a = s.step(state, t);
+      const auto b = fresh.step(restored, t);
+      REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(TestType)) == 0);
+    }
+  }
   const Session<EluPlusOne, TestType> s;
   auto state = s.mha.make_state(s.B);
-  for (Index t = 0; t < 3; ++t) static_cast<void>(s.step(state, t));
-  const std::vector<std::byte> blob = save_state(s.mha, state);
-  CHECK(blob.size() == 8 + 4 + 4 + 8 + 8 + 4 + std::string("elu_plus_one").size() + 6 * 8 +
-                           s.B * s.Hq * (8 + (s.dk * s.dv + s.dk + 1) * sizeof(TestType)) + 8);
-
-  // A different layer object of the same configuration restores it.
-  const Session<EluPlusOne, TestType> fresh;
-  auto restored = load_state(fresh.mha, blob);
-  REQUIRE(restored.size() == s.B);
-  CHECK(restored.sequence(1).tokens() == 3);
-  for (Index t = 3; t < s.T; ++t) {
-    const auto a = s.step(state, t);
-    const auto b = fresh.step(restored, t);
-    REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(TestType)) == 0);
-  }
+  for (Index t = 0; t < s.T; ++t) static_cast<void>(s.step(state, t));
 
   // One sequence alone: park sequence 1, restore it into another batch.
   const auto one = save_sequence(s.mha, state, state.id_at(1));
@@ -132,7 +148,7 @@ TEST_CASE("the byte layout is little-endian with the documented offsets", "[seri
   const auto blob = save_state(mha, state);
   auto u8 = [&](std::size_t i) { return static_cast<unsigned>(blob.at(i)); };
   CHECK(std::string(reinterpret_cast<const char*>(blob.data()), 8) == "LNATTNST");
-  CHECK((u8(8) == 1 && u8(9) == 0 && u8(10) == 0 && u8(11) == 0));  // version 1
+  CHECK((u8(8) == 2 && u8(9) == 0 && u8(10) == 0 && u8(11) == 0));  // version 2
   CHECK(u8(12) == 1);                                                // float
   CHECK(u8(16) == blob.size());                                      // total size, low byte
   const std::size_t name_at = 36, name_len = std::string("elu_plus_one").size();
@@ -142,10 +158,28 @@ TEST_CASE("the byte layout is little-endian with the documented offsets", "[seri
   CHECK((u8(head_at) == 0x02 && u8(head_at + 1) == 0x01));  // tokens 0x0102, low byte first
   const std::size_t m_at = head_at + 8;                     // log-scale M
   CHECK((u8(m_at) == 0x00 && u8(m_at + 2) == 0x00 && u8(m_at + 3) == 0x3f));
-  const std::size_t s_at = m_at + 4;
+  const std::size_t p_at = m_at + 4;                        // pending tokens: none
+  for (std::size_t i = 0; i < 8; ++i) CHECK(u8(p_at + i) == 0);
+  const std::size_t s_at = p_at + 8;
   CHECK((u8(s_at) == 0x00 && u8(s_at + 1) == 0x00 && u8(s_at + 2) == 0x80 && u8(s_at + 3) == 0x3f));
   CHECK((u8(s_at + 4) == 0x00 && u8(s_at + 7) == 0xc0));
   CHECK(blob.size() == s_at + 8 + 8);
+
+  // The same state written as version 1 (no pending field), which this build still reads:
+  // drop the field, then patch the version, the size and the checksum.
+  std::vector<std::byte> v1(blob.begin(), blob.begin() + static_cast<std::ptrdiff_t>(p_at));
+  v1.insert(v1.end(), blob.begin() + static_cast<std::ptrdiff_t>(s_at), blob.end() - 8);
+  v1[8] = std::byte{1};
+  const std::uint64_t size = v1.size() + 8;
+  for (std::size_t i = 0; i < 8; ++i) v1[16 + i] = static_cast<std::byte>((size >> (8 * i)) & 0xff);
+  const std::uint64_t sum = detail::fnv1a64(v1);
+  for (std::size_t i = 0; i < 8; ++i) v1.push_back(static_cast<std::byte>((sum >> (8 * i)) & 0xff));
+  const auto old = load_state(mha, v1);
+  REQUIRE(old.size() == 1);
+  CHECK(old.sequence(0).head(0).S() == state.sequence(0).head(0).S());
+  CHECK(old.sequence(0).head(0).z() == state.sequence(0).head(0).z());
+  CHECK(old.sequence(0).head(0).tokens() == 0x0102);
+  CHECK(old.sequence(0).head(0).log_scale() == 0.5f);
 }
 
 TEST_CASE("every corrupted, truncated or mismatched blob is rejected", "[serialize]") {
@@ -183,7 +217,7 @@ TEST_CASE("every corrupted, truncated or mismatched blob is rejected", "[seriali
     bad[0] = std::byte{'X'};
     CHECK(reason_of([&] { static_cast<void>(load_state(s.mha, bad)); }) == R::bad_magic);
     bad = blob;
-    bad[8] = std::byte{2};
+    bad[8] = std::byte{3};
     CHECK(reason_of([&] { static_cast<void>(load_state(s.mha, bad)); }) == R::unsupported_version);
   }
   SECTION("wrong dimensions") {

@@ -39,12 +39,14 @@ class SequenceState {
   SequenceState() = default;
 
   /// `heads` empty head states of feature dim r, key dim dk, value dim dv. O(heads r dv).
-  /// `log_domain` as for AttentionState: true for a LogScaledFeatureMap (random features).
-  SequenceState(Index heads, Index r, Index dk, Index dv, bool log_domain = false) {
+  /// `log_domain` as for AttentionState: true for a LogScaledFeatureMap (random features);
+  /// `decode_block` as for AttentionState (LinearAttention::decode_block() gives the layer's).
+  SequenceState(Index heads, Index r, Index dk, Index dv, bool log_domain = false,
+                Index decode_block = 0) {
     if (heads < 0)
       detail::throw_shape_error("a sequence state needs a non-negative head count, got ", heads);
     heads_.reserve(static_cast<std::size_t>(heads));
-    for (Index h = 0; h < heads; ++h) heads_.emplace_back(r, dk, dv, log_domain);
+    for (Index h = 0; h < heads; ++h) heads_.emplace_back(r, dk, dv, log_domain, decode_block);
   }
 
   [[nodiscard]] Index heads() const noexcept { return static_cast<Index>(heads_.size()); }
@@ -106,10 +108,12 @@ class BatchState {
   using Sequence = SequenceState<Scalar>;
 
   /// A batch of `sequences` empty sequences, each with `heads` heads of shape (r, dk, dv);
-  /// `log_domain` for a LogScaledFeatureMap (MultiHeadAttention::make_state sets it).
+  /// `log_domain` for a LogScaledFeatureMap, `decode_block` for the deferred decode of each
+  /// head state (MultiHeadAttention::make_state sets both).
   BatchState(Index heads, Index r, Index dk, Index dv, Index sequences = 0,
-             bool log_domain = false)
-      : heads_(heads), r_(r), dk_(dk), dv_(dv), log_domain_(log_domain) {
+             bool log_domain = false, Index decode_block = 0)
+      : heads_(heads), r_(r), dk_(dk), dv_(dv), decode_block_(decode_block),
+        log_domain_(log_domain) {
     if (heads < 0 || r < 0 || dk < 0 || dv < 0 || sequences < 0)
       detail::throw_shape_error("batch state dimensions must be non-negative, got heads=", heads,
                                 " r=", r, " dk=", dk, " dv=", dv, " sequences=", sequences);
@@ -126,7 +130,9 @@ class BatchState {
   [[nodiscard]] bool log_domain() const noexcept { return log_domain_; }
 
   /// Appends an empty sequence; returns its id.
-  SequenceId add_sequence() { return add_sequence(Sequence(heads_, r_, dk_, dv_, log_domain_)); }
+  SequenceId add_sequence() {
+    return add_sequence(Sequence(heads_, r_, dk_, dv_, log_domain_, decode_block_));
+  }
 
   /// Appends `sequence` (e.g. one prefilled alone, or restored from bytes); returns its id.
   /// Throws ShapeError if its heads or shapes differ from this batch's.
@@ -180,6 +186,7 @@ class BatchState {
   }
 
   Index heads_ = 0, r_ = 0, dk_ = 0, dv_ = 0;
+  Index decode_block_ = 0;
   bool log_domain_ = false;
   std::vector<Sequence> sequences_;
   std::vector<SequenceId> ids_;

@@ -3,11 +3,11 @@
 /// Saving a BatchState (or one of its sequences) to bytes and restoring it, so a server can
 /// park a conversation and resume it later with bit-identical outputs.
 ///
-/// Format, version 1. Every integer is unsigned little-endian; every scalar is IEEE-754
+/// Format, version 2. Every integer is unsigned little-endian; every scalar is IEEE-754
 /// binary32 (float) or binary64 (double) stored little-endian, whatever the host's order.
 ///   offset  size  field
 ///   0       8     magic "LNATTNST"
-///   8       4     format version (1)
+///   8       4     format version (2; version 1 blobs, without pending tokens, still load)
 ///   12      4     scalar type: 1 = binary32 (float), 2 = binary64 (double)
 ///   16      8     total blob size in bytes, checksum included
 ///   24      8     feature-map fingerprint: Phi::fingerprint() if Phi has one, else 0
@@ -15,8 +15,11 @@
 ///                 (Phi::name, see detail::feature_map_name)
 ///   ...     6*8   H_q, H_kv, dk, r, dv, N (number of sequences)
 ///   ...           N * H_q head blocks, sequence-major: u64 tokens, the log-scale M (one
-///                 scalar; 0 for ordinary maps, see AttentionState::log_scale()), then
-///                 S (r x dv, row-major), then z (r)
+///                 scalar; 0 for ordinary maps, see AttentionState::log_scale()), u64 p (the
+///                 pending tokens of a deferred decode, see AttentionState), then the stored
+///                 S (r x dv, row-major, without the pending tokens), z (r), and p pending
+///                 tokens, each its key features (r) then its value (dv). Version 1 has no
+///                 p field and no pending tokens.
 ///   end-8   8     FNV-1a 64 checksum of every byte before it
 ///
 /// A blob is checked in this order before anything is modified: length and magic, version,
@@ -28,8 +31,9 @@
 /// a learned projection), by an optional `std::uint64_t fingerprint() const` member that
 /// should change whenever the parameters do. Maps without a name all read as "user".
 ///
-/// Cost: O(N H_q r dv) time, output of 8 + N H_q (8 + (r dv + r + 1) sizeof(Scalar)) bytes plus
-/// a header of about 100 bytes.
+/// Cost: O(N H_q r dv) time, output of 8 + sum over heads of 16 + (r dv + r + 1 + p (r + dv))
+/// sizeof(Scalar) bytes plus a header of about 100 bytes. Saving the pending tokens as they
+/// are, rather than adding them to S, is what makes a restored state continue bit-identically.
 
 #include <linattn/batch_state.hpp>
 #include <linattn/detail/bytes.hpp>
@@ -78,7 +82,7 @@ class StateFormatError : public std::runtime_error {
 namespace detail {
 
 inline constexpr std::string_view state_magic = "LNATTNST";
-inline constexpr std::uint32_t state_format_version = 1;
+inline constexpr std::uint32_t state_format_version = 2;
 
 template <class Scalar>
 constexpr std::uint32_t scalar_code() {
@@ -133,10 +137,17 @@ std::vector<std::byte> save_sequences(const MultiHeadAttention<Phi, Scalar>& lay
       const AttentionState<Scalar>& st = seq.head(head);
       w.put_u64(static_cast<std::uint64_t>(st.tokens()));
       w.put_scalar(st.log_scale());
-      const auto& S = st.S();
+      w.put_u64(static_cast<std::uint64_t>(st.pending_tokens()));
+      const auto& S = st.stored_S();
       for (Index i = 0; i < S.rows(); ++i)
         for (Index j = 0; j < S.cols(); ++j) w.put_scalar(S(i, j));
       for (Index i = 0; i < st.z().size(); ++i) w.put_scalar(st.z()(i));
+      const auto keys = st.pending_key_features();
+      const auto values = st.pending_values();
+      for (Index p = 0; p < st.pending_tokens(); ++p) {
+        for (Index i = 0; i < r; ++i) w.put_scalar(keys(i, p));
+        for (Index j = 0; j < h.value_dim; ++j) w.put_scalar(values(p, j));
+      }
     }
   }
   w.patch_u64(size_at, static_cast<std::uint64_t>(out.size() + 8));
@@ -195,9 +206,9 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
   if (magic != detail::state_magic)
     format_error(R::bad_magic, "the blob does not start with \"LNATTNST\"");
   static_cast<void>(in.get_uint(version));
-  if (version != detail::state_format_version)
+  if (version != detail::state_format_version && version != 1)
     format_error(R::unsupported_version, "format version " + std::to_string(version) +
-                                             ", this build reads version " +
+                                             ", this build reads versions 1 to " +
                                              std::to_string(detail::state_format_version));
   static_cast<void>(in.get_uint(scalar));
   static_cast<void>(in.get_uint(total));
@@ -255,24 +266,32 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
                        ", this layer has H_q=" + std::to_string(want[0]) + " H_kv=" +
                        std::to_string(want[1]) + " dk=" + std::to_string(want[2]) + " r=" +
                        std::to_string(want[3]) + " dv=" + std::to_string(want[4]));
-  // The dims now equal this layer's, so the per-sequence size cannot overflow; the count is
-  // bounded by the bytes actually present before anything is allocated.
-  const std::uint64_t per_head =
-      8 + static_cast<std::uint64_t>(r * h.value_dim + r + 1) * sizeof(Scalar);
-  const std::uint64_t per_sequence = per_head * static_cast<std::uint64_t>(h.q_heads);
+  // The dims now equal this layer's, so the per-head sizes cannot overflow; the count is
+  // bounded by the bytes actually present before anything is allocated, and every variable
+  // part (the pending tokens) before it is read.
+  const bool has_pending = version >= 2;
+  const std::uint64_t fixed_per_head =
+      (has_pending ? 16 : 8) + static_cast<std::uint64_t>(r * h.value_dim + r + 1) * sizeof(Scalar);
+  const std::uint64_t per_token = static_cast<std::uint64_t>(r + h.value_dim) * sizeof(Scalar);
+  const std::uint64_t min_per_sequence = fixed_per_head * static_cast<std::uint64_t>(h.q_heads);
   const std::uint64_t count = dims[5];
-  if (count > rd.remaining() / per_sequence || count * per_sequence != rd.remaining())
+  const auto payload_error = [&] {
     format_error(R::size_mismatch, std::to_string(count) + " sequences do not fill the " +
                                        std::to_string(rd.remaining()) + " bytes of payload");
+  };
+  if (min_per_sequence > 0 && count > rd.remaining() / min_per_sequence) payload_error();
+  if (!has_pending && count * min_per_sequence != rd.remaining()) payload_error();
 
   std::vector<SequenceState<Scalar>> loaded;
   loaded.reserve(static_cast<std::size_t>(count));
+  RowVector<Scalar> key_features(r), value(h.value_dim);
   for (std::uint64_t s = 0; s < count; ++s) {
     SequenceState<Scalar> seq(h.q_heads, r, h.key_dim, h.value_dim,
-                              LogScaledFeatureMap<Phi, Scalar>);
+                              LogScaledFeatureMap<Phi, Scalar>, layer.attention().decode_block());
     for (Index head = 0; head < h.q_heads; ++head) {
+      if (rd.remaining() < fixed_per_head) payload_error();
       AttentionState<Scalar>& st = seq.head(head);
-      std::uint64_t tokens = 0;
+      std::uint64_t tokens = 0, pending = 0;
       static_cast<void>(rd.get_uint(tokens));
       if (tokens > static_cast<std::uint64_t>(std::numeric_limits<Index>::max()))
         format_error(R::size_mismatch, "a token count does not fit an Index");
@@ -280,14 +299,23 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
       Scalar log_scale{};
       static_cast<void>(rd.get_scalar(log_scale));
       st.set_log_scale(log_scale);
+      if (has_pending) static_cast<void>(rd.get_uint(pending));
       auto S = st.mutable_S();
       for (Index i = 0; i < S.rows(); ++i)
         for (Index j = 0; j < S.cols(); ++j) static_cast<void>(rd.get_scalar(S(i, j)));
       auto z = st.mutable_z();
       for (Index i = 0; i < z.size(); ++i) static_cast<void>(rd.get_scalar(z(i)));
+      if (pending > tokens || (pending > 0 && pending > rd.remaining() / per_token))
+        payload_error();
+      for (std::uint64_t p = 0; p < pending; ++p) {
+        for (Index i = 0; i < r; ++i) static_cast<void>(rd.get_scalar(key_features(i)));
+        for (Index j = 0; j < h.value_dim; ++j) static_cast<void>(rd.get_scalar(value(j)));
+        st.load_pending_token(key_features, value);
+      }
     }
     loaded.push_back(std::move(seq));
   }
+  if (rd.remaining() != 0) payload_error();
   // Shapes match the layer and the state was checked against it above, so no add throws
   // a ShapeError halfway (only std::bad_alloc could).
   std::vector<SequenceId> ids;

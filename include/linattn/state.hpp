@@ -6,6 +6,7 @@
 /// the same S and z. It holds exactly what the normalized causal read needs for the chosen
 /// kernel, y = phi(q)^T S / phi(q)^T z, in r*dv + r scalars whatever the context length.
 
+#include <linattn/detail/deferred.hpp>
 #include <linattn/detail/state_core.hpp>
 #include <linattn/types.hpp>
 
@@ -17,6 +18,12 @@ namespace linattn {
 
 /// Recurrent state of one head plus the scratch a decode step needs, so that step() never
 /// allocates. Create it with LinearAttention::make_state(dk, dv).
+///
+/// Deferred decode: a state made with decode_block B > 1 (Options::decode_block, 16 by
+/// default) lets step() collect up to B tokens beside S and fold them into S together (see
+/// LinearAttention::step_into); S() and the serialized state always include them, and every
+/// other path folds them first. They take B (r + dv) more scalars, which scalar_count() does
+/// not count: they are part of S, only not yet added.
 /// Aligned to 128 bytes: each step writes the state object (token count, z buffers), so states
 /// of heads that different threads decode must not share a cache line, nor the pair of lines
 /// x86 cores prefetch together; in a std::vector they then never do.
@@ -31,7 +38,8 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
   /// An empty (all-zero) state for feature dimension r, key dimension dk, value dimension dv.
   /// `log_domain` (set by LinearAttention for a LogScaledFeatureMap) makes the empty state's
   /// log_scale() -infinity instead of 0. Throws ShapeError for a negative dim.
-  AttentionState(Index r, Index dk, Index dv, bool log_domain = false)
+  /// `decode_block` is B above (0 or 1: fold every token at once; ignored when log_domain).
+  AttentionState(Index r, Index dk, Index dv, bool log_domain = false, Index decode_block = 0)
       : Core(r, dk, dv, true),
         query_row_(1, dk),
         key_row_(1, dk),
@@ -39,11 +47,64 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
         query_features_(1, r),
         key_features_(1, r),
         z_next_(r),
+        pending_(log_domain ? 0 : decode_block, r, dv),
         log_scale_(empty_log_scale(log_domain)),
         log_domain_(log_domain) {}
 
-  // S(), mutable_S(), tokens(), the dims, scalar_count() (r*dv + r: 16,512 for r = dv = 128)
-  // and check_shape() come from detail::StateCore.
+  // tokens(), the dims, scalar_count() (r*dv + r: 16,512 for r = dv = 128) and check_shape()
+  // come from detail::StateCore.
+
+  /// S: r x dv, the sum of phi(k) v^T over all absorbed tokens, pending ones included. A copy,
+  /// O(r dv (1 + B)): for inspection and saving, not for per-token use.
+  [[nodiscard]] RowMatrix<Scalar> S() const {
+    RowMatrix<Scalar> full = this->S_;
+    const Index n = pending_.count;
+    if (n > 0) full.noalias() += pending_.keys_t.leftCols(n) * pending_.values.topRows(n);
+    return full;
+  }
+  /// S without the pending tokens (what the state stores; equals S() when none is pending).
+  [[nodiscard]] const RowMatrix<Scalar>& stored_S() const noexcept { return this->S_; }
+  /// Writable S, for loading a saved state (folds pending tokens first); its shape must not
+  /// change.
+  [[nodiscard]] Eigen::Ref<RowMatrix<Scalar>> mutable_S() noexcept {
+    settle();
+    return this->S_;
+  }
+
+  /// Folds the pending tokens into S (O(pending r dv)); S() is then this->S_ without a copy.
+  /// Nothing observable changes except rounding in later reads: the paths call it themselves.
+  void settle() noexcept { detail::fold_pending(this->S_, pending_); }
+  /// Tokens absorbed but not yet added to the stored S (0 <= n < decode_block()).
+  [[nodiscard]] Index pending_tokens() const noexcept { return pending_.count; }
+  /// B: how many tokens step() collects before folding them into S; 0 when it folds each one.
+  [[nodiscard]] Index decode_block() const noexcept { return pending_.capacity; }
+  /// The pending tokens' key features, one column per token (r x pending_tokens()).
+  [[nodiscard]] auto pending_key_features() const noexcept {
+    return pending_.keys_t.leftCols(pending_.count);
+  }
+  /// The pending tokens' values, one row per token (pending_tokens() x dv).
+  [[nodiscard]] auto pending_values() const noexcept {
+    return pending_.values.topRows(pending_.count);
+  }
+  /// Appends one pending token (key features kf, length r; value v, length dv), for loading a
+  /// saved state; a block that fills up, or a state without one (B <= 1), is added to S. Does not change tokens() or z. Throws ShapeError for wrong lengths.
+  template <class Dk, class Dv>
+  void load_pending_token(const Eigen::MatrixBase<Dk>& kf, const Eigen::MatrixBase<Dv>& v) {
+    if (kf.size() != this->feature_dim() || v.size() != this->value_dim() ||
+        (kf.rows() != 1 && kf.cols() != 1) || (v.rows() != 1 && v.cols() != 1))
+      detail::throw_shape_error("a pending token needs key features of length r = ",
+                                this->feature_dim(), " and a value of length dv = ",
+                                this->value_dim(), ", got ", kf.rows(), "x", kf.cols(), " and ",
+                                v.rows(), "x", v.cols());
+    if (pending_.capacity == 0) {
+      this->S_.noalias() += kf.reshaped() * v.reshaped().transpose();
+      return;
+    }
+    const Index j = pending_.count++;
+    pending_.keys_t.col(j) = kf.reshaped();
+    pending_.values.row(j) = v.reshaped().transpose();
+    if (pending_.count == pending_.capacity) settle();  // as a step would
+  }
 
   /// z = sum over absorbed tokens of phi(k); length r.
   [[nodiscard]] const ColVector<Scalar>& z() const noexcept { return this->z_; }
@@ -62,6 +123,7 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
   /// Back to the empty state; keeps the allocation.
   void reset() noexcept {
     this->reset_sums();
+    pending_.count = 0;
     log_scale_ = empty_log_scale(log_domain_);
   }
 
@@ -77,6 +139,8 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
   RowMatrix<Scalar> query_row_, key_row_, value_row_;
   RowMatrix<Scalar> query_features_, key_features_;
   ColVector<Scalar> z_next_;
+  // Tokens of a deferred decode not yet in S_: part of the state's value.
+  detail::PendingTokens<Scalar> pending_;
 
   Scalar log_scale_ = 0;
   bool log_domain_ = false;

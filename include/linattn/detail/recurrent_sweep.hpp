@@ -1,6 +1,7 @@
 #pragma once
-// The tuned recurrent kernel: one sweep over S applies the state updates of one or two tokens
-// and accumulates their reads, with the accumulators held in SIMD registers.
+// The tuned recurrent kernels: one sweep over S applies the state updates of one or two tokens
+// and accumulates their reads (the fused sweep), or only reads S (the read of a deferred
+// decode step, detail/deferred.hpp), with the accumulators held in SIMD registers.
 
 #include <linattn/errors.hpp>
 #include <linattn/normalization.hpp>
@@ -38,6 +39,9 @@ inline constexpr int sweep_width = sweep_packet_size<Scalar> * sweep_packets<1>;
 
 /// What a sweep needs of one token: features (length r), value and output (length dv), all
 /// contiguous, and the divisor of the read (used when the sweep is asked to divide).
+/// A read may also add tokens that S does not hold yet (a deferred decode step's pending
+/// block): y += sum over j < pending_count of pending_scores[j] * (row j of pending_values,
+/// row stride pending_ld), after the sum over S, in order of j.
 template <class Scalar>
 struct SweepToken {
   const Scalar* qf;
@@ -45,6 +49,10 @@ struct SweepToken {
   const Scalar* v;
   Scalar* y;
   Scalar divisor;
+  const Scalar* pending_scores = nullptr;
+  const Scalar* pending_values = nullptr;
+  Index pending_ld = 0;
+  Index pending_count = 0;
 };
 
 /// A sweep splits the rows of S into this many chunks of consecutive rows. The read of a
@@ -63,11 +71,12 @@ constexpr Index sweep_chunk_begin(Index r, int c) noexcept { return r * c / swee
 /// One pass over columns [c0, c0 + Packets * packet size) of all rows of S, for `Tokens`
 /// tokens in order: for each row i, S_i += kf_i v (token 0), acc_0 += qf_i S_i, S_i += kf_i v
 /// (token 1), acc_1 += qf_i S_i. Each token reads the state including itself, exactly as
-/// one token per sweep would, and each row is loaded and stored once for all tokens. The
-/// register arrays are indexed by compile-time constants only (loops fully unrolled), so
-/// the compiler keeps them in registers. `chunks_reversed` visits the row chunks last to
-/// first (rows within a chunk always go upwards).
-template <int Tokens, int Packets, class Scalar>
+/// one token per sweep would, and each row is loaded and stored once for all tokens. Without
+/// `Update` the pass only reads (acc += qf_i S_i; S is neither changed nor stored, kf and v
+/// are not used). The register arrays are indexed by compile-time constants only (loops fully
+/// unrolled), so the compiler keeps them in registers. `chunks_reversed` visits the row chunks
+/// last to first (rows within a chunk always go upwards).
+template <int Tokens, int Packets, bool Update, class Scalar>
 void sweep_packet_columns(Scalar* S, Index ld, Index r, Index c0, const SweepToken<Scalar>* tokens,
                           bool divide, bool chunks_reversed) noexcept {
   namespace ei = Eigen::internal;
@@ -83,8 +92,10 @@ void sweep_packet_columns(Scalar* S, Index ld, Index r, Index c0, const SweepTok
   for (int j = 0; j < Tokens; ++j) {
     kf[j] = tokens[j].kf;
     qf[j] = tokens[j].qf;
+    if constexpr (Update) {
 #pragma GCC unroll 8
-    for (int p = 0; p < Packets; ++p) v[j][p] = ei::ploadu<Packet>(tokens[j].v + c0 + p * N);
+      for (int p = 0; p < Packets; ++p) v[j][p] = ei::ploadu<Packet>(tokens[j].v + c0 + p * N);
+    }
   }
   const auto rows = [&](Index begin, Index end) {
 #pragma GCC unroll 4
@@ -99,16 +110,19 @@ void sweep_packet_columns(Scalar* S, Index ld, Index r, Index c0, const SweepTok
       for (int p = 0; p < Packets; ++p) s[p] = ei::ploadu<Packet>(s_row + p * N);
 #pragma GCC unroll 4
       for (int j = 0; j < Tokens; ++j) {
-        const Packet k = ei::pset1<Packet>(kf[j][i]);
         const Packet q = ei::pset1<Packet>(qf[j][i]);
+        if constexpr (Update) {
+          const Packet k = ei::pset1<Packet>(kf[j][i]);
 #pragma GCC unroll 8
-        for (int p = 0; p < Packets; ++p) {
-          s[p] = ei::pmadd(k, v[j][p], s[p]);
-          acc[j][p] = ei::pmadd(q, s[p], acc[j][p]);
+          for (int p = 0; p < Packets; ++p) s[p] = ei::pmadd(k, v[j][p], s[p]);
         }
-      }
 #pragma GCC unroll 8
-      for (int p = 0; p < Packets; ++p) ei::pstoreu(s_row + p * N, s[p]);
+        for (int p = 0; p < Packets; ++p) acc[j][p] = ei::pmadd(q, s[p], acc[j][p]);
+      }
+      if constexpr (Update) {
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) ei::pstoreu(s_row + p * N, s[p]);
+      }
     }
   };
   for (int n = 0; n < sweep_chunks; ++n) {
@@ -127,6 +141,11 @@ void sweep_packet_columns(Scalar* S, Index ld, Index r, Index c0, const SweepTok
     for (int p = 0; p < Packets; ++p) {
       Packet sum = chunk_sum[0][j][p];
       for (int c = 1; c < sweep_chunks; ++c) sum = ei::padd(sum, chunk_sum[c][j][p]);
+      for (Index m = 0; m < tokens[j].pending_count; ++m)
+        sum = ei::pmadd(ei::pset1<Packet>(tokens[j].pending_scores[m]),
+                        ei::ploadu<Packet>(tokens[j].pending_values + m * tokens[j].pending_ld +
+                                           c0 + p * N),
+                        sum);
       ei::pstoreu(tokens[j].y + c0 + p * N, divide ? ei::pdiv(sum, divisor) : sum);
     }
   }
@@ -134,15 +153,16 @@ void sweep_packet_columns(Scalar* S, Index ld, Index r, Index c0, const SweepTok
 
 /// The same for the last w < packet size columns, one scalar at a time (capacity fixed, so
 /// nothing is allocated). Scalar arithmetic in the same order as the packet pass.
-template <int Tokens, class Scalar>
+template <int Tokens, bool Update, class Scalar>
 void sweep_scalar_columns(Scalar* S, Index ld, Index r, Index c0, Index w,
                           const SweepToken<Scalar>* tokens, bool divide,
                           bool chunks_reversed) noexcept {
   namespace ei = Eigen::internal;
   constexpr int Cap = std::max(1, sweep_packet_size<Scalar> - 1);
   Scalar v[Tokens][Cap]{}, acc[Tokens][Cap]{}, chunk_sum[sweep_chunks][Tokens][Cap]{};
-  for (int j = 0; j < Tokens; ++j)
-    for (Index c = 0; c < w; ++c) v[j][c] = tokens[j].v[c0 + c];
+  if constexpr (Update)
+    for (int j = 0; j < Tokens; ++j)
+      for (Index c = 0; c < w; ++c) v[j][c] = tokens[j].v[c0 + c];
   const auto rows = [&](Index begin, Index end) {
     for (int j = 0; j < Tokens; ++j)
       for (Index c = 0; c < w; ++c) acc[j][c] = Scalar(0);
@@ -151,10 +171,10 @@ void sweep_scalar_columns(Scalar* S, Index ld, Index r, Index c0, Index w,
       for (Index c = 0; c < w; ++c) {
         Scalar s = s_row[c];
         for (int j = 0; j < Tokens; ++j) {
-          s = ei::pmadd(tokens[j].kf[i], v[j][c], s);
+          if constexpr (Update) s = ei::pmadd(tokens[j].kf[i], v[j][c], s);
           acc[j][c] = ei::pmadd(tokens[j].qf[i], s, acc[j][c]);
         }
-        s_row[c] = s;
+        if constexpr (Update) s_row[c] = s;
       }
     }
   };
@@ -168,22 +188,25 @@ void sweep_scalar_columns(Scalar* S, Index ld, Index r, Index c0, Index w,
     for (Index c = 0; c < w; ++c) {
       Scalar sum = chunk_sum[0][j][c];
       for (int k = 1; k < sweep_chunks; ++k) sum += chunk_sum[k][j][c];
+      for (Index m = 0; m < tokens[j].pending_count; ++m)
+        sum = ei::pmadd(tokens[j].pending_scores[m],
+                        tokens[j].pending_values[m * tokens[j].pending_ld + c0 + c], sum);
       tokens[j].y[c0 + c] = divide ? sum / tokens[j].divisor : sum;
     }
 }
 
 /// A pass of `packets` (1 <= packets <= Max) whole packets: dispatches to the unrolled kernel
 /// of that width.
-template <int Tokens, int Max, class Scalar>
+template <int Tokens, int Max, bool Update, class Scalar>
 void sweep_packet_columns_upto(int packets, Scalar* S, Index ld, Index r, Index c0,
                                const SweepToken<Scalar>* tokens, bool divide,
                                bool chunks_reversed) noexcept {
   if constexpr (Max > 0) {
     if (packets == Max)
-      sweep_packet_columns<Tokens, Max>(S, ld, r, c0, tokens, divide, chunks_reversed);
+      sweep_packet_columns<Tokens, Max, Update>(S, ld, r, c0, tokens, divide, chunks_reversed);
     else
-      sweep_packet_columns_upto<Tokens, Max - 1>(packets, S, ld, r, c0, tokens, divide,
-                                                 chunks_reversed);
+      sweep_packet_columns_upto<Tokens, Max - 1, Update>(packets, S, ld, r, c0, tokens, divide,
+                                                         chunks_reversed);
   }
 }
 
@@ -197,8 +220,10 @@ void sweep_packet_columns_upto(int packets, Scalar* S, Index ld, Index r, Index 
 /// same-order sweep misses L1 on every line (LRU evicts each line just before it is needed
 /// again), while alternating keeps most of L1 useful. The order changes no result (see
 /// sweep_chunks), and each column's arithmetic is the same however the columns are grouped
-/// into passes, so one token gives the same bits alone or paired.
-template <int Tokens, class Scalar>
+/// into passes, so one token gives the same bits alone or paired. Without `Update` the sweep
+/// reads S only (y = qf S plus the token's pending block), for one token: 2 r dv flops, S
+/// loaded once and never stored.
+template <int Tokens, class Scalar, bool Update = true>
 void sweep_tokens(Scalar* S, Index ld, Index r, Index dv, const SweepToken<Scalar>* tokens,
                   bool divide, bool reverse) noexcept {
   constexpr int N = sweep_packet_size<Scalar>;
@@ -209,24 +234,24 @@ void sweep_tokens(Scalar* S, Index ld, Index r, Index dv, const SweepToken<Scala
   const int partial_packets = static_cast<int>((packet_columns - full) / N);
   const auto partial = [&] {
     if (partial_packets > 0)
-      sweep_packet_columns_upto<Tokens, P - 1>(partial_packets, S, ld, r, full, tokens, divide,
-                                               reverse);
+      sweep_packet_columns_upto<Tokens, P - 1, Update>(partial_packets, S, ld, r, full, tokens,
+                                                       divide, reverse);
   };
   const auto tail = [&] {
     if (packet_columns < dv)
-      sweep_scalar_columns<Tokens>(S, ld, r, packet_columns, dv - packet_columns, tokens, divide,
-                                   reverse);
+      sweep_scalar_columns<Tokens, Update>(S, ld, r, packet_columns, dv - packet_columns, tokens,
+                                           divide, reverse);
   };
   if (!reverse) {
     for (Index c0 = 0; c0 < full; c0 += W)
-      sweep_packet_columns<Tokens, P>(S, ld, r, c0, tokens, divide, false);
+      sweep_packet_columns<Tokens, P, Update>(S, ld, r, c0, tokens, divide, false);
     partial();
     tail();
   } else {
     tail();
     partial();
     for (Index c0 = full - W; c0 >= 0; c0 -= W)
-      sweep_packet_columns<Tokens, P>(S, ld, r, c0, tokens, divide, true);
+      sweep_packet_columns<Tokens, P, Update>(S, ld, r, c0, tokens, divide, true);
   }
 }
 
