@@ -240,14 +240,18 @@ void BM_recurrent(benchmark::State& state) {
 // hot in cache between tokens) or, for `interleaved`, token-major (every head advances one token
 // before the next token, as a model decodes; the H states compete for L1/L2). `Attn` is the ELU+1
 // attention of every other row, or (decode_identity) the Identity map on |Q| and |K|: the same
-// step without the feature map's exponentials, which measures what they cost.
-template <bool Interleaved, class Attn = Attention>
+// step without the feature map's exponentials, which measures what they cost. `Fused` sets
+// Options::decode_block = 1 (decode_fused rows): each step rewrites S in one fused pass instead
+// of reading it and folding a block of tokens every decode_block steps (the default).
+template <bool Interleaved, class Attn = Attention, bool Fused = false>
 void BM_decode(benchmark::State& state) {
   const Index T = state.range(0), d = state.range(1);
   const int threads = static_cast<int>(state.range(2));
   constexpr bool identity = std::is_same_v<typename Attn::feature_map_type, linattn::Identity>;
   Problem p(T, d, identity);
-  const Attn attn;
+  linattn::Options options;
+  if (Fused) options.decode_block = 1;
+  const Attn attn(typename Attn::feature_map_type{}, options);
   std::vector<typename Attn::State> states(kHeads, attn.make_state(d, d));
   measure(state, T, d, threads, linear_flops(T, d), [&] {
     for (auto& s : states) s.reset();
@@ -370,6 +374,12 @@ void register_all() {
   add("recurrent", BM_recurrent, 16384, true);
   add("decode", BM_decode<false>, 16384, true);
   if (full_sweep()) add("decode_interleaved", BM_decode<true>, 16384, true);
+  if (full_sweep()) add("decode_interleaved_fused", BM_decode<true, Attention, true>, 16384, true);
+  for (Index d : dims)
+    benchmark::RegisterBenchmark("decode_fused", BM_decode<false, Attention, true>)
+        ->Args({4096, d, 1})
+        ->ArgNames({"T", "d", "threads"})
+        ->Unit(benchmark::kMillisecond);
   for (Index d : dims)
     benchmark::RegisterBenchmark("decode_identity", BM_decode<false, IdentityAttention>)
         ->Args({4096, d, 1})

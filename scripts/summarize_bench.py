@@ -168,6 +168,14 @@ def main():
             f = frac(path, d)
             print(f"  {path}, d = {d}: {f:.2f} x GEMM (target >= {need}) {check(f >= need)}")
     for d in dims:
+        # The default deferred step against the fused one-pass step (decode_block = 1).
+        fused = one(rows, path="decode_fused", d=d, threads=1, T=4096)
+        deferred = one(main_rows, path="decode", d=d, threads=1, T=4096)
+        if fused and deferred:
+            print(f"  decode with the fused one-pass step (decode_block = 1), d = {d}: "
+                  f"{fused['frac']:.2f} x GEMM; the default deferred step is "
+                  f"{fused['ms'] / deferred['ms']:.2f} x as fast")
+    for d in dims:
         # The same decode with the Identity map on |q|, |k|: what the step costs without the
         # ELU+1 exponentials, i.e. how much of the gap to the decode target the map accounts for.
         plain = one(rows, path="decode_identity", d=d, threads=1, T=4096)

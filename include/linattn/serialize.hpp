@@ -145,7 +145,7 @@ std::vector<std::byte> save_sequences(const MultiHeadAttention<Phi, Scalar>& lay
       const auto keys = st.pending_key_features();
       const auto values = st.pending_values();
       for (Index p = 0; p < st.pending_tokens(); ++p) {
-        for (Index i = 0; i < r; ++i) w.put_scalar(keys(i, p));
+        for (Index i = 0; i < r; ++i) w.put_scalar(keys(p, i));
         for (Index j = 0; j < h.value_dim; ++j) w.put_scalar(values(p, j));
       }
     }

@@ -22,8 +22,9 @@ namespace linattn {
 /// Deferred decode: a state made with decode_block B > 1 (Options::decode_block, 16 by
 /// default) lets step() collect up to B tokens beside S and fold them into S together (see
 /// LinearAttention::step_into); S() and the serialized state always include them, and every
-/// other path folds them first. They take B (r + dv) more scalars, which scalar_count() does
-/// not count: they are part of S, only not yet added.
+/// other path folds them first. They take B (2 r + dv + 1) more scalars (the tokens, and
+/// scratch for the fold and the read), which scalar_count() does not count: the pending tokens
+/// are part of S, only not yet added.
 /// Aligned to 128 bytes: each step writes the state object (token count, z buffers), so states
 /// of heads that different threads decode must not share a cache line, nor the pair of lines
 /// x86 cores prefetch together; in a std::vector they then never do.
@@ -59,7 +60,7 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
   [[nodiscard]] RowMatrix<Scalar> S() const {
     RowMatrix<Scalar> full = this->S_;
     const Index n = pending_.count;
-    if (n > 0) full.noalias() += pending_.keys_t.leftCols(n) * pending_.values.topRows(n);
+    if (n > 0) full.noalias() += pending_.keys.topRows(n).transpose() * pending_.values.topRows(n);
     return full;
   }
   /// S without the pending tokens (what the state stores; equals S() when none is pending).
@@ -78,9 +79,9 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
   [[nodiscard]] Index pending_tokens() const noexcept { return pending_.count; }
   /// B: how many tokens step() collects before folding them into S; 0 when it folds each one.
   [[nodiscard]] Index decode_block() const noexcept { return pending_.capacity; }
-  /// The pending tokens' key features, one column per token (r x pending_tokens()).
+  /// The pending tokens' key features, one row per token (pending_tokens() x r).
   [[nodiscard]] auto pending_key_features() const noexcept {
-    return pending_.keys_t.leftCols(pending_.count);
+    return pending_.keys.topRows(pending_.count);
   }
   /// The pending tokens' values, one row per token (pending_tokens() x dv).
   [[nodiscard]] auto pending_values() const noexcept {
@@ -101,7 +102,7 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
       return;
     }
     const Index j = pending_.count++;
-    pending_.keys_t.col(j) = kf.reshaped();
+    pending_.keys.row(j) = kf.reshaped().transpose();
     pending_.values.row(j) = v.reshaped().transpose();
     if (pending_.count == pending_.capacity) settle();  // as a step would
   }

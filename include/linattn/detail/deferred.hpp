@@ -22,78 +22,77 @@
 
 namespace linattn::detail {
 
-/// Tokens absorbed into a state but not yet added to S: their key features, stored transposed
-/// (r x B, so that the scores of one query against all of them are r packet FMAs), and their
-/// values (B x dv). A capacity of 0 means the state folds every token into S at once.
+/// Tokens absorbed into a state but not yet added to S: their key features (B x r) and values
+/// (B x dv), one contiguous row per token, so that appending one is two row copies. (A
+/// transposed key block made each append touch r cache lines, which cost a decode token at
+/// r = 128 more than the scores it saved.) A capacity of 0 means the state folds every token
+/// into S at once.
 template <class Scalar>
 struct PendingTokens {
   PendingTokens() = default;
   /// Room for `capacity` tokens of feature dim r and value dim dv; capacity <= 1 keeps none.
   PendingTokens(Index capacity, Index r, Index dv)
-      : keys_t(capacity > 1 ? r : 0, padded(capacity > 1 ? capacity : 0)),
-        values(capacity > 1 ? capacity : 0, dv),
-        scores(padded(capacity > 1 ? capacity : 0)),
-        capacity(capacity > 1 ? capacity : 0) {
-    // Columns past `count` are read by the score packets (and discarded): keep them finite.
-    keys_t.setZero();
-  }
+      : keys(kept(capacity), r),
+        values(kept(capacity), dv),
+        keys_t(r, kept(capacity)),
+        scores(kept(capacity)),
+        capacity(kept(capacity)) {}
 
-  /// Column stride rounded up to whole SIMD packets.
-  static Index padded(Index n) {
-    constexpr Index lanes = sweep_packet_size<Scalar>;
-    return (n + lanes - 1) / lanes * lanes;
-  }
+  static Index kept(Index capacity) { return capacity > 1 ? capacity : 0; }
 
-  RowMatrix<Scalar> keys_t;  // r x padded(capacity): column j = features of pending token j
+  RowMatrix<Scalar> keys;    // capacity x r: row j = features of pending token j
   RowMatrix<Scalar> values;  // capacity x dv: row j = value of pending token j
-  RowVector<Scalar> scores;  // scratch: qf . kf_j of the token being read
+  RowMatrix<Scalar> keys_t;  // scratch of the fold: keys transposed
+  RowVector<Scalar> scores;  // scratch of a read: qf . kf_j
   Index capacity = 0;
   Index count = 0;
 };
 
-/// S += K_pending^T V_pending for the pending tokens; then none is pending. 2 count r dv flops, S loaded and stored once. No allocation.
+/// S += K_pending^T V_pending for the pending tokens; then none is pending. 2 count r dv flops,
+/// S loaded and stored once. No allocation.
 template <class Scalar>
 void fold_pending(RowMatrix<Scalar>& S, PendingTokens<Scalar>& pending) noexcept {
   const Index n = pending.count, r = S.rows(), dv = S.cols();
   if (n == 0) return;
   if constexpr (has_gemm_kernel<Scalar>) {
     if (dv % GemmTile<Scalar>::lanes == 0) {
-      small_gemm<Scalar, true>(r, dv, n, pending.keys_t.data(), pending.keys_t.cols(),
-                               pending.values.data(), dv, S.data(), dv);
+      const Index ld = pending.keys_t.cols();
+      transpose_into(n, r, pending.keys.data(), r, pending.keys_t.data(), ld);
+      small_gemm<Scalar, true>(r, dv, n, pending.keys_t.data(), ld, pending.values.data(), dv,
+                               S.data(), dv);
       pending.count = 0;
       return;
     }
   }
   // Any width: a coefficient-wise product, which allocates nothing.
-  S.noalias() += pending.keys_t.leftCols(n).lazyProduct(pending.values.topRows(n));
+  S.noalias() += pending.keys.topRows(n).transpose().lazyProduct(pending.values.topRows(n));
   pending.count = 0;
 }
 
-/// scores[j] = qf . keys_t(:, j) for the pending tokens, a packet of tokens at a time with
-/// four partial sums over the rows (added in a fixed order), so the result does not depend on
-/// where the vectors lie.
+/// scores[j] = qf . (features of pending token j), each a dot product in a fixed order (two
+/// packet accumulators over the features, then the scalar tail): the result depends on the
+/// values only, not on where they lie.
 template <class Scalar>
 void pending_scores(const Scalar* qf, PendingTokens<Scalar>& pending) noexcept {
   namespace ei = Eigen::internal;
   using Packet = SweepPacket<Scalar>;
   constexpr Index N = sweep_packet_size<Scalar>;
-  const Index r = pending.keys_t.rows(), ld = pending.keys_t.cols();
-  const Scalar* keys = pending.keys_t.data();
-  for (Index j0 = 0; j0 < pending.count; j0 += N) {
-    Packet acc[4];
-#pragma GCC unroll 4
-    for (int a = 0; a < 4; ++a) acc[a] = ei::pset1<Packet>(Scalar(0));
+  const Index r = pending.keys.cols();
+  for (Index j = 0; j < pending.count; ++j) {
+    const Scalar* key = pending.keys.data() + j * r;
+    Packet acc0 = ei::pset1<Packet>(Scalar(0)), acc1 = acc0;
     Index i = 0;
-    for (; i + 4 <= r; i += 4) {
-#pragma GCC unroll 4
-      for (int a = 0; a < 4; ++a)
-        acc[a] = ei::pmadd(ei::pset1<Packet>(qf[i + a]), ei::ploadu<Packet>(keys + (i + a) * ld + j0),
-                           acc[a]);
+    for (; i + 2 * N <= r; i += 2 * N) {
+      acc0 = ei::pmadd(ei::ploadu<Packet>(qf + i), ei::ploadu<Packet>(key + i), acc0);
+      acc1 = ei::pmadd(ei::ploadu<Packet>(qf + i + N), ei::ploadu<Packet>(key + i + N), acc1);
     }
-    for (; i < r; ++i)
-      acc[0] = ei::pmadd(ei::pset1<Packet>(qf[i]), ei::ploadu<Packet>(keys + i * ld + j0), acc[0]);
-    ei::pstoreu(pending.scores.data() + j0,
-                ei::padd(ei::padd(acc[0], acc[1]), ei::padd(acc[2], acc[3])));
+    if (i + N <= r) {
+      acc0 = ei::pmadd(ei::ploadu<Packet>(qf + i), ei::ploadu<Packet>(key + i), acc0);
+      i += N;
+    }
+    Scalar sum = ei::predux(ei::padd(acc0, acc1));
+    for (; i < r; ++i) sum = ei::pmadd(qf[i], key[i], sum);
+    pending.scores[j] = sum;
   }
 }
 
@@ -112,8 +111,7 @@ void deferred_token(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scalar
   const Scalar den = add_keys_and_dot(z.data(), kf, qf, z_next.data(), r);
   SweepToken<Scalar> token{qf, nullptr, nullptr, y, norm.divisor(den, row)};
   const Index j = pending.count;
-  const Index ld = pending.keys_t.cols();
-  for (Index i = 0; i < r; ++i) pending.keys_t.data()[i * ld + j] = kf[i];
+  std::copy_n(kf, r, pending.keys.row(j).data());
   std::copy_n(v, dv, pending.values.row(j).data());
   pending.count = j + 1;
   pending_scores(qf, pending);

@@ -136,18 +136,24 @@ void sweep_packet_columns(Scalar* S, Index ld, Index r, Index c0, const SweepTok
   }
 #pragma GCC unroll 4
   for (int j = 0; j < Tokens; ++j) {
-    const Packet divisor = ei::pset1<Packet>(tokens[j].divisor);
+    Packet sum[Packets];
 #pragma GCC unroll 8
     for (int p = 0; p < Packets; ++p) {
-      Packet sum = chunk_sum[0][j][p];
-      for (int c = 1; c < sweep_chunks; ++c) sum = ei::padd(sum, chunk_sum[c][j][p]);
-      for (Index m = 0; m < tokens[j].pending_count; ++m)
-        sum = ei::pmadd(ei::pset1<Packet>(tokens[j].pending_scores[m]),
-                        ei::ploadu<Packet>(tokens[j].pending_values + m * tokens[j].pending_ld +
-                                           c0 + p * N),
-                        sum);
-      ei::pstoreu(tokens[j].y + c0 + p * N, divide ? ei::pdiv(sum, divisor) : sum);
+      sum[p] = chunk_sum[0][j][p];
+      for (int c = 1; c < sweep_chunks; ++c) sum[p] = ei::padd(sum[p], chunk_sum[c][j][p]);
     }
+    // Pending tokens outside, packets inside: Packets independent FMA chains.
+    for (Index m = 0; m < tokens[j].pending_count; ++m) {
+      const Packet score = ei::pset1<Packet>(tokens[j].pending_scores[m]);
+      const Scalar* value = tokens[j].pending_values + m * tokens[j].pending_ld + c0;
+#pragma GCC unroll 8
+      for (int p = 0; p < Packets; ++p)
+        sum[p] = ei::pmadd(score, ei::ploadu<Packet>(value + p * N), sum[p]);
+    }
+    const Packet divisor = ei::pset1<Packet>(tokens[j].divisor);
+#pragma GCC unroll 8
+    for (int p = 0; p < Packets; ++p)
+      ei::pstoreu(tokens[j].y + c0 + p * N, divide ? ei::pdiv(sum[p], divisor) : sum[p]);
   }
 }
 
