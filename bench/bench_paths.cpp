@@ -374,17 +374,22 @@ void register_all() {
   add("recurrent", BM_recurrent, 16384, true);
   add("decode", BM_decode<false>, 16384, true);
   if (full_sweep()) add("decode_interleaved", BM_decode<true>, 16384, true);
+  // The default step (deferred where S outgrows L1) against the fused one, in both decode
+  // orders: the full sweep over every T, the default run at T = 4096, one thread.
   if (full_sweep()) add("decode_interleaved_fused", BM_decode<true, Attention, true>, 16384, true);
-  for (Index d : dims)
-    benchmark::RegisterBenchmark("decode_fused", BM_decode<false, Attention, true>)
-        ->Args({4096, d, 1})
-        ->ArgNames({"T", "d", "threads"})
-        ->Unit(benchmark::kMillisecond);
-  for (Index d : dims)
-    benchmark::RegisterBenchmark("decode_identity", BM_decode<false, IdentityAttention>)
-        ->Args({4096, d, 1})
-        ->ArgNames({"T", "d", "threads"})
-        ->Unit(benchmark::kMillisecond);
+  const auto add_4096 = [&](const char* name, auto fn) {
+    for (Index d : dims)
+      benchmark::RegisterBenchmark(name, fn)
+          ->Args({4096, d, 1})
+          ->ArgNames({"T", "d", "threads"})
+          ->Unit(benchmark::kMillisecond);
+  };
+  add_4096("decode_fused", BM_decode<false, Attention, true>);
+  if (!full_sweep()) {
+    add_4096("decode_interleaved", BM_decode<true>);
+    add_4096("decode_interleaved_fused", BM_decode<true, Attention, true>);
+  }
+  add_4096("decode_identity", BM_decode<false, IdentityAttention>);
   add("quadratic", BM_quadratic, 4096, false);
   add("softmax", BM_softmax, 4096, false);
   // The chunk-size sweep behind Options::chunk_size's default.

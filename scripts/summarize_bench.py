@@ -167,14 +167,16 @@ def main():
         for d, need in ((64, 0.5), (128, 0.45)):
             f = frac(path, d)
             print(f"  {path}, d = {d}: {f:.2f} x GEMM (target >= {need}) {check(f >= need)}")
-    for d in dims:
-        # The default deferred step against the fused one-pass step (decode_block = 1).
-        fused = one(rows, path="decode_fused", d=d, threads=1, T=4096)
-        deferred = one(main_rows, path="decode", d=d, threads=1, T=4096)
-        if fused and deferred:
-            print(f"  decode with the fused one-pass step (decode_block = 1), d = {d}: "
-                  f"{fused['frac']:.2f} x GEMM; the default deferred step is "
-                  f"{fused['ms'] / deferred['ms']:.2f} x as fast")
+    for order, path in (("each head alone", "decode"), ("heads taking turns", "decode_interleaved")):
+        for d in dims:
+            # The default step (deferred when S is larger than 32 KiB) against the fused
+            # one-pass step (decode_block = 1).
+            fused = one(rows, path=path + "_fused", d=d, threads=1, T=4096)
+            default = one(rows, path=path, d=d, threads=1, T=4096)
+            if fused and default:
+                print(f"  decode ({order}), d = {d}: default step {default['frac']:.2f} x GEMM, "
+                      f"fused step (decode_block = 1) {fused['frac']:.2f}: default "
+                      f"{fused['ms'] / default['ms']:.2f} x as fast")
     for d in dims:
         # The same decode with the Identity map on |q|, |k|: what the step costs without the
         # ELU+1 exponentials, i.e. how much of the gap to the decode target the map accounts for.

@@ -101,6 +101,26 @@ TEST_CASE("state size follows the article: r*dv + r scalars", "[state]") {
   CHECK(attn.make_state(64, 32).scalar_count() == 64 * 32 + 64);
 }
 
+TEST_CASE("the decode block defaults to 16 exactly when S is larger than 32 KiB", "[state]") {
+  // kAutoDecodeBlock: fused steps while S fits a typical L1, deferred ones beyond.
+  const LinearAttention<EluPlusOne, float> f;
+  CHECK(f.make_state(64, 64).decode_block() == 0);     // 16 KiB
+  CHECK(f.make_state(64, 128).decode_block() == 0);    // 32 KiB: not larger
+  CHECK(f.make_state(64, 129).decode_block() == 16);   // 32 KiB + 256 bytes
+  CHECK(f.make_state(128, 128).decode_block() == 16);  // 64 KiB
+  const LinearAttention<EluPlusOne, double> d;
+  CHECK(d.make_state(64, 64).decode_block() == 0);     // 32 KiB
+  CHECK(d.make_state(64, 65).decode_block() == 16);
+  // An explicit value is taken as it is (1 means fused: no block kept).
+  CHECK(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 8}).make_state(4, 4).decode_block() == 8);
+  CHECK(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 1}).make_state(128, 128).decode_block() == 0);
+  // Random features keep fused (log-scaled) steps whatever the size.
+  using RandomFeatures = PositiveRandomFeatures<float>;
+  const LinearAttention<RandomFeatures> rf(RandomFeatures(128, 256, 3));
+  CHECK(rf.make_state(128, 128).decode_block() == 0);
+  CHECK_THROWS_AS(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, -2}), std::invalid_argument);
+}
+
 TEMPLATE_TEST_CASE("parallel, chunked, recurrent and step agree with a double loop", "[agree]",
                    float, double) {
   struct Shape {
@@ -247,7 +267,7 @@ TEST_CASE("step reads q, k, v in place or from a copy with the same result, also
     auto rows = attn.make_state(d, d);
     RowMatrix<float> expected(T, d);
     for (Index t = 0; t < T; ++t) expected.row(t) = attn.step(rows, Q.row(t), K.row(t), V.row(t));
-    if (attn.decode_block() <= 1) CHECK(expected == attn.recurrent(Q, K, V));
+    if (rows.decode_block() <= 1) CHECK(expected == attn.recurrent(Q, K, V));
     auto mixed = attn.make_state(d, d);
     auto transposed = attn.make_state(d, d), in_place = attn.make_state(d, d);
     for (Index t = 0; t < T; ++t) {
@@ -264,7 +284,7 @@ TEST_CASE("step reads q, k, v in place or from a copy with the same result, also
       CHECK(v_then_y == expected.row(t));
     }
   };
-  check_layouts(LinearAttention<EluPlusOne>());                             // block 16 > T
+  check_layouts(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 16}));  // 16 > T
   check_layouts(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 4}));  // folds twice
   check_layouts(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 1}));  // fused
   using RandomFeatures = PositiveRandomFeatures<float>;

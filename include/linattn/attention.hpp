@@ -35,6 +35,9 @@
 
 namespace linattn {
 
+/// Options::decode_block's default: chosen from the size of S (see there).
+inline constexpr Index kAutoDecodeBlock = -1;
+
 /// Runtime options of a LinearAttention.
 struct Options {
   /// What the read divides by; strict (throwing) by default.
@@ -47,12 +50,16 @@ struct Options {
   /// suits RuleAttention, which shares these options.
   Index chunk_size = 32;
   /// Tokens a state made by this attention collects in step() before folding them into S
-  /// (>= 0; 0 or 1 folds every token in one fused pass over S). Each step then reads S
-  /// instead of rewriting it, and one rank-B product per B tokens updates it: at
-  /// r = dv = 128 in float, where S outgrows L1, decode ran 1.3 x faster with 8 or 16 than
-  /// with the fused pass (docs/performance.md). Costs B (r + dv) scalars per state. Ignored
-  /// for log-scaled (random-feature) maps, whose steps rescale S.
-  Index decode_block = 16;
+  /// (0 or 1 folds every token in one fused pass over S). With B > 1 each step reads S
+  /// instead of rewriting it, and one rank-B product per B tokens updates it: same flops,
+  /// half the state traffic, plus about 2 B (r + dv) flops per token for the pending tokens.
+  /// That pays when S does not fit L1: at r = dv = 128 in float decode ran 1.06 x (each head
+  /// decoding alone) to 1.2 x (heads taking turns per token, as a model decodes) faster with
+  /// B = 16; at 64 it ran up to 0.8 x as fast (docs/performance.md). The default,
+  /// kAutoDecodeBlock, takes B = 16 when S (r x dv) is larger than 32 KiB and 0 otherwise.
+  /// Costs B (2 r + dv + 1) scalars per state. Ignored (0) for log-scaled (random-feature)
+  /// maps, whose steps rescale S.
+  Index decode_block = kAutoDecodeBlock;
 };
 
 /// Linear attention with feature map Phi in precision Scalar (float or double).
@@ -83,8 +90,9 @@ class LinearAttention {
   explicit LinearAttention(Phi phi, Options options = {}) : phi_(std::move(phi)), options_(options) {
     if (options_.chunk_size < 1)
       throw std::invalid_argument("linattn: Options::chunk_size must be at least 1");
-    if (options_.decode_block < 0)
-      throw std::invalid_argument("linattn: Options::decode_block must be non-negative");
+    if (options_.decode_block < kAutoDecodeBlock)
+      throw std::invalid_argument(
+          "linattn: Options::decode_block must be non-negative or kAutoDecodeBlock");
   }
 
   [[nodiscard]] const Phi& feature_map() const noexcept { return phi_; }
@@ -94,11 +102,19 @@ class LinearAttention {
 
   /// An empty state for keys of dimension dk and values of dimension dv. O(r (dv + B)).
   [[nodiscard]] State make_state(Index dk, Index dv) const {
-    return State(phi_.feature_dim(dk), dk, dv, log_scaled, decode_block());
+    const Index r = phi_.feature_dim(dk);
+    return State(r, dk, dv, log_scaled, decode_block(r, dv));
   }
 
-  /// B of the states make_state() gives: Options::decode_block, or 0 for a log-scaled map.
-  [[nodiscard]] Index decode_block() const noexcept { return log_scaled ? 0 : options_.decode_block; }
+  /// B of the states for feature dim r and value dim dv: Options::decode_block, resolved as
+  /// described there when it is kAutoDecodeBlock; 0 for a log-scaled map.
+  [[nodiscard]] Index decode_block(Index r, Index dv) const noexcept {
+    if (log_scaled) return 0;
+    if (options_.decode_block != kAutoDecodeBlock) return options_.decode_block;
+    constexpr Index l1_budget = 32 * 1024;  // bytes; a typical x86 L1d is 32 to 48 KiB
+    const bool fits_l1 = r * dv <= l1_budget / Index{sizeof(Scalar)};
+    return fits_l1 ? 0 : 16;
+  }
 
   // ---- parallel path -------------------------------------------------------------------
 

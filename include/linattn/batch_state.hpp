@@ -40,7 +40,7 @@ class SequenceState {
 
   /// `heads` empty head states of feature dim r, key dim dk, value dim dv. O(heads r dv).
   /// `log_domain` as for AttentionState: true for a LogScaledFeatureMap (random features);
-  /// `decode_block` as for AttentionState (LinearAttention::decode_block() gives the layer's).
+  /// `decode_block` as for AttentionState (LinearAttention::decode_block(r, dv) gives the layer's).
   SequenceState(Index heads, Index r, Index dk, Index dv, bool log_domain = false,
                 Index decode_block = 0) {
     if (heads < 0)

@@ -182,7 +182,7 @@ class MultiHeadAttention {
   /// A batch state of `sequences` empty sequences for this layer.
   [[nodiscard]] State make_state(Index sequences = 0) const {
     return State(heads_.q_heads, feature_dim(), heads_.key_dim, heads_.value_dim, sequences,
-                 LogScaledFeatureMap<Phi, Scalar>, attention_.decode_block());
+                 LogScaledFeatureMap<Phi, Scalar>, attention_.decode_block(feature_dim(), heads_.value_dim));
   }
 
   /// State against K/V cache for one sequence of this layer.

@@ -287,7 +287,7 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
   RowVector<Scalar> key_features(r), value(h.value_dim);
   for (std::uint64_t s = 0; s < count; ++s) {
     SequenceState<Scalar> seq(h.q_heads, r, h.key_dim, h.value_dim,
-                              LogScaledFeatureMap<Phi, Scalar>, layer.attention().decode_block());
+                              LogScaledFeatureMap<Phi, Scalar>, layer.attention().decode_block(r, h.value_dim));
     for (Index head = 0; head < h.q_heads; ++head) {
       if (rd.remaining() < fixed_per_head) payload_error();
       AttentionState<Scalar>& st = seq.head(head);
