@@ -53,9 +53,9 @@ struct Options {
   /// (0 or 1 folds every token in one fused pass over S). With B > 1 each step reads S
   /// instead of rewriting it, and one rank-B product per B tokens updates it: same flops,
   /// half the state traffic, plus about 2 B (r + dv) flops per token for the pending tokens.
-  /// That pays when S does not fit L1: at r = dv = 128 in float decode ran 1.06 x (each head
-  /// decoding alone) to 1.2 x (heads taking turns per token, as a model decodes) faster with
-  /// B = 16; at 64 it ran up to 0.8 x as fast (docs/performance.md). The default,
+  /// That pays when S does not fit L1: at r = dv = 128 in float decode ran 1.2 x faster with
+  /// B = 16 when heads take turns per token (as a model decodes), about as fast when each
+  /// head decodes alone; at 64 it ran about 0.8 x as fast (docs/performance.md). The default,
   /// kAutoDecodeBlock, takes B = 16 when S (r x dv) is larger than 32 KiB and 0 otherwise.
   /// Costs B (2 r + dv + 1) scalars per state. Ignored (0) for log-scaled (random-feature)
   /// maps, whose steps rescale S.
