@@ -290,6 +290,18 @@ TEMPLATE_TEST_CASE("gamma = 1 and log-gates = 0 reduce to Additive, which is Lin
     auto state = additive.make_state(dk, dv);
     (void)additive.parallel(Q, K, V, state);
     CHECK(state.z().size() == dk);
+    // Steps too, with a decode block: the additive state is LinearAttention's, block included.
+    Options blocked = opts(chunk);
+    blocked.decode_block = 4;
+    const LinearAttention<EluPlusOne, TestType> core_blocked(EluPlusOne{}, blocked);
+    const RuleAttention<EluPlusOne, Additive, TestType> additive_blocked(EluPlusOne{}, Additive{},
+                                                                         blocked);
+    auto core_state = core_blocked.make_state(dk, dv);
+    auto additive_state = additive_blocked.make_state(dk, dv);
+    CHECK(additive_state.decode_block() == 4);
+    for (Index t = 0; t < 10; ++t)
+      CHECK(additive_blocked.step(additive_state, Q.row(t), K.row(t), V.row(t)) ==
+            core_blocked.step(core_state, Q.row(t), K.row(t), V.row(t)));
 
     // exp(0) = 1 exactly, so gamma = 1 and zero log-gates compute the additive weights; the
     // sums are ordered differently, so they agree to the additive rounding bound.

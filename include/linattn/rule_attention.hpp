@@ -122,9 +122,14 @@ class RuleAttention {
   [[nodiscard]] const Options& options() const noexcept { return base_.options(); }
   [[nodiscard]] Index feature_dim(Index dk) const { return base_.feature_dim(dk); }
 
-  /// An empty state for keys of dimension dk and values of dimension dv. O(r dv).
+  /// An empty state for keys of dimension dk and values of dimension dv. O(r dv). Under
+  /// Additive it is LinearAttention's state (with its decode block), so both classes step the
+  /// same way.
   [[nodiscard]] State make_state(Index dk, Index dv) const {
-    return State(feature_dim(dk), dk, dv);
+    if constexpr (additive)
+      return base_.make_state(dk, dv);
+    else
+      return State(feature_dim(dk), dk, dv);
   }
 
   // ---- parallel path -------------------------------------------------------------------
