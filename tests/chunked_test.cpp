@@ -558,7 +558,7 @@ TEMPLATE_TEST_CASE("the deferred step agrees with a double loop across blocks an
             stepped.row(t) = attn.step(state, Q.row(t), K.row(t), V.row(t));
           CHECK(worst_error_ratio<TestType>(stepped, ref, units) <= 1);
           CHECK(state.tokens() == T);
-          CHECK(state.pending_tokens() == T % B);
+          CHECK(state.pending_tokens() == (T - 1) % B + 1);  // a full block folds on the next token
           auto whole_state = attn.make_state(dk, dv);
           static_cast<void>(attn.recurrent(Q, K, V, whole_state));
           CHECK(state.z() == whole_state.z());
@@ -637,6 +637,57 @@ TEMPLATE_TEST_CASE("a rejected deferred step changes nothing, pending tokens inc
   auto twin = before;
   CHECK(attn.step(state, q, one, V.row(4)) == attn.step(twin, q, one, V.row(4)));
   CHECK(state.S() == twin.S());
+}
+
+TEMPLATE_TEST_CASE("query heads share one state through absorb() and read_into()",
+                   "[deferred][shared]", float, double) {
+  // Grouped-query attention: G = 3 query heads read one key/value head's state. Each head's
+  // output must match stepping a state of its own: bit for bit with a decode block (absorb()
+  // and read_into() are step() cut in two), and within the double loop's bound (a
+  // re-association of the same T terms) with fused steps. Reads must leave the state as it was.
+  const Index G = 3, T = 37, dk = 9, dv = 70;
+  const auto [Q0, K, V] = random_qkv<TestType>(T, dk, dv, 801);
+  const auto Q1 = random_matrix<TestType>(T, dk, 802), Q2 = random_matrix<TestType>(T, dk, 803);
+  const linattn::RowMatrix<TestType>* Qs[G] = {&Q0, &Q1, &Q2};
+  for (Index B : {1, 3, 16}) {
+    CAPTURE(B);
+    const Attn<TestType> attn(EluPlusOne{}, Options{{}, 32, B});
+    auto shared = attn.make_state(dk, dv);
+    auto scratch = attn.make_read_scratch(dk, dv);
+    std::vector<AttentionState<TestType>> own(G, attn.make_state(dk, dv));
+    std::vector<linattn::RowMatrix<TestType>> read(G, linattn::RowMatrix<TestType>(T, dv));
+    std::vector<linattn::RowMatrix<TestType>> stepped = read;
+    for (Index t = 0; t < T; ++t) {
+      attn.absorb(shared, K.row(t), V.row(t));
+      const auto before = shared;
+      for (Index g = 0; g < G; ++g) {
+        RowVector<TestType> y(dv);
+        attn.read_into(shared, Qs[g]->row(t), y, scratch);
+        read[g].row(t) = y;
+        stepped[g].row(t) = attn.step(own[g], Qs[g]->row(t), K.row(t), V.row(t));
+      }
+      REQUIRE(shared.S() == before.S());
+      REQUIRE(shared.z() == before.z());
+      REQUIRE(shared.pending_tokens() == before.pending_tokens());
+    }
+    CHECK(shared.tokens() == T);
+    CHECK(shared.z() == own[0].z());
+    for (Index g = 0; g < G; ++g) {
+      const auto ref = naive_attention(*Qs[g], K, V, true, linattn_test::elu_plus_one);
+      CHECK(worst_error_ratio<TestType>(read[g], ref, bound_units(dk, T)) <= 1);
+      if (B > 1) CHECK(read[g] == stepped[g]);
+    }
+  }
+  // Misuse: a scratch for other dims, a wrong output length, and a read of an empty state.
+  const Attn<TestType> attn;
+  auto state = attn.make_state(dk, dv);
+  auto other = attn.make_read_scratch(dk + 1, dv);
+  RowVector<TestType> y(dv), short_y(dv - 1);
+  const auto q = random_matrix<TestType>(1, dk, 804);
+  CHECK_THROWS_AS(attn.read_into(state, q, y, other), ShapeError);
+  auto scratch = attn.make_read_scratch(dk, dv);
+  CHECK_THROWS_AS(attn.read_into(state, q, short_y, scratch), ShapeError);
+  CHECK_THROWS_AS(attn.read_into(state, q, y, scratch), DenominatorError);  // z = 0
 }
 
 TEMPLATE_TEST_CASE("a rejected denominator inside a token pair absorbs exactly the tokens before it",

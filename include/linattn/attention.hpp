@@ -17,6 +17,7 @@
 /// many threads; each thread needs its own state.
 
 #include <linattn/detail/chunked.hpp>
+#include <linattn/detail/deferred.hpp>
 #include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/log_domain.hpp>
 #include <linattn/detail/recurrent_sweep.hpp>
@@ -239,6 +240,74 @@ class LinearAttention {
     const auto k_row = detail::row_view(k, state.key_row_, "k", y.data(), y.size());
     const auto v_row = detail::row_view(v, state.value_row_, "v", y.data(), y.size());
     token(state, q_row, k_row, v_row, y, state.tokens());
+  }
+
+  // ---- shared states: absorb once, read many times ----------------------------------------
+
+  /// Scratch for read_into() against states of this attention with key dim dk and value dim
+  /// dv; one per reader. O(r + dk + B).
+  [[nodiscard]] ReadScratch<Scalar> make_read_scratch(Index dk, Index dv) const {
+    const Index r = phi_.feature_dim(dk);
+    return ReadScratch<Scalar>(dk, r, decode_block(r, dv));
+  }
+
+  /// Absorbs one token without reading: S += phi(k) v^T, z += phi(k). With a decode block it
+  /// joins the pending tokens (O(r + dv), and a fold of O(B r dv) every B tokens); otherwise
+  /// O(r dv). Together with read_into() this lets several queries read one state, as the
+  /// query heads of one key/value head do under grouped-query attention: absorb the group's
+  /// token once, then read_into() for each query head. absorb() then read_into() gives the bits
+  /// of step() when the state has a decode block, and agrees to rounding otherwise. Ordinary
+  /// (not log-scaled) feature maps only.
+  template <class Dk, class Dv>
+  void absorb(State& state, const Eigen::MatrixBase<Dk>& k, const Eigen::MatrixBase<Dv>& v) const {
+    static_assert(!log_scaled,
+                  "absorb() and read_into() take ordinary feature maps; a log-scaled map "
+                  "(random features) rescales S per token: use step()");
+    check_state(state, state.key_dim(), state.value_dim());
+    const auto k_row = detail::row_view(k, state.key_row_, "k", static_cast<const Scalar*>(nullptr), 0);
+    const auto v_row = detail::row_view(v, state.value_row_, "v", static_cast<const Scalar*>(nullptr), 0);
+    Eigen::Ref<RowMatrix<Scalar>> kf(state.key_features_);
+    phi_.apply(k_row, kf);
+    state.z_ += kf.transpose();
+    if (state.pending_.capacity > 0)
+      detail::append_pending(state.S_, state.pending_, kf.data(), v_row.data());
+    else
+      state.S_.noalias() += kf.transpose() * v_row;
+    ++state.tokens_;
+  }
+
+  /// Reads a state without changing it: y = phi(q)^T S / phi(q)^T z over the tokens absorbed
+  /// so far (pending ones included). `state` is const, so any number of readers may read it at
+  /// once, each with its own `scratch` (make_read_scratch). O(r dv + B (r + dv)); allocates
+  /// nothing. The denominator goes through the Normalization policy like step()'s (its row is
+  /// the last absorbed token).
+  template <class Dq>
+  void read_into(const State& state, const Eigen::MatrixBase<Dq>& q,
+                 Eigen::Ref<RowVector<Scalar>> y, ReadScratch<Scalar>& scratch) const {
+    static_assert(!log_scaled,
+                  "absorb() and read_into() take ordinary feature maps; a log-scaled map "
+                  "(random features) rescales S per token: use step()");
+    check_state(state, state.key_dim(), state.value_dim());
+    const Index r = state.feature_dim();
+    if (y.size() != state.value_dim())
+      detail::throw_shape_error("read output has length ", y.size(), ", expected dv = ",
+                                state.value_dim());
+    if (scratch.query_row_.cols() != state.key_dim() || scratch.query_features_.cols() != r ||
+        scratch.scores_.size() < state.pending_tokens())
+      detail::throw_shape_error("read scratch was made for dk=", scratch.query_row_.cols(),
+                                " r=", scratch.query_features_.cols(), " and ",
+                                scratch.scores_.size(), " pending tokens, the state has dk=",
+                                state.key_dim(), " r=", r, " and ", state.pending_tokens(),
+                                "; make it with this attention's make_read_scratch(dk, dv)");
+    const auto q_row = detail::row_view(q, scratch.query_row_, "q", y.data(), y.size());
+    Eigen::Ref<RowMatrix<Scalar>> qf(scratch.query_features_);
+    phi_.apply(q_row, qf);
+    const Scalar den = detail::ordered_dot(qf.data(), state.z_.data(), r);
+    const Index row = std::max<Index>(state.tokens() - 1, 0);
+    const Scalar divisor = options_.normalization.divisor(den, row);
+    detail::read_with_pending(state.S_, state.pending_, qf.data(), y.data(),
+                              scratch.scores_.data(), divisor, options_.normalization.divides(),
+                              false);
   }
 
  private:

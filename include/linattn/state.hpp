@@ -12,6 +12,7 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <limits>
 
 namespace linattn {
@@ -75,7 +76,8 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
   /// Folds the pending tokens into S (O(pending r dv)); S() is then this->S_ without a copy.
   /// Nothing observable changes except rounding in later reads: the paths call it themselves.
   void settle() noexcept { detail::fold_pending(this->S_, pending_); }
-  /// Tokens absorbed but not yet added to the stored S (0 <= n < decode_block()).
+  /// Tokens absorbed but not yet added to the stored S (0 <= n <= decode_block(); a full block
+  /// is folded when the next token arrives).
   [[nodiscard]] Index pending_tokens() const noexcept { return pending_.count; }
   /// B: how many tokens step() collects before folding them into S; 0 when it folds each one.
   [[nodiscard]] Index decode_block() const noexcept { return pending_.capacity; }
@@ -88,7 +90,8 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
     return pending_.values.topRows(pending_.count);
   }
   /// Appends one pending token (key features kf, length r; value v, length dv), for loading a
-  /// saved state; a block that fills up, or a state without one (B <= 1), is added to S. Does not change tokens() or z. Throws ShapeError for wrong lengths.
+  /// saved state; a full block is folded into S first, and a state without one (B <= 1) adds
+  /// the token to S. Does not change tokens() or z. Throws ShapeError for wrong lengths.
   template <class Dk, class Dv>
   void load_pending_token(const Eigen::MatrixBase<Dk>& kf, const Eigen::MatrixBase<Dv>& v) {
     if (kf.size() != this->feature_dim() || v.size() != this->value_dim() ||
@@ -101,10 +104,10 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
       this->S_.noalias() += kf.reshaped() * v.reshaped().transpose();
       return;
     }
+    if (pending_.count == pending_.capacity) settle();  // as the next step would
     const Index j = pending_.count++;
     pending_.keys.row(j) = kf.reshaped().transpose();
     pending_.values.row(j) = v.reshaped().transpose();
-    if (pending_.count == pending_.capacity) settle();  // as a step would
   }
 
   /// z = sum over absorbed tokens of phi(k); length r.
@@ -145,6 +148,26 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
 
   Scalar log_scale_ = 0;
   bool log_domain_ = false;
+};
+
+/// Scratch of one reader of a state (LinearAttention::read_into): the query row, its features
+/// and the scores against pending tokens. Readers that share one state (grouped-query heads,
+/// threads) each need their own; reading then allocates nothing. Make it with
+/// LinearAttention::make_read_scratch(dk, dv).
+template <class Scalar>
+class ReadScratch {
+ public:
+  ReadScratch() = default;
+  /// Room for queries of dimension dk, features of dimension r and `block` pending tokens.
+  ReadScratch(Index dk, Index r, Index block)
+      : query_row_(1, dk), query_features_(1, r), scores_(std::max<Index>(block, 1)) {}
+
+ private:
+  template <class, class>
+  friend class LinearAttention;
+
+  RowMatrix<Scalar> query_row_, query_features_;
+  RowVector<Scalar> scores_;
 };
 
 }  // namespace linattn

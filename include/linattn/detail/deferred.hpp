@@ -73,7 +73,7 @@ void fold_pending(RowMatrix<Scalar>& S, PendingTokens<Scalar>& pending) noexcept
 /// packet accumulators over the features, then the scalar tail): the result depends on the
 /// values only, not on where they lie.
 template <class Scalar>
-void pending_scores(const Scalar* qf, PendingTokens<Scalar>& pending) noexcept {
+void pending_scores(const Scalar* qf, const PendingTokens<Scalar>& pending, Scalar* scores) noexcept {
   namespace ei = Eigen::internal;
   using Packet = SweepPacket<Scalar>;
   constexpr Index N = sweep_packet_size<Scalar>;
@@ -92,14 +92,68 @@ void pending_scores(const Scalar* qf, PendingTokens<Scalar>& pending) noexcept {
     }
     Scalar sum = ei::predux(ei::padd(acc0, acc1));
     for (; i < r; ++i) sum = ei::pmadd(qf[i], key[i], sum);
-    pending.scores[j] = sum;
+    scores[j] = sum;
   }
+}
+
+/// qf . z in the order of add_keys_and_dot (packets into two accumulators, then the tail), so
+/// a read after an absorb gives the bits of the step that does both.
+template <class Scalar>
+Scalar ordered_dot(const Scalar* qf, const Scalar* z, Index r) noexcept {
+  namespace ei = Eigen::internal;
+  using Packet = SweepPacket<Scalar>;
+  constexpr int N = sweep_packet_size<Scalar>;
+  Packet acc0 = ei::pset1<Packet>(Scalar(0)), acc1 = acc0;
+  Index i = 0;
+  for (; i + 2 * N <= r; i += 2 * N) {
+    acc0 = ei::pmadd(ei::ploadu<Packet>(qf + i), ei::ploadu<Packet>(z + i), acc0);
+    acc1 = ei::pmadd(ei::ploadu<Packet>(qf + i + N), ei::ploadu<Packet>(z + i + N), acc1);
+  }
+  if (i + N <= r) {
+    acc0 = ei::pmadd(ei::ploadu<Packet>(qf + i), ei::ploadu<Packet>(z + i), acc0);
+    i += N;
+  }
+  Scalar sum = ei::predux(ei::padd(acc0, acc1));
+  for (; i < r; ++i) sum = ei::pmadd(qf[i], z[i], sum);
+  return sum;
+}
+
+/// y = (qf S + sum over the pending tokens j of (qf . kf_j) v_j) / divisor (if `divide`),
+/// reading S and the block only. `scores` is room for the pending count. 2 r dv flops plus
+/// 2 p (r + dv) for p pending tokens.
+template <class Scalar>
+void read_with_pending(const RowMatrix<Scalar>& S, const PendingTokens<Scalar>& pending,
+                       const Scalar* qf, Scalar* y, Scalar* scores, Scalar divisor, bool divide,
+                       bool reverse) noexcept {
+  const Index r = S.rows(), dv = S.cols();
+  pending_scores(qf, pending, scores);
+  SweepToken<Scalar> token{qf, nullptr, nullptr, y, divisor};
+  token.pending_scores = scores;
+  token.pending_values = pending.values.data();
+  token.pending_ld = dv;
+  token.pending_count = pending.count;
+  // A read-only sweep never writes through the pointer (sweep_tokens<..., false>).
+  sweep_tokens<1, Scalar, false>(const_cast<Scalar*>(S.data()), dv, r, dv, &token, divide,
+                                 reverse);
+}
+
+/// Adds a token to the pending block (kf length r, v length dv), folding a full block into S
+/// first. Folding only when the next token arrives (not when the block fills) keeps the last
+/// token's read the same whether it comes from step() or from absorb() then read_into().
+template <class Scalar>
+void append_pending(RowMatrix<Scalar>& S, PendingTokens<Scalar>& pending, const Scalar* kf,
+                    const Scalar* v) noexcept {
+  if (pending.count == pending.capacity) fold_pending(S, pending);
+  const Index j = pending.count;
+  std::copy_n(kf, S.rows(), pending.keys.row(j).data());
+  std::copy_n(v, S.cols(), pending.values.row(j).data());
+  pending.count = j + 1;
 }
 
 /// One deferred recurrent token on features: z_next = z + kf and the divisor from
 /// qf . z_next (checked before anything changes, so a DenominatorError leaves S, z, the
-/// pending block and `tokens` as they were); then the token joins the pending block, y reads
-/// qf S plus the pending tokens (itself included), and a full block is folded into S.
+/// pending block and `tokens` as they were); then the token joins the pending block (a full
+/// block is folded into S first) and y reads qf S plus the pending tokens, itself included.
 /// `qf`, `kf` (length r), `v`, `y` (length dv) contiguous; y must not overlap v. No
 /// allocation.
 template <class Scalar>
@@ -107,24 +161,16 @@ void deferred_token(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scalar
                     PendingTokens<Scalar>& pending, const Scalar* qf, const Scalar* kf,
                     const Scalar* v, Scalar* y, const Normalization& norm, Index row,
                     Index& tokens) {
-  const Index r = S.rows(), dv = S.cols();
+  const Index r = S.rows();
   const Scalar den = add_keys_and_dot(z.data(), kf, qf, z_next.data(), r);
-  SweepToken<Scalar> token{qf, nullptr, nullptr, y, norm.divisor(den, row)};
-  const Index j = pending.count;
-  std::copy_n(kf, r, pending.keys.row(j).data());
-  std::copy_n(v, dv, pending.values.row(j).data());
-  pending.count = j + 1;
-  pending_scores(qf, pending);
-  token.pending_scores = pending.scores.data();
-  token.pending_values = pending.values.data();
-  token.pending_ld = dv;
-  token.pending_count = pending.count;
+  const Scalar divisor = norm.divisor(den, row);
+  append_pending(S, pending, kf, v);
   // Alternate per token as the fused sweep does; reading changes nothing, so any order gives
   // the same bits (see sweep_chunks).
-  sweep_tokens<1, Scalar, false>(S.data(), dv, r, dv, &token, norm.divides(), tokens % 2 != 0);
+  read_with_pending(S, pending, qf, y, pending.scores.data(), divisor, norm.divides(),
+                    tokens % 2 != 0);
   z.swap(z_next);
   ++tokens;
-  if (pending.count == pending.capacity) fold_pending(S, pending);
 }
 
 }  // namespace linattn::detail
