@@ -10,9 +10,10 @@
 /// r = dk = dv = 128 and one head that is 16,512 scalars against 256 per token: 65 tokens.
 ///
 /// With grouped heads (H_q > H_kv) the state is kept per query head: every query head of a
-/// group accumulates the same S and z, but LinearAttention's step updates and reads in one
-/// call, so sharing one state per key/value head would need a read-only entry point (see
-/// docs/multihead.md). The accounting above counts what is actually stored.
+/// group accumulates the same S and z. LinearAttention::absorb and read_into let a caller's
+/// own loop share one state per key/value head; this layer does not yet, because its prefill
+/// runs the chunked path per query head (see docs/multihead.md). The accounting above counts
+/// what is actually stored.
 
 #include <linattn/errors.hpp>
 #include <linattn/state.hpp>
