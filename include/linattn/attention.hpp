@@ -213,8 +213,9 @@ class LinearAttention {
   ///
   /// With a decode block B > 1 (Options::decode_block) the step reads S without writing it:
   /// y = (phi(q)^T S_stored + sum over the p <= B pending tokens j of (phi(q)^T phi(k_j)) v_j)
-  /// / phi(q)^T z, and every B-th step folds the pending tokens into S_stored by one rank-B
-  /// product. Same math, so the same result to rounding; O(r dv + B (r + dv)) per token.
+  /// / phi(q)^T z; a full block of B pending tokens is folded into S_stored by one rank-B
+  /// product when the next token arrives. Same math, so the same result to rounding;
+  /// O(r dv + B (r + dv)) per token.
   /// Deterministic: the result depends on the inputs and on where the state's blocks begin
   /// (at its creation or reset, and wherever another path, mutable_S() or settle() folded it).
   template <class Dq, class Dk, class Dv>

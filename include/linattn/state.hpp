@@ -20,9 +20,9 @@ namespace linattn {
 /// Recurrent state of one head plus the scratch a decode step needs, so that step() never
 /// allocates. Create it with LinearAttention::make_state(dk, dv).
 ///
-/// Deferred decode: a state made with decode_block B > 1 (Options::decode_block, 16 by
-/// default) lets step() collect up to B tokens beside S and fold them into S together (see
-/// LinearAttention::step_into); S() and the serialized state always include them, and every
+/// Deferred decode: a state made with decode_block B > 1 (Options::decode_block; by default 16
+/// where S is larger than 32 KiB) lets step() and absorb() collect up to B tokens beside S and
+/// fold them into S together (see LinearAttention::step_into); S() and the serialized state always include them, and every
 /// other path folds them first. They take B (2 r + dv + 1) more scalars (the tokens, and
 /// scratch for the fold and the read), which scalar_count() does not count: the pending tokens
 /// are part of S, only not yet added.
