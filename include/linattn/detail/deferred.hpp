@@ -69,53 +69,13 @@ void fold_pending(RowMatrix<Scalar>& S, PendingTokens<Scalar>& pending) noexcept
   pending.count = 0;
 }
 
-/// scores[j] = qf . (features of pending token j), each a dot product in a fixed order (two
-/// packet accumulators over the features, then the scalar tail): the result depends on the
-/// values only, not on where they lie.
+/// scores[j] = qf . (features of pending token j), each by ordered_dot: the result depends on
+/// the values only, not on where they lie.
 template <class Scalar>
 void pending_scores(const Scalar* qf, const PendingTokens<Scalar>& pending, Scalar* scores) noexcept {
-  namespace ei = Eigen::internal;
-  using Packet = SweepPacket<Scalar>;
-  constexpr Index N = sweep_packet_size<Scalar>;
   const Index r = pending.keys.cols();
-  for (Index j = 0; j < pending.count; ++j) {
-    const Scalar* key = pending.keys.data() + j * r;
-    Packet acc0 = ei::pset1<Packet>(Scalar(0)), acc1 = acc0;
-    Index i = 0;
-    for (; i + 2 * N <= r; i += 2 * N) {
-      acc0 = ei::pmadd(ei::ploadu<Packet>(qf + i), ei::ploadu<Packet>(key + i), acc0);
-      acc1 = ei::pmadd(ei::ploadu<Packet>(qf + i + N), ei::ploadu<Packet>(key + i + N), acc1);
-    }
-    if (i + N <= r) {
-      acc0 = ei::pmadd(ei::ploadu<Packet>(qf + i), ei::ploadu<Packet>(key + i), acc0);
-      i += N;
-    }
-    Scalar sum = ei::predux(ei::padd(acc0, acc1));
-    for (; i < r; ++i) sum = ei::pmadd(qf[i], key[i], sum);
-    scores[j] = sum;
-  }
-}
-
-/// qf . z in the order of add_keys_and_dot (packets into two accumulators, then the tail), so
-/// a read after an absorb gives the bits of the step that does both.
-template <class Scalar>
-Scalar ordered_dot(const Scalar* qf, const Scalar* z, Index r) noexcept {
-  namespace ei = Eigen::internal;
-  using Packet = SweepPacket<Scalar>;
-  constexpr int N = sweep_packet_size<Scalar>;
-  Packet acc0 = ei::pset1<Packet>(Scalar(0)), acc1 = acc0;
-  Index i = 0;
-  for (; i + 2 * N <= r; i += 2 * N) {
-    acc0 = ei::pmadd(ei::ploadu<Packet>(qf + i), ei::ploadu<Packet>(z + i), acc0);
-    acc1 = ei::pmadd(ei::ploadu<Packet>(qf + i + N), ei::ploadu<Packet>(z + i + N), acc1);
-  }
-  if (i + N <= r) {
-    acc0 = ei::pmadd(ei::ploadu<Packet>(qf + i), ei::ploadu<Packet>(z + i), acc0);
-    i += N;
-  }
-  Scalar sum = ei::predux(ei::padd(acc0, acc1));
-  for (; i < r; ++i) sum = ei::pmadd(qf[i], z[i], sum);
-  return sum;
+  for (Index j = 0; j < pending.count; ++j)
+    scores[j] = ordered_dot(qf, pending.keys.data() + j * r, r);
 }
 
 /// y = (qf S + sum over the pending tokens j of (qf . kf_j) v_j) / divisor (if `divide`),

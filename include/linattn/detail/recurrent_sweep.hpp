@@ -269,38 +269,37 @@ void update_and_read(Scalar* S, Index ld, Index r, Index dv, const Scalar* qf, c
   sweep_tokens<1>(S, ld, r, dv, &token, false, reverse);
 }
 
-/// z_out = z + kf and returns qf . z_out (the denominator of the token's read), in a fixed
-/// order: packets from index 0 into two accumulators, then the scalar tail. The result
-/// depends on the values only, not on where the vectors lie in memory. z_out must not
-/// overlap the inputs.
+/// a . b in a fixed order: packets from index 0 into two accumulators, then the scalar tail.
+/// The result depends on the values only, not on where the vectors lie in memory.
 template <class Scalar>
-Scalar add_keys_and_dot(const Scalar* z, const Scalar* kf, const Scalar* qf, Scalar* z_out,
-                        Index r) noexcept {
+Scalar ordered_dot(const Scalar* a, const Scalar* b, Index n) noexcept {
   namespace ei = Eigen::internal;
   using Packet = SweepPacket<Scalar>;
   constexpr int N = sweep_packet_size<Scalar>;
   Packet acc0 = ei::pset1<Packet>(Scalar(0)), acc1 = acc0;
   Index i = 0;
-  for (; i + 2 * N <= r; i += 2 * N) {
-    const Packet z0 = ei::padd(ei::ploadu<Packet>(z + i), ei::ploadu<Packet>(kf + i));
-    const Packet z1 = ei::padd(ei::ploadu<Packet>(z + i + N), ei::ploadu<Packet>(kf + i + N));
-    ei::pstoreu(z_out + i, z0);
-    ei::pstoreu(z_out + i + N, z1);
-    acc0 = ei::pmadd(ei::ploadu<Packet>(qf + i), z0, acc0);
-    acc1 = ei::pmadd(ei::ploadu<Packet>(qf + i + N), z1, acc1);
+  for (; i + 2 * N <= n; i += 2 * N) {
+    acc0 = ei::pmadd(ei::ploadu<Packet>(a + i), ei::ploadu<Packet>(b + i), acc0);
+    acc1 = ei::pmadd(ei::ploadu<Packet>(a + i + N), ei::ploadu<Packet>(b + i + N), acc1);
   }
-  if (i + N <= r) {
-    const Packet z0 = ei::padd(ei::ploadu<Packet>(z + i), ei::ploadu<Packet>(kf + i));
-    ei::pstoreu(z_out + i, z0);
-    acc0 = ei::pmadd(ei::ploadu<Packet>(qf + i), z0, acc0);
+  if (i + N <= n) {
+    acc0 = ei::pmadd(ei::ploadu<Packet>(a + i), ei::ploadu<Packet>(b + i), acc0);
     i += N;
   }
   Scalar sum = ei::predux(ei::padd(acc0, acc1));
-  for (; i < r; ++i) {
-    z_out[i] = z[i] + kf[i];
-    sum = ei::pmadd(qf[i], z_out[i], sum);
-  }
+  for (; i < n; ++i) sum = ei::pmadd(a[i], b[i], sum);
   return sum;
+}
+
+/// z_out = z + kf and returns qf . z_out (the denominator of the token's read) by ordered_dot,
+/// so a read of the state after an absorb (LinearAttention::read_into) gets the same bits.
+/// z_out must not overlap the inputs.
+template <class Scalar>
+Scalar add_keys_and_dot(const Scalar* z, const Scalar* kf, const Scalar* qf, Scalar* z_out,
+                        Index r) noexcept {
+  using Vec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+  Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(z_out, r) = Vec(z, r) + Vec(kf, r);
+  return ordered_dot(qf, z_out, r);
 }
 
 /// Asks for the cache lines of [p, p + n) in a writable state, so that the output stores at the
