@@ -1,5 +1,8 @@
 // Multi-head linear attention over raw buffers: causal prefill of B sequences x 8 heads and
 // batched decode (one token for each of B sequences), on 1 and 2 threads, float, ELU+1.
+// kv = 8: every query head has its own key/value head; kv = 2: grouped-query attention, 4
+// query heads per key/value head reading one shared state (the same useful flops, counted
+// per query head; the keys are absorbed once per group).
 //
 // Counters: tokens/s (B T per prefill call, B per decode step), GFLOP/s for prefill (useful
 // flops 4 T dk dv per head, as in bench_paths.cpp), and for threads > 1 parallel_efficiency
@@ -42,8 +45,8 @@ std::vector<float> random_buffer(Index n, unsigned seed) {
 }
 
 // Wall seconds per iteration of the 1-thread run of each configuration, keyed by
-// (kind, B, d, T).
-using Key = std::tuple<int, Index, Index, Index>;
+// (kind, B, d, T, kv).
+using Key = std::tuple<int, Index, Index, Index, Index>;
 std::map<Key, double>& single_thread_times() {
   static std::map<Key, double> times;
   return times;
@@ -67,17 +70,18 @@ void timed_loop(benchmark::State& state, const Key& key, int threads, Body&& bod
 void BM_prefill(benchmark::State& state) {
   const Index B = state.range(0), d = state.range(1), T = state.range(2);
   const int threads = static_cast<int>(state.range(3));
-  const auto q = random_buffer(B * T * kHeads * d, 1), k = random_buffer(B * T * kHeads * d, 2),
-             v = random_buffer(B * T * kHeads * d, 3);
+  const Index kv = state.range(4);
+  const auto q = random_buffer(B * T * kHeads * d, 1), k = random_buffer(B * T * kv * d, 2),
+             v = random_buffer(B * T * kv * d, 3);
   std::vector<float> out(q.size());
-  Layer layer({kHeads, kHeads, d, d});
+  Layer layer({kHeads, kv, d, d});
   layer.set_threads(threads);
   auto st = layer.make_state(B);
-  timed_loop(state, {0, B, d, T}, threads, [&] {
+  timed_loop(state, {0, B, d, T, kv}, threads, [&] {
     for (Index s = 0; s < B; ++s) st.sequence(s).reset();
     layer.prefill(CView::batch_first(q.data(), B, T, kHeads, d),
-                  CView::batch_first(k.data(), B, T, kHeads, d),
-                  CView::batch_first(v.data(), B, T, kHeads, d),
+                  CView::batch_first(k.data(), B, T, kv, d),
+                  CView::batch_first(v.data(), B, T, kv, d),
                   View::batch_first(out.data(), B, T, kHeads, d), st);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
@@ -92,16 +96,17 @@ void BM_prefill(benchmark::State& state) {
 void BM_decode(benchmark::State& state) {
   const Index B = state.range(0), d = state.range(1);
   const int threads = static_cast<int>(state.range(2));
-  const auto q = random_buffer(B * kHeads * d, 4), k = random_buffer(B * kHeads * d, 5),
-             v = random_buffer(B * kHeads * d, 6);
+  const Index kv = state.range(3);
+  const auto q = random_buffer(B * kHeads * d, 4), k = random_buffer(B * kv * d, 5),
+             v = random_buffer(B * kv * d, 6);
   std::vector<float> out(q.size());
-  Layer layer({kHeads, kHeads, d, d});
+  Layer layer({kHeads, kv, d, d});
   layer.set_threads(threads);
   auto st = layer.make_state(B);
-  timed_loop(state, {1, B, d, 1}, threads, [&] {
+  timed_loop(state, {1, B, d, 1, kv}, threads, [&] {
     layer.step(CView::batch_first(q.data(), B, 1, kHeads, d),
-               CView::batch_first(k.data(), B, 1, kHeads, d),
-               CView::batch_first(v.data(), B, 1, kHeads, d),
+               CView::batch_first(k.data(), B, 1, kv, d),
+               CView::batch_first(v.data(), B, 1, kv, d),
                View::batch_first(out.data(), B, 1, kHeads, d), st);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
@@ -129,15 +134,19 @@ void prefill_args(benchmark::internal::Benchmark* b) {
   for (Index B : {1, 4})
     for (Index d : {64, 128})
       for (Index T : {512, 2048, 8192})
-        for (Index threads : {1, 2}) b->Args({B, d, T, threads});
-  b->ArgNames({"B", "d", "T", "threads"})->Unit(benchmark::kMillisecond)->UseRealTime();
+        for (Index kv : {8, 2}) {
+          if (kv != kHeads && T != 2048) continue;  // grouped heads at one length
+          for (Index threads : {1, 2}) b->Args({B, d, T, threads, kv});
+        }
+  b->ArgNames({"B", "d", "T", "threads", "kv"})->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 
 void decode_args(benchmark::internal::Benchmark* b) {
   for (Index B : {1, 4, 16, 64})
     for (Index d : {64, 128})
-      for (Index threads : {1, 2}) b->Args({B, d, threads});
-  b->ArgNames({"B", "d", "threads"})->Unit(benchmark::kMicrosecond)->UseRealTime();
+      for (Index kv : {8, 2})
+        for (Index threads : {1, 2}) b->Args({B, d, threads, kv});
+  b->ArgNames({"B", "d", "threads", "kv"})->Unit(benchmark::kMicrosecond)->UseRealTime();
 }
 
 }  // namespace

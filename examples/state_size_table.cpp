@@ -31,8 +31,8 @@ int main() {
     const char* name;
     Index q_heads, kv_heads, d;
   };
-  // Head layouts of common shapes (per layer); the state is kept per query head (see
-  // batch_state.hpp), the K/V cache per kv head.
+  // Head layouts of common shapes (per layer); with ELU+1 features the state is kept per
+  // key/value head, as the K/V cache is (see batch_state.hpp).
   const Model models[] = {{"MHA 8 x 64", 8, 8, 64},
                           {"MHA 16 x 128", 16, 16, 128},
                           {"GQA 32 q / 8 kv x 128", 32, 8, 128},

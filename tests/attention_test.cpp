@@ -9,8 +9,11 @@
 
 #include "test_support.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -435,4 +438,444 @@ TEMPLATE_TEST_CASE("opt-in normalizations do what they say near zero", "[normali
   CHECK_THROWS_AS(run(Normalization::shifted(0.25)), DenominatorError);
   Q(1, 0) = std::numeric_limits<TestType>::quiet_NaN();
   CHECK_THROWS_AS(run(Normalization::clamped(0.25)), DenominatorError);
+}
+
+// ---- grouped query heads: G query heads read one shared state ------------------------------
+
+namespace {
+
+// The bits of two states: what a later call reads (S with its pending tokens, z, the count).
+template <class Scalar>
+void check_same_state(const AttentionState<Scalar>& actual, const AttentionState<Scalar>& expected) {
+  CHECK(actual.tokens() == expected.tokens());
+  CHECK(actual.pending_tokens() == expected.pending_tokens());
+  CHECK(actual.S() == expected.S());
+  CHECK(actual.z() == expected.z());
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("parallel_group_into gives each head the bits of parallel_into on a copy",
+                   "[group]", float, double) {
+  using Scalar = TestType;
+  using Mat = RowMatrix<Scalar>;
+  std::uint64_t seed = 600;
+  // d = 16 runs the register kernel, 20 (not a multiple of the packet width) the Eigen one;
+  // chunk 5 divides T = 40, chunk 16 none of the T below (a short last chunk).
+  for (Index d : {16, 20})
+    for (Index chunk : {16, 5})
+      for (Index G : {1, 3})
+        for (Index T : {1, 7, 40, 41}) {
+          CAPTURE(d, chunk, G, T);
+          const LinearAttention<EluPlusOne, Scalar> attn(EluPlusOne{}, Options{{}, chunk});
+          auto state = attn.make_state(d, d);
+          // Two prefills: the second continues from the T tokens the first absorbed, so its
+          // chunks start off the chunk grid.
+          for (int call = 0; call < 2; ++call) {
+            CAPTURE(call);
+            const auto K = random_matrix<Scalar>(T, d, seed++);
+            const auto V = random_matrix<Scalar>(T, d, seed++);
+            std::vector<Mat> Q, out(static_cast<std::size_t>(G), Mat(T, d)), expected;
+            std::vector<AttentionState<Scalar>> copies(static_cast<std::size_t>(G), state);
+            for (Index g = 0; g < G; ++g) {
+              Q.push_back(random_matrix<Scalar>(T, d, seed++));
+              Mat y(T, d);
+              attn.parallel_into(Q.back(), K, V, Mask::causal, copies[g], y);
+              expected.push_back(y);
+            }
+            attn.parallel_group_into(
+                G, [&](Index g) -> const Mat& { return Q[g]; }, K, V, state,
+                [&](Index g) -> Mat& { return out[g]; });
+            for (Index g = 0; g < G; ++g) {
+              CAPTURE(g);
+              CHECK(out[g] == expected[g]);
+              check_same_state(state, copies[g]);
+            }
+            CHECK(state.tokens() == (call + 1) * T);
+          }
+        }
+}
+
+TEMPLATE_TEST_CASE("parallel_group_into reads and writes heads in place in [T, G*d] buffers",
+                   "[group]", float, double) {
+  using Scalar = TestType;
+  using Mat = RowMatrix<Scalar>;
+  const Index T = 41, G = 3;
+  for (Index d : {16, 20}) {
+    CAPTURE(d);
+    // Queries and outputs of the G heads side by side, as a model stores them; K column-major.
+    const auto Qbuf = random_matrix<Scalar>(T, G * d, 700 + d);
+    const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> K =
+        random_matrix<Scalar>(T, d, 701 + d);
+    const auto V = random_matrix<Scalar>(T, d, 702 + d);
+    const LinearAttention<EluPlusOne, Scalar> attn(EluPlusOne{}, Options{{}, 16});
+    auto state = attn.make_state(d, d);
+    Mat Obuf = Mat::Zero(T, G * d + 1);  // one spare column that no head owns
+    std::vector<AttentionState<Scalar>> copies(static_cast<std::size_t>(G), state);
+    attn.parallel_group_into(
+        G, [&](Index g) { return Qbuf.middleCols(g * d, d); }, K, V, state,
+        [&](Index g) { return Obuf.middleCols(g * d, d); });
+    for (Index g = 0; g < G; ++g) {
+      CAPTURE(g);
+      const Mat Qg = Qbuf.middleCols(g * d, d);
+      Mat y(T, d);
+      attn.parallel_into(Qg, K, V, Mask::causal, copies[g], y);
+      CHECK(Obuf.middleCols(g * d, d) == y);
+      check_same_state(state, copies[g]);
+    }
+    CHECK(Obuf.col(G * d).isZero(0));
+  }
+}
+
+TEMPLATE_TEST_CASE("parallel_group_into folds a state's pending decode tokens as parallel_into",
+                   "[group]", float, double) {
+  using Scalar = TestType;
+  using Mat = RowMatrix<Scalar>;
+  const Index T = 19, G = 3;
+  for (Index d : {16, 20}) {
+    CAPTURE(d);
+    const LinearAttention<EluPlusOne, Scalar> attn(EluPlusOne{}, Options{{}, 5, 4});
+    auto state = attn.make_state(d, d);
+    // Six decode tokens first: one folded block of 4 and 2 tokens pending.
+    const auto [Qd, Kd, Vd] = random_qkv<Scalar>(6, d, d, 800 + d);
+    for (Index t = 0; t < 6; ++t) (void)attn.step(state, Qd.row(t), Kd.row(t), Vd.row(t));
+    REQUIRE(state.pending_tokens() == 2);
+    const auto K = random_matrix<Scalar>(T, d, 810 + d), V = random_matrix<Scalar>(T, d, 811 + d);
+    std::vector<Mat> Q, out(static_cast<std::size_t>(G), Mat(T, d));
+    for (Index g = 0; g < G; ++g) Q.push_back(random_matrix<Scalar>(T, d, 820 + 10 * d + g));
+    std::vector<AttentionState<Scalar>> copies(static_cast<std::size_t>(G), state);
+    attn.parallel_group_into(
+        G, [&](Index g) -> const Mat& { return Q[g]; }, K, V, state,
+        [&](Index g) -> Mat& { return out[g]; });
+    for (Index g = 0; g < G; ++g) {
+      CAPTURE(g);
+      Mat y(T, d);
+      attn.parallel_into(Q[g], K, V, Mask::causal, copies[g], y);
+      CHECK(out[g] == y);
+      check_same_state(state, copies[g]);
+    }
+    CHECK(state.tokens() == 6 + T);
+  }
+}
+
+TEMPLATE_TEST_CASE("step_group_into with a decode block has the bits of step_into per head",
+                   "[group]", float, double) {
+  using Scalar = TestType;
+  using Mat = RowMatrix<Scalar>;
+  const Index T = 40, G = 3;
+  for (Index d : {16, 20}) {
+    CAPTURE(d);
+    const LinearAttention<EluPlusOne, Scalar> attn(EluPlusOne{}, Options{{}, 32, 4});
+    auto shared = attn.make_state(d, d);
+    REQUIRE(shared.decode_block() == 4);
+    std::vector<AttentionState<Scalar>> heads(static_cast<std::size_t>(G), shared);
+    auto absorbed = shared;  // absorb() then read_into() per head: the stated definition
+    auto scratch = attn.make_read_scratch(d, d);
+    const auto K = random_matrix<Scalar>(T, d, 900 + d), V = random_matrix<Scalar>(T, d, 901 + d);
+    std::vector<Mat> Q;
+    for (Index g = 0; g < G; ++g) Q.push_back(random_matrix<Scalar>(T, d, 910 + 10 * d + g));
+    Mat Y(G, d);
+    RowVector<Scalar> y(d), y_read(d);
+    for (Index t = 0; t < T; ++t) {
+      CAPTURE(t);
+      attn.step_group_into(
+          shared, G, [&](Index g) { return Q[g].row(t); }, K.row(t), V.row(t),
+          [&](Index g) { return Y.row(g); });
+      attn.absorb(absorbed, K.row(t), V.row(t));
+      for (Index g = 0; g < G; ++g) {
+        CAPTURE(g);
+        attn.step_into(heads[g], Q[g].row(t), K.row(t), V.row(t), y);
+        CHECK(Y.row(g) == y);
+        attn.read_into(absorbed, Q[g].row(t), y_read, scratch);
+        CHECK(Y.row(g) == y_read);
+      }
+    }
+    for (Index g = 0; g < G; ++g) check_same_state(shared, heads[g]);
+    check_same_state(shared, absorbed);
+    CHECK(shared.tokens() == T);
+    CHECK(shared.pending_tokens() == 4);  // 40 tokens: the last block is full, not yet folded
+  }
+}
+
+TEMPLATE_TEST_CASE("fused step_group_into agrees with a double loop of the state formula",
+                   "[group]", float, double) {
+  using Scalar = TestType;
+  using Mat = RowMatrix<Scalar>;
+  const Index T = 40, G = 3;
+  const double u = linattn_test::unit_roundoff<Scalar>();
+  for (Index d : {16, 20}) {
+    CAPTURE(d);
+    // decode_block 1: no block kept, each token goes straight into S.
+    const LinearAttention<EluPlusOne, Scalar> attn(EluPlusOne{}, Options{{}, 32, 1});
+    auto shared = attn.make_state(d, d);
+    REQUIRE(shared.decode_block() == 0);
+    std::vector<AttentionState<Scalar>> heads(static_cast<std::size_t>(G), shared);
+    auto absorbed = shared;
+    auto scratch = attn.make_read_scratch(d, d);
+    const auto K = random_matrix<Scalar>(T, d, 950 + d), V = random_matrix<Scalar>(T, d, 951 + d);
+    std::vector<Mat> Q;
+    for (Index g = 0; g < G; ++g) Q.push_back(random_matrix<Scalar>(T, d, 960 + 10 * d + g));
+
+    // The reference keeps S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j) in double, and
+    // S_abs = sum_j phi(k_j) |v_j|^T, the scale rounding errors of the numerator follow.
+    using linattn_test::MatrixXdR;
+    MatrixXdR S = MatrixXdR::Zero(d, d), S_abs = MatrixXdR::Zero(d, d);
+    Eigen::VectorXd z = Eigen::VectorXd::Zero(d), kf(d), qf(d);
+    Mat Y(G, d);
+    RowVector<Scalar> y(d), y_read(d);
+    double worst_group = 0, worst_step = 0;
+    for (Index t = 0; t < T; ++t) {
+      CAPTURE(t);
+      attn.step_group_into(
+          shared, G, [&](Index g) { return Q[g].row(t); }, K.row(t), V.row(t),
+          [&](Index g) { return Y.row(g); });
+      attn.absorb(absorbed, K.row(t), V.row(t));
+      for (Index n = 0; n < d; ++n) kf(n) = linattn_test::elu_plus_one(double(K(t, n)));
+      for (Index n = 0; n < d; ++n)
+        for (Index c = 0; c < d; ++c) {
+          S(n, c) += kf(n) * double(V(t, c));
+          S_abs(n, c) += kf(n) * std::abs(double(V(t, c)));
+        }
+      z += kf;
+      // Bound: S and z are recursive sums over t + 1 tokens (gamma_{t+1} each, relative to
+      // S_abs and z, whose terms are positive), the reads phi(q)^T S and phi(q)^T z dot
+      // products of length r (gamma_r), plus the division and the feature map's few ulps on
+      // phi(q) and phi(k). Numerator and denominator each then err by at most
+      // (r + t + 5) u relative to their magnitude, so |y - y_exact| <=
+      // 2 (r + (t + 1) + 4) u * (phi(q)^T S_abs) / (phi(q)^T z) = bound_units(r, t + 1) u * that.
+      const double units = bound_units(d, t + 1);
+      for (Index g = 0; g < G; ++g) {
+        CAPTURE(g);
+        for (Index n = 0; n < d; ++n) qf(n) = linattn_test::elu_plus_one(double(Q[g](t, n)));
+        const double den = qf.dot(z);
+        attn.step_into(heads[g], Q[g].row(t), K.row(t), V.row(t), y);
+        attn.read_into(absorbed, Q[g].row(t), y_read, scratch);
+        CHECK(Y.row(g) == y_read);  // absorb() then read_into(): the same bits
+        for (Index c = 0; c < d; ++c) {
+          const double exact = qf.dot(S.col(c)) / den;
+          const double allowed =
+              units * u * qf.dot(S_abs.col(c)) / den + std::numeric_limits<Scalar>::min();
+          worst_group = std::max(worst_group, std::abs(double(Y(g, c)) - exact) / allowed);
+          worst_step = std::max(worst_step, std::abs(double(y(c)) - exact) / allowed);
+        }
+      }
+    }
+    CHECK(worst_group <= 1);
+    CHECK(worst_step <= 1);  // per-head fused step_into: the same bound, other rounding
+    check_same_state(shared, absorbed);
+    CHECK(shared.tokens() == T);
+    for (Index g = 0; g < G; ++g) CHECK(heads[g].tokens() == T);
+  }
+}
+
+TEMPLATE_TEST_CASE("grouped prefill then grouped decode equals per-head prefill and decode",
+                   "[group]", float, double) {
+  using Scalar = TestType;
+  using Mat = RowMatrix<Scalar>;
+  const Index T0 = 23, T1 = 17, G = 3;  // 23 tokens: chunks of 16 and 7; decode blocks of 4
+  for (Index d : {16, 20}) {
+    CAPTURE(d);
+    const LinearAttention<EluPlusOne, Scalar> attn(EluPlusOne{}, Options{{}, 16, 4});
+    auto shared = attn.make_state(d, d);
+    std::vector<AttentionState<Scalar>> heads(static_cast<std::size_t>(G), shared);
+    const Index T = T0 + T1;
+    const auto K = random_matrix<Scalar>(T, d, 1000 + d), V = random_matrix<Scalar>(T, d, 1001 + d);
+    std::vector<Mat> Q, group_out(static_cast<std::size_t>(G), Mat(T, d));
+    for (Index g = 0; g < G; ++g) Q.push_back(random_matrix<Scalar>(T, d, 1010 + 10 * d + g));
+
+    attn.parallel_group_into(
+        G, [&](Index g) { return Q[g].topRows(T0); }, K.topRows(T0), V.topRows(T0), shared,
+        [&](Index g) { return group_out[g].topRows(T0); });
+    for (Index t = T0; t < T; ++t)
+      attn.step_group_into(
+          shared, G, [&](Index g) { return Q[g].row(t); }, K.row(t), V.row(t),
+          [&](Index g) { return group_out[g].row(t); });
+
+    for (Index g = 0; g < G; ++g) {
+      CAPTURE(g);
+      Mat y(T, d);
+      attn.parallel_into(Q[g].topRows(T0), K.topRows(T0), V.topRows(T0), Mask::causal, heads[g],
+                         y.topRows(T0));
+      for (Index t = T0; t < T; ++t) attn.step_into(heads[g], Q[g].row(t), K.row(t), V.row(t), y.row(t));
+      CHECK(group_out[g] == y);
+      check_same_state(shared, heads[g]);
+    }
+    CHECK(shared.tokens() == T);
+  }
+}
+
+TEST_CASE("step_group_into leaves the state unchanged when any head's denominator fails",
+          "[group]") {
+  // Identity features, dk = 2: after k = (1, 0) the state has z = (1, 0), so head 0's query
+  // (1, 0) reads 1 / 1 and head 1's (0, 1) divides by 0.
+  RowMatrix<double> Qg(2, 2);
+  Qg << 1, 0, 0, 1;
+  const auto query = [&](Index g) { return Qg.row(g); };
+  for (Index block : {1, 4}) {
+    CAPTURE(block);
+    const LinearAttention<Identity, double> attn(Identity{}, Options{{}, 32, block});
+    auto state = attn.make_state(2, 2);
+    RowMatrix<double> Y = RowMatrix<double>::Constant(2, 2, -7.0);
+    const auto output = [&](Index g) { return Y.row(g); };
+    const Eigen::RowVector2d k_bad(1, 0), v(3, 5);
+    try {
+      attn.step_group_into(state, 2, query, k_bad, v, output);
+      FAIL("expected a DenominatorError");
+    } catch (const DenominatorError& e) {
+      CHECK(e.row() == 0);
+      CHECK(e.value() == 0.0);
+    }
+    CHECK_THROWS_AS(attn.step_group_into(state, 2, query, k_bad, v, output), DenominatorError);
+    CHECK(state.tokens() == 0);
+    CHECK(state.pending_tokens() == 0);
+    CHECK(state.z() == ColVector<double>::Zero(2));
+    CHECK(state.S() == RowMatrix<double>::Zero(2, 2));
+    CHECK(Y == RowMatrix<double>::Constant(2, 2, -7.0));  // no head's output written
+
+    // A good token afterwards: k = (1, 1) gives z = (1, 1), S = k^T v, both heads read v.
+    const Eigen::RowVector2d k_good(1, 1);
+    attn.step_group_into(state, 2, query, k_good, v, output);
+    CHECK(state.tokens() == 1);
+    CHECK(state.z() == ColVector<double>::Ones(2));
+    CHECK(Y.row(0) == v);
+    CHECK(Y.row(1) == v);
+
+    // And from a non-empty state: k = (1, -1) makes z = (2, 0); head 1 fails again.
+    const auto S_before = state.S();
+    const ColVector<double> z_before = state.z();
+    const Index pending_before = state.pending_tokens();
+    Y.setConstant(-7.0);
+    const Eigen::RowVector2d k_cancel(1, -1), v2(1, 2);
+    CHECK_THROWS_AS(attn.step_group_into(state, 2, query, k_cancel, v2, output),
+                    DenominatorError);
+    CHECK(state.tokens() == 1);
+    CHECK(state.pending_tokens() == pending_before);
+    CHECK(state.S() == S_before);
+    CHECK(state.z() == z_before);
+    CHECK(Y == RowMatrix<double>::Constant(2, 2, -7.0));
+    // Head 0 alone reads that token fine: (S + (1, -1)^T v2) at q = (1, 0) is (3 + 1, 5 + 2) / 2.
+    attn.step_group_into(state, 1, query, k_cancel, v2, output);
+    CHECK(state.tokens() == 2);
+    CHECK(Y.row(0) == Eigen::RowVector2d(2.0, 3.5));
+  }
+}
+
+TEST_CASE("parallel_group_into keeps the chunks before a failing denominator", "[group]") {
+  // T = 6 in chunks of 2, identity features. Keys: z after row t has second component
+  // 1, 1, 1, 0, 0, 0; head 0 queries (1, 0) everywhere (denominators t + 1), head 1 the same
+  // but (0, 1) at row 3, whose denominator is 0: the failure is in chunk [2, 4), head 1 only.
+  const Index T = 6;
+  RowMatrix<double> K(T, 2), Q0(T, 2), Q1(T, 2);
+  K << 1, 1, 1, 0, 1, 0, 1, -1, 1, 0, 1, 0;
+  Q0 << 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0;
+  Q1 = Q0;
+  Q1.row(3) << 0, 1;
+  const LinearAttention<Identity, double> attn(Identity{}, Options{{}, 2});
+  for (Index dv : {1, 16}) {  // the Eigen kernel and (16: whole packets) the register kernel
+    CAPTURE(dv);
+    RowMatrix<double> V(T, dv);
+    for (Index t = 0; t < T; ++t)
+      for (Index c = 0; c < dv; ++c) V(t, c) = double(t + 2 * c + 1);  // integers: exact sums
+    auto state = attn.make_state(2, dv);
+    std::vector<RowMatrix<double>> out(2, RowMatrix<double>::Zero(T, dv));
+    const auto query = [&](Index g) -> const RowMatrix<double>& { return g == 0 ? Q0 : Q1; };
+    try {
+      attn.parallel_group_into(2, query, K, V, state,
+                               [&](Index g) -> RowMatrix<double>& { return out[g]; });
+      FAIL("expected a DenominatorError");
+    } catch (const DenominatorError& e) {
+      CHECK(e.row() == 3);
+      CHECK(e.value() == 0.0);
+    }
+    CHECK(state.tokens() == 2);
+    // The first chunk only: S = k0^T v0 + k1^T v1 = [v0 + v1; v0], z = (2, 1).
+    RowMatrix<double> S(2, dv);
+    S.row(0) = V.row(0) + V.row(1);
+    S.row(1) = V.row(0);
+    CHECK(state.S() == S);
+    CHECK(state.z() == ColVector<double>{{2}, {1}});
+    // Head 0 came before the failing head: its rows through the failing chunk are written.
+    const RowMatrix<double> head0 = attn.parallel(Q0, K, V, Mask::causal);
+    CHECK(out[0].topRows(4) == head0.topRows(4));
+  }
+}
+
+TEST_CASE("grouped calls reject bad groups and shapes with ShapeError", "[group]") {
+  const Index T = 5, dk = 4, dv = 3;
+  const LinearAttention<EluPlusOne> attn;
+  const auto [Q, K, V] = random_qkv<float>(T, dk, dv, 1100);
+  const RowMatrix<float> Q_wide = random_matrix<float>(T, dk + 1, 1103);
+  auto state = attn.make_state(dk, dv);
+  RowMatrix<float> out0(T, dv), out1(T, dv), out_long(T, dv + 1), out_short(T - 1, dv);
+  const auto queries = [&](Index) -> const RowMatrix<float>& { return Q; };
+  const auto outputs = [&](Index g) -> RowMatrix<float>& { return g == 0 ? out0 : out1; };
+
+  // Prefill.
+  CHECK_THROWS_AS(attn.parallel_group_into(0, queries, K, V, state, outputs), ShapeError);
+  CHECK_THROWS_AS(attn.parallel_group_into(-1, queries, K, V, state, outputs), ShapeError);
+  CHECK_THROWS_AS(attn.parallel_group_into(0, queries, K, V, state, outputs),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(
+      attn.parallel_group_into(
+          2, queries, K, V, state,
+          [&](Index g) -> RowMatrix<float>& { return g == 0 ? out0 : out_long; }),
+      ShapeError);
+  CHECK_THROWS_AS(
+      attn.parallel_group_into(
+          2, queries, K, V, state,
+          [&](Index g) -> RowMatrix<float>& { return g == 0 ? out0 : out_short; }),
+      ShapeError);
+  CHECK_THROWS_AS(
+      attn.parallel_group_into(
+          2, [&](Index g) -> const RowMatrix<float>& { return g == 0 ? Q : Q_wide; }, K, V,
+          state, outputs),
+      ShapeError);
+  CHECK(state.tokens() == 0);
+
+  // Decode.
+  RowMatrix<float> Y(2, dv), Y_long(2, dv + 1);
+  const auto q_at = [&](Index) { return Q.row(0); };
+  const auto y_at = [&](Index g) { return Y.row(g); };
+  CHECK_THROWS_AS(attn.step_group_into(state, 0, q_at, K.row(0), V.row(0), y_at), ShapeError);
+  CHECK_THROWS_AS(attn.step_group_into(state, -2, q_at, K.row(0), V.row(0), y_at), ShapeError);
+  CHECK_THROWS_AS(attn.step_group_into(state, 2, q_at, K.row(0), V.row(0),
+                                       [&](Index g) { return Y_long.row(g); }),
+                  ShapeError);
+  RowVector<float> y_short(dv - 1);
+  CHECK_THROWS_AS(attn.step_group_into(
+                      state, 2, q_at, K.row(0), V.row(0),
+                      [&](Index g) -> Eigen::Ref<RowVector<float>> {
+                        if (g == 0) return Y.row(0);
+                        return y_short;
+                      }),
+                  ShapeError);
+  CHECK_THROWS_AS(attn.step_group_into(
+                      state, 2,
+                      [&](Index g) -> Eigen::Ref<const RowVector<float>> {
+                        if (g == 0) return Q.row(0);
+                        return Q_wide.row(0);
+                      },
+                      K.row(0), V.row(0), y_at),
+                  ShapeError);
+  CHECK(state.tokens() == 0);
+  // A wrong query shape is caught before the token is absorbed under every normalization,
+  // including one that checks no denominator.
+  const LinearAttention<EluPlusOne> raw(EluPlusOne{}, Options{Normalization::unnormalized()});
+  auto raw_state = raw.make_state(dk, dv);
+  Y.setConstant(-3.0f);
+  CHECK_THROWS_AS(raw.step_group_into(
+                      raw_state, 2,
+                      [&](Index g) -> Eigen::Ref<const RowVector<float>> {
+                        if (g == 0) return Q.row(0);
+                        return Q_wide.row(0);
+                      },
+                      K.row(0), V.row(0), y_at),
+                  ShapeError);
+  CHECK(raw_state.tokens() == 0);
+  CHECK(raw_state.z().isZero(0));
+  CHECK((Y.array() == -3.0f).all());
+  // And the calls work once the shapes fit.
+  CHECK_NOTHROW(attn.parallel_group_into(2, queries, K, V, state, outputs));
+  CHECK_NOTHROW(attn.step_group_into(state, 2, q_at, K.row(0), V.row(0), y_at));
+  CHECK(state.tokens() == T + 1);
 }

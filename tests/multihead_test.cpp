@@ -6,6 +6,7 @@
 // loop of test_support.hpp (and with a single-head LinearAttention call on the copy).
 
 #include <linattn/multihead.hpp>
+#include <linattn/random_features.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -261,7 +262,9 @@ TEMPLATE_TEST_CASE("padded batch: padded keys reach neither output nor state",
                          cut(v, layout, b, 0, 0, n, T, Hkv, dv), mask == Mask::causal);
       if (mask != Mask::causal) continue;
       // The state holds the valid keys only: z = sum_{t < n} phi(k_t), by a plain double loop.
-      const auto& st = state.sequence(b).head(h);
+      // One state per key/value head: both query heads read head 0's.
+      REQUIRE(state.heads() == Hkv);
+      const auto& st = state.sequence(b).head(h / (Hq / Hkv));
       CHECK(st.tokens() == n);
       for (Index c = 0; c < dk; ++c) {
         double z = 0, z_abs = 0;
@@ -312,6 +315,60 @@ TEMPLATE_TEST_CASE("prefill then decode equals one causal pass", "[multihead][de
                          cut(k, layout, b, h / 2, 0, T, T, Hkv, dk),
                          cut(v, layout, b, h / 2, 0, T, T, Hkv, dv), true);
   }
+}
+
+TEMPLATE_TEST_CASE("grouped query heads share one state per key/value head",
+                   "[multihead][decode][group]", float, double) {
+  // Each query head of the layer against its own single-head LinearAttention on contiguous
+  // copies, with its own state: the layer keeps one state per key/value head and reads it
+  // for each of the G = 3 query heads, which must give the single-head bits: prefill (the
+  // chunked path per head, the update once) and decode with a decode block of 4 (absorb once,
+  // read per head, which is step()'s arithmetic with a block).
+  using Scalar = TestType;
+  const Layout layout = GENERATE(Layout::batch_first, Layout::head_first);
+  const Index B = 2, T0 = 11, steps = 6, T = T0 + steps, Hq = 6, Hkv = 2, G = 3, dk = 16,
+              dv = 16;
+  const auto q = random_buffer<Scalar>(B * T * Hq * dk, 71);
+  const auto k = random_buffer<Scalar>(B * T * Hkv * dk, 72);
+  const auto v = random_buffer<Scalar>(B * T * Hkv * dv, 73);
+  Options opt;
+  opt.chunk_size = 4;
+  opt.decode_block = 4;
+  MultiHeadAttention<EluPlusOne, Scalar> mha({Hq, Hkv, dk, dv}, EluPlusOne{}, opt);
+  mha.set_threads(2);
+  REQUIRE(mha.state_heads() == Hkv);
+  auto sub = [&](const std::vector<Scalar>& buf, Index H, Index d, Index t0, Index n) {
+    const TensorView<const Scalar> full = view<const Scalar>(layout, buf.data(), B, T, H, d);
+    return TensorView<const Scalar>(&full(0, t0, 0, 0), {B, n, H, d}, full.strides());
+  };
+  std::vector<Scalar> out(static_cast<std::size_t>(B * T * Hq * dv));
+  const TensorView<Scalar> out_full = view(layout, out.data(), B, T, Hq, dv);
+  auto state = mha.make_state(B);
+  REQUIRE(state.heads() == Hkv);
+  mha.prefill(sub(q, Hq, dk, 0, T0), sub(k, Hkv, dk, 0, T0), sub(v, Hkv, dv, 0, T0),
+              TensorView<Scalar>(out.data(), {B, T0, Hq, dv}, out_full.strides()), state);
+  for (Index t = T0; t < T; ++t)
+    mha.step(sub(q, Hq, dk, t, 1), sub(k, Hkv, dk, t, 1), sub(v, Hkv, dv, t, 1),
+             TensorView<Scalar>(&out_full(0, t, 0, 0), {B, 1, Hq, dv}, out_full.strides()), state);
+  const auto& attn = mha.attention();
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < Hq; ++h) {
+      INFO("sequence " << b << " query head " << h);
+      const Index g = h / G;
+      const auto Q = cut(q, layout, b, h, 0, T, T, Hq, dk);
+      const auto K = cut(k, layout, b, g, 0, T, T, Hkv, dk);
+      const auto V = cut(v, layout, b, g, 0, T, T, Hkv, dv);
+      auto single = attn.make_state(dk, dv);
+      RowMatrix<Scalar> want(T, dv);
+      attn.parallel_into(Q.topRows(T0), K.topRows(T0), V.topRows(T0), Mask::causal, single,
+                         want.topRows(T0));
+      for (Index t = T0; t < T; ++t) attn.step_into(single, Q.row(t), K.row(t), V.row(t), want.row(t));
+      CHECK(cut(out, layout, b, h, 0, T, T, Hq, dv) == want);
+      const auto& shared = state.sequence(b).head(g);
+      CHECK(shared.tokens() == T);
+      CHECK(shared.S() == single.S());
+      CHECK(shared.z() == single.z());
+    }
 }
 
 namespace {
@@ -445,7 +502,7 @@ TEST_CASE("continuous batching: a sequence's outputs do not depend on its batch 
   CHECK(batch.sequence(0).tokens() == b.T);
   CHECK(batch.sequence(2).tokens() == C::T0 + 3);
   // A sequence can also step alone through slots, leaving the others as they are.
-  const auto c_state = batch.sequence(1).head(3).S();
+  const auto c_state = batch.sequence(1).head(1).S();
   const Index slot[] = {0};
   auto q1 = gather({&b.q}, 0, C::Hq, C::dk), k1 = gather({&b.k}, 0, C::Hkv, C::dk),
        v1 = gather({&b.v}, 0, C::Hkv, C::dv);
@@ -454,7 +511,7 @@ TEST_CASE("continuous batching: a sequence's outputs do not depend on its batch 
            TensorView<const float>::batch_first(k1.data(), 1, 1, C::Hkv, C::dk),
            TensorView<const float>::batch_first(v1.data(), 1, 1, C::Hkv, C::dv),
            TensorView<float>::batch_first(o1.data(), 1, 1, C::Hq, C::dv), batch, slot);
-  CHECK(batch.sequence(1).head(3).S() == c_state);
+  CHECK(batch.sequence(1).head(1).S() == c_state);
   CHECK(batch.sequence(0).tokens() == b.T + 1);
 }
 
@@ -494,7 +551,8 @@ TEMPLATE_TEST_CASE("one and two threads give identical bytes", "[multihead][thre
   };
   const auto n = static_cast<std::size_t>(B * T * Hq * dv);
   std::vector<Scalar> out1(n), out2(n), dec1(static_cast<std::size_t>(B * Hq * dv)), dec2(dec1);
-  auto s1 = BatchState<Scalar>(Hq, dk, dk, dv, B), s2 = BatchState<Scalar>(Hq, dk, dk, dv, B);
+  // One state per key/value head (MultiHeadAttention::state_heads() for ELU+1).
+  auto s1 = BatchState<Scalar>(Hkv, dk, dk, dv, B), s2 = BatchState<Scalar>(Hkv, dk, dk, dv, B);
   run(1, out1, dec1, s1);
   run(2, out2, dec2, s2);
   REQUIRE(out1.size() == n + static_cast<std::size_t>(T * Hq * dv));
@@ -502,7 +560,7 @@ TEMPLATE_TEST_CASE("one and two threads give identical bytes", "[multihead][thre
   CHECK(std::memcmp(out1.data(), out2.data(), out1.size() * sizeof(Scalar)) == 0);
   CHECK(std::memcmp(dec1.data(), dec2.data(), dec1.size() * sizeof(Scalar)) == 0);
   for (Index b = 0; b < B; ++b)
-    for (Index h = 0; h < Hq; ++h) {
+    for (Index h = 0; h < Hkv; ++h) {
       CHECK(s1.sequence(b).head(h).S() == s2.sequence(b).head(h).S());
       CHECK(s1.sequence(b).head(h).z() == s2.sequence(b).head(h).z());
     }
@@ -582,7 +640,7 @@ TEST_CASE("shape errors name the views", "[multihead][errors]") {
   fails([&] { static_cast<void>(TensorView<float>(out.data(), {1, -2, 2, 3}, {12, 6, 3, 1})); }, "negative");
   fails([] { static_cast<void>(TensorView<float>(nullptr, {1, 2, 2, 3}, {12, 6, 3, 1})); }, "null");
   fails([&] { static_cast<void>(TensorView<float>::batch_first(out.data(), 1, 2, 2, 3).head_matrix(0, 2)); }, "outside tensor view");
-  fails([&] { auto s = mha.make_state(); s.add_sequence(SequenceState<float>(H, d, d, d + 1)); }, "dv=");
+  fails([&] { auto s = mha.make_state(); s.add_sequence(SequenceState<float>(mha.state_heads(), d, d, d + 1)); }, "dv=");
   CHECK_THROWS_AS(mha.make_state(1).drop_sequence(99), std::out_of_range);
 }
 
@@ -614,16 +672,28 @@ TEST_CASE("state size against a K/V cache", "[batch_state]") {
   CHECK(one.kv_cache_crossover == 65);
   // dk = dv = 64: 64*64 + 64 = 4160 against 128 per token: 32 * 128 = 4096 <= 4160 < 4224.
   CHECK(state_footprint(1, 1, 64, 64, 64).kv_cache_crossover == 33);
-  // Grouped heads, 8 query heads on 2 kv heads, d = 128: 8 * 16512 = 132096 state scalars,
-  // 2 * 256 = 512 per token; 132096 / 512 = 258 exactly, so the cache passes it at 259.
-  const auto gqa = state_footprint(8, 2, 128, 128, 128);
-  CHECK(gqa.state_scalars == 132096);
-  CHECK(gqa.kv_cache_crossover == 259);
+  // 8 state heads against 2 kv heads (a log-scaled map keeps a state per query head), d = 128:
+  // 8 * 16512 = 132096 state scalars, 2 * 256 = 512 per token; 132096 / 512 = 258 exactly,
+  // so the cache passes it at 259.
+  const auto per_query = state_footprint(8, 2, 128, 128, 128);
+  CHECK(per_query.state_scalars == 132096);
+  CHECK(per_query.kv_cache_crossover == 259);
+  // An ordinary map shares one state per kv head: 2 * 16512 = 33024 scalars against 512 per
+  // token, 64 * 512 = 32768 <= 33024 < 33280 = 65 * 512: the same 65 as one plain head.
   const MultiHeadAttention<EluPlusOne, float> mha({8, 2, 128, 128});
-  CHECK(mha.footprint().kv_cache_crossover == 259);
+  CHECK(mha.state_heads() == 2);
+  CHECK(mha.footprint().state_scalars == 33024);
+  CHECK(mha.footprint().kv_cache_crossover == 65);
   const auto state = mha.make_state(2);
-  CHECK(state.bytes_per_sequence() == 132096u * sizeof(float));
-  CHECK(state.sequence(1).scalar_count() == 132096);
+  CHECK(state.heads() == 2);
+  CHECK(state.bytes_per_sequence() == 33024u * sizeof(float));
+  CHECK(state.sequence(1).scalar_count() == 33024);
+  // Random features keep one state per query head: r = 128 features of dk = 64 keys.
+  const MultiHeadAttention<PositiveRandomFeatures<float>, float> favor(
+      {8, 2, 64, 64}, PositiveRandomFeatures<float>(64, 128, 7));
+  CHECK(favor.state_heads() == 8);
+  CHECK(favor.make_state(1).heads() == 8);
+  CHECK(favor.footprint().state_scalars == 8 * (128 * 64 + 128));
 }
 
 namespace {

@@ -64,6 +64,16 @@ struct Session {
   }
 };
 
+// Patches a hand-made blob's total size (bytes 16 to 23) and appends its checksum.
+void seal_blob(std::vector<std::byte>& blob) {
+  const std::uint64_t size = blob.size() + 8;
+  for (std::size_t i = 0; i < 8; ++i)
+    blob[16 + i] = static_cast<std::byte>((size >> (8 * i)) & 0xff);
+  const std::uint64_t sum = detail::fnv1a64(blob);
+  for (std::size_t i = 0; i < 8; ++i)
+    blob.push_back(static_cast<std::byte>((sum >> (8 * i)) & 0xff));
+}
+
 template <class F>
 StateFormatError::Reason reason_of(F&& f) {
   try {
@@ -99,9 +109,11 @@ TEMPLATE_TEST_CASE("save mid-sequence, restore in a fresh object, continue ident
     const Index pending = block > 1 ? (3 - 1) % block + 1 : 0;  // folds wait for the next token
     REQUIRE(state.sequence(0).head(0).pending_tokens() == pending);
     const std::vector<std::byte> blob = save_state(s.mha, state);
+    // One state per key/value head (H_s = H_kv = 1 here, for H_q = 2 query heads).
+    REQUIRE(s.mha.state_heads() == s.Hkv);
     CHECK(blob.size() ==
-          8 + 4 + 4 + 8 + 8 + 4 + std::string("elu_plus_one").size() + 6 * 8 +
-              s.B * s.Hq *
+          8 + 4 + 4 + 8 + 8 + 4 + std::string("elu_plus_one").size() + 7 * 8 +
+              s.B * s.Hkv *
                   (16 + (s.dk * s.dv + s.dk + 1 + pending * (s.dk + s.dv)) * sizeof(TestType)) +
               8);
 
@@ -111,7 +123,7 @@ TEMPLATE_TEST_CASE("save mid-sequence, restore in a fresh object, continue ident
     auto restored = load_state(fresh.mha, blob);
     REQUIRE(restored.size() == s.B);
     CHECK(restored.sequence(1).tokens() == 3);
-    CHECK(restored.sequence(1).head(1).pending_tokens() == pending);
+    CHECK(restored.sequence(1).head(0).pending_tokens() == pending);
     for (Index t = 3; t < s.T; ++t) {
       const auto a = s.step(state, t);
       const auto b = fresh.step(restored, t);
@@ -129,7 +141,7 @@ TEMPLATE_TEST_CASE("save mid-sequence, restore in a fresh object, continue ident
   REQUIRE(ids.size() == 1);
   CHECK(other.size() == 2);
   CHECK(other.index_of(ids[0]) == 1);
-  for (Index h = 0; h < s.Hq; ++h) {
+  for (Index h = 0; h < s.mha.state_heads(); ++h) {
     CHECK(other.sequence(1).head(h).S() == state.sequence(1).head(h).S());
     CHECK(other.sequence(1).head(h).z() == state.sequence(1).head(h).z());
     CHECK(other.sequence(1).head(h).tokens() == s.T);
@@ -148,13 +160,14 @@ TEST_CASE("the byte layout is little-endian with the documented offsets", "[seri
   const auto blob = save_state(mha, state);
   auto u8 = [&](std::size_t i) { return static_cast<unsigned>(blob.at(i)); };
   CHECK(std::string(reinterpret_cast<const char*>(blob.data()), 8) == "LNATTNST");
-  CHECK((u8(8) == 2 && u8(9) == 0 && u8(10) == 0 && u8(11) == 0));  // version 2
+  CHECK((u8(8) == 3 && u8(9) == 0 && u8(10) == 0 && u8(11) == 0));  // version 3
   CHECK(u8(12) == 1);                                                // float
   CHECK(u8(16) == blob.size());                                      // total size, low byte
   const std::size_t name_at = 36, name_len = std::string("elu_plus_one").size();
   CHECK(u8(32) == name_len);
-  const std::size_t dims_at = name_at + name_len, head_at = dims_at + 6 * 8;
+  const std::size_t dims_at = name_at + name_len, head_at = dims_at + 7 * 8;
   CHECK(u8(dims_at + 5 * 8) == 1);                   // N = 1
+  CHECK(u8(dims_at + 6 * 8) == 1);                   // H_s = 1 state head per sequence
   CHECK((u8(head_at) == 0x02 && u8(head_at + 1) == 0x01));  // tokens 0x0102, low byte first
   const std::size_t m_at = head_at + 8;                     // log-scale M
   CHECK((u8(m_at) == 0x00 && u8(m_at + 2) == 0x00 && u8(m_at + 3) == 0x3f));
@@ -165,21 +178,67 @@ TEST_CASE("the byte layout is little-endian with the documented offsets", "[seri
   CHECK((u8(s_at + 4) == 0x00 && u8(s_at + 7) == 0xc0));
   CHECK(blob.size() == s_at + 8 + 8);
 
-  // The same state written as version 1 (no pending field), which this build still reads:
-  // drop the field, then patch the version, the size and the checksum.
-  std::vector<std::byte> v1(blob.begin(), blob.begin() + static_cast<std::ptrdiff_t>(p_at));
-  v1.insert(v1.end(), blob.begin() + static_cast<std::ptrdiff_t>(s_at), blob.end() - 8);
-  v1[8] = std::byte{1};
-  const std::uint64_t size = v1.size() + 8;
-  for (std::size_t i = 0; i < 8; ++i) v1[16 + i] = static_cast<std::byte>((size >> (8 * i)) & 0xff);
-  const std::uint64_t sum = detail::fnv1a64(v1);
-  for (std::size_t i = 0; i < 8; ++i) v1.push_back(static_cast<std::byte>((sum >> (8 * i)) & 0xff));
-  const auto old = load_state(mha, v1);
-  REQUIRE(old.size() == 1);
-  CHECK(old.sequence(0).head(0).S() == state.sequence(0).head(0).S());
-  CHECK(old.sequence(0).head(0).z() == state.sequence(0).head(0).z());
-  CHECK(old.sequence(0).head(0).tokens() == 0x0102);
-  CHECK(old.sequence(0).head(0).log_scale() == 0.5f);
+  // The same state written as versions 1 and 2, which this build still reads: drop the H_s
+  // field (both) and the pending field (version 1), then patch the version, the size and the
+  // checksum.
+  const auto at = [&](std::size_t i) { return blob.begin() + static_cast<std::ptrdiff_t>(i); };
+  for (const unsigned version : {1u, 2u}) {
+    CAPTURE(version);
+    std::vector<std::byte> old_blob(blob.begin(), at(dims_at + 6 * 8));
+    old_blob.insert(old_blob.end(), at(head_at), at(version == 1 ? p_at : s_at));
+    old_blob.insert(old_blob.end(), at(s_at), blob.end() - 8);
+    old_blob[8] = static_cast<std::byte>(version);
+    seal_blob(old_blob);
+    const auto old = load_state(mha, old_blob);
+    REQUIRE(old.size() == 1);
+    CHECK(old.sequence(0).head(0).S() == state.sequence(0).head(0).S());
+    CHECK(old.sequence(0).head(0).z() == state.sequence(0).head(0).z());
+    CHECK(old.sequence(0).head(0).tokens() == 0x0102);
+    CHECK(old.sequence(0).head(0).log_scale() == 0.5f);
+  }
+}
+
+TEMPLATE_TEST_CASE("a version 2 blob with a state per query head loads into one per key/value head",
+                   "[serialize][group]", float, double) {
+  // Before version 3 the layer kept a state per query head: the G = 2 query heads of the
+  // Session's one key/value head each held the same S and z. Such a blob is made here from a
+  // version 3 one by writing each sequence's block twice (no pending tokens: decode_block 1).
+  using R = StateFormatError::Reason;
+  const Options options{{}, 32, 1};
+  const Session<EluPlusOne, TestType> s(EluPlusOne{}, 1, options);
+  auto state = s.mha.make_state(s.B);
+  for (Index t = 0; t < 3; ++t) static_cast<void>(s.step(state, t));
+  const auto blob = save_state(s.mha, state);
+  const std::size_t dims_at = 36 + std::string("elu_plus_one").size();
+  const std::size_t head_at = dims_at + 7 * 8;
+  const std::size_t block = 16 + (s.dk * s.dv + s.dk + 1) * sizeof(TestType);
+  REQUIRE(blob.size() == head_at + s.B * block + 8);
+  const auto at = [&](std::size_t i) { return blob.begin() + static_cast<std::ptrdiff_t>(i); };
+  std::vector<std::byte> v2(blob.begin(), at(dims_at + 6 * 8));
+  for (Index b = 0; b < s.B; ++b)
+    for (Index h = 0; h < s.Hq; ++h)
+      v2.insert(v2.end(), at(head_at + b * block), at(head_at + (b + 1) * block));
+  v2[8] = std::byte{2};
+  auto sealed = v2;
+  seal_blob(sealed);
+  auto restored = load_state(s.mha, sealed);
+  REQUIRE(restored.size() == s.B);
+  REQUIRE(restored.heads() == 1);
+  for (Index t = 3; t < s.T; ++t) {
+    const auto a = s.step(state, t);
+    const auto b = s.step(restored, t);
+    REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(TestType)) == 0);
+  }
+  // Query heads of one key/value head that disagree cannot become one state: change the
+  // second copy's S(0, 0) of sequence 1 (its first scalar after tokens, M and p).
+  const std::size_t second_S = dims_at + 6 * 8 + 3 * block + 8 + sizeof(TestType) + 8;
+  auto differ = v2;
+  differ[second_S] ^= std::byte{0x01};
+  seal_blob(differ);
+  auto target = s.mha.make_state();
+  CHECK(reason_of([&] { static_cast<void>(restore_sequences(s.mha, target, differ)); }) ==
+        R::shape_mismatch);
+  CHECK(target.size() == 0);
 }
 
 TEST_CASE("every corrupted, truncated or mismatched blob is rejected", "[serialize]") {
@@ -217,7 +276,7 @@ TEST_CASE("every corrupted, truncated or mismatched blob is rejected", "[seriali
     bad[0] = std::byte{'X'};
     CHECK(reason_of([&] { static_cast<void>(load_state(s.mha, bad)); }) == R::bad_magic);
     bad = blob;
-    bad[8] = std::byte{3};
+    bad[8] = std::byte{4};
     CHECK(reason_of([&] { static_cast<void>(load_state(s.mha, bad)); }) == R::unsupported_version);
   }
   SECTION("wrong dimensions") {

@@ -311,6 +311,105 @@ class LinearAttention {
                               false);
   }
 
+  // ---- grouped query heads: one state per key/value head ----------------------------------
+
+  /// Causal prefill of G query heads that share one key/value head (grouped-query attention):
+  /// for g < G, output(g) = parallel(query(g), K, V, Mask::causal) continued from `state`,
+  /// while the state absorbs K and V once. query(g) returns head g's T x dk queries as an
+  /// Eigen object with direct access (a Matrix, Map or block of one); output(g) returns its
+  /// T x dv output as anything that binds to OutputRef. Each head's output has the bits of
+  /// parallel_into() on its own copy of the state; the state ends as that call leaves it.
+  /// Cost per token: G reads (2 r dv + about C (r + dv) flops each) and one update (2 r dv),
+  /// where G separate calls pay G updates. If a denominator is rejected, the state holds the
+  /// chunks before the failing one; heads before the failing head have written that chunk's
+  /// rows, the rest of the outputs are unspecified. Ordinary feature maps only.
+  template <class QueryAt, class DK, class DV, class OutputAt>
+  void parallel_group_into(Index group, QueryAt&& query, const Eigen::MatrixBase<DK>& K,
+                           const Eigen::MatrixBase<DV>& V, State& state, OutputAt&& output) const {
+    static_assert(!log_scaled,
+                  "grouped heads share a state with ordinary feature maps only; a log-scaled "
+                  "map (random features) keeps one state per query head");
+    using QueryType = std::remove_cvref_t<decltype(query(Index{0}))>;
+    static_assert((QueryType::Flags & Eigen::DirectAccessBit) != 0,
+                  "query(g) must return a matrix, Map or block with direct access (copy an "
+                  "expression into a matrix first)");
+    if (group < 1)
+      detail::throw_shape_error("a query group needs at least one head, got ", group);
+    check_state(state, K.cols(), V.cols());
+    for (Index g = 0; g < group; ++g) {
+      OutputRef out = output(g);
+      check_causal(query(g), K, V, out);
+    }
+    state.settle();
+    const auto& Km = detail::materialize(K);
+    const auto& Vm = detail::materialize(V);
+    detail::causal_chunked<Scalar>(phi_, group, query, Km, Vm, state.S_, state.z_,
+                                   state.tokens_, options_.chunk_size, options_.normalization,
+                                   [&](Index g) -> OutputRef { return output(g); });
+  }
+
+  /// One decode token for G query heads that share one state: absorbs (k, v) once, then
+  /// writes output(g) = phi(q_g)^T S / phi(q_g)^T z for each query(g) (length dk, as step()
+  /// takes q; output(g) a 1 x dv row that binds to Eigen::Ref<RowVector<Scalar>>). The same
+  /// as absorb() followed by read_into() per head, bit for bit, so with a decode block each
+  /// head gets step()'s bits. Strong guarantee: every head's denominator is checked before
+  /// the state changes, so a rejected one (or a query of the wrong shape) leaves the state
+  /// unchanged and no output written.
+  /// output(g) may overlap query(g), k or v (they are read first), not another head's query.
+  /// Uses the state's own scratch (no allocation); O(r dv + G r dv + B (r + dv) G).
+  /// Ordinary feature maps only.
+  template <class QueryAt, class Dk, class Dv, class OutputAt>
+  void step_group_into(State& state, Index group, QueryAt&& query, const Eigen::MatrixBase<Dk>& k,
+                       const Eigen::MatrixBase<Dv>& v, OutputAt&& output) const {
+    static_assert(!log_scaled,
+                  "grouped heads share a state with ordinary feature maps only; a log-scaled "
+                  "map (random features) keeps one state per query head");
+    if (group < 1)
+      detail::throw_shape_error("a query group needs at least one head, got ", group);
+    check_state(state, state.key_dim(), state.value_dim());
+    const Index r = state.feature_dim();
+    for (Index g = 0; g < group; ++g) {
+      Eigen::Ref<RowVector<Scalar>> y = output(g);
+      if (y.size() != state.value_dim())
+        detail::throw_shape_error("output ", g, " of the group has length ", y.size(),
+                                  ", expected dv = ", state.value_dim());
+    }
+    const auto k_row = detail::row_view(k, state.key_row_, "k", static_cast<const Scalar*>(nullptr), 0);
+    const auto v_row = detail::row_view(v, state.value_row_, "v", static_cast<const Scalar*>(nullptr), 0);
+    Eigen::Ref<RowMatrix<Scalar>> kf(state.key_features_), qf(state.query_features_);
+    phi_.apply(k_row, kf);
+    const Normalization& norm = options_.normalization;
+    const Index row = state.tokens();
+    // z after this token, computed as absorb() will (same adds), for the checks.
+    state.z_next_ = state.z_ + kf.transpose();
+    // Every query's shape, and its denominator where the policy divides, before any change.
+    for (Index g = 0; g < group; ++g) {
+      decltype(auto) q = query(g);  // kept alive while q_row may point into it
+      const auto q_row =
+          detail::row_view(q, state.query_row_, "q", static_cast<const Scalar*>(nullptr), 0);
+      if (!norm.divides()) continue;
+      phi_.apply(q_row, qf);
+      static_cast<void>(norm.divisor(detail::ordered_dot(qf.data(), state.z_next_.data(), r), row));
+    }
+    // Checked: absorb, then read (the features of k are still in kf).
+    state.z_.swap(state.z_next_);
+    if (state.pending_.capacity > 0)
+      detail::append_pending(state.S_, state.pending_, kf.data(), v_row.data());
+    else
+      state.S_.noalias() += kf.transpose() * v_row;
+    ++state.tokens_;
+    for (Index g = 0; g < group; ++g) {
+      Eigen::Ref<RowVector<Scalar>> y = output(g);
+      decltype(auto) q = query(g);
+      const auto q_row = detail::row_view(q, state.query_row_, "q", y.data(), y.size());
+      phi_.apply(q_row, qf);
+      const Scalar den = detail::ordered_dot(qf.data(), state.z_.data(), r);
+      const Scalar divisor = norm.divisor(den, row);
+      detail::read_with_pending(state.S_, state.pending_, qf.data(), y.data(),
+                                state.pending_.scores.data(), divisor, norm.divides(), false);
+    }
+  }
+
  private:
   // A state fits when its dims match and it was made for this kind of feature map (a state
   // for a log-scaled map starts at M = -inf; an ordinary one keeps M = 0).
@@ -379,8 +478,10 @@ class LinearAttention {
                                         state.tokens_, options_.chunk_size, out,
                                         options_.normalization);
     } else {
-      detail::causal_chunked<Scalar>(phi_, Q, K, V, state.S_, state.z_, state.tokens_,
-                                     options_.chunk_size, options_.normalization, out);
+      detail::causal_chunked<Scalar>(
+          phi_, 1, [&](Index) -> const DQ& { return Q; }, K, V, state.S_, state.z_,
+          state.tokens_, options_.chunk_size, options_.normalization,
+          [&](Index) -> OutputRef { return out; });
     }
   }
 

@@ -1,19 +1,18 @@
 #pragma once
 /// \file batch_state.hpp
 /// Recurrent state of a batch of sequences for multi-head decoding: one AttentionState per
-/// (sequence, query head), sequences added and dropped one at a time (continuous batching),
+/// (sequence, state head), sequences added and dropped one at a time (continuous batching),
 /// and the size accounting that compares the state with a K/V cache.
 ///
-/// Memory per sequence: H_q (r dv + r) scalars whatever the context length. A softmax model's
-/// K/V cache holds H_kv (dk + dv) scalars per token, so it outgrows the state at
-/// L = floor(H_q (r dv + r) / (H_kv (dk + dv))) + 1 tokens (kv_cache_crossover()); for
-/// r = dk = dv = 128 and one head that is 16,512 scalars against 256 per token: 65 tokens.
+/// State heads: MultiHeadAttention keeps one state per key/value head (H_s = H_kv) for an
+/// ordinary feature map, since the query heads of a group accumulate the same S and z, and
+/// one per query head (H_s = H_q) for a log-scaled one (MultiHeadAttention::state_heads()).
 ///
-/// With grouped heads (H_q > H_kv) the state is kept per query head: every query head of a
-/// group accumulates the same S and z. LinearAttention::absorb and read_into let a caller's
-/// own loop share one state per key/value head; this layer does not yet, because its prefill
-/// runs the chunked path per query head (see docs/multihead.md). The accounting above counts
-/// what is actually stored.
+/// Memory per sequence: H_s (r dv + r) scalars whatever the context length. A softmax model's
+/// K/V cache holds H_kv (dk + dv) scalars per token, so it outgrows the state at
+/// L = floor(H_s (r dv + r) / (H_kv (dk + dv))) + 1 tokens (kv_cache_crossover()); for
+/// r = dk = dv = 128 and one head that is 16,512 scalars against 256 per token: 65 tokens,
+/// whatever the number of query heads per key/value head when H_s = H_kv.
 
 #include <linattn/errors.hpp>
 #include <linattn/state.hpp>
@@ -31,7 +30,7 @@
 
 namespace linattn {
 
-/// The state of one sequence: one AttentionState per query head, all with the same (r, dk, dv).
+/// The state of one sequence: one AttentionState per state head, all with the same (r, dk, dv).
 template <class Scalar>
 class SequenceState {
   static_assert(SupportedScalar<Scalar>, "linattn computes in float or double");
@@ -51,7 +50,8 @@ class SequenceState {
   }
 
   [[nodiscard]] Index heads() const noexcept { return static_cast<Index>(heads_.size()); }
-  /// The state of query head h. No bounds check beyond an assertion in debug builds.
+  /// The state of state head h (key/value head h, or query head h for a log-scaled map; see
+  /// the file comment). No bounds check beyond an assertion in debug builds.
   [[nodiscard]] AttentionState<Scalar>& head(Index h) noexcept {
     return heads_[static_cast<std::size_t>(h)];
   }
@@ -108,7 +108,7 @@ class BatchState {
  public:
   using Sequence = SequenceState<Scalar>;
 
-  /// A batch of `sequences` empty sequences, each with `heads` heads of shape (r, dk, dv);
+  /// A batch of `sequences` empty sequences, each with `heads` state heads of shape (r, dk, dv);
   /// `log_domain` for a LogScaledFeatureMap, `decode_block` for the deferred decode of each
   /// head state (MultiHeadAttention::make_state sets both).
   BatchState(Index heads, Index r, Index dk, Index dv, Index sequences = 0,
@@ -198,7 +198,7 @@ class BatchState {
 struct StateFootprint {
   /// r dv + r: one head's state (16,512 for r = dv = 128).
   Index state_scalars_per_head = 0;
-  /// H_q (r dv + r): what a BatchState keeps per sequence.
+  /// H_s (r dv + r): what a BatchState keeps per sequence.
   Index state_scalars = 0;
   /// H_kv (dk + dv): what a softmax model's K/V cache adds per token.
   Index kv_scalars_per_token = 0;
@@ -207,16 +207,17 @@ struct StateFootprint {
   Index kv_cache_crossover = 0;
 };
 
-/// The footprint of H_q query heads with feature dim r sharing H_kv key/value heads of key
-/// dim dk and value dim dv. Throws ShapeError on non-positive heads or dims. O(1).
-[[nodiscard]] inline StateFootprint state_footprint(Index q_heads, Index kv_heads, Index r,
+/// The footprint of H_s state heads with feature dim r (MultiHeadAttention::state_heads():
+/// H_kv, or H_q for a log-scaled map) against a K/V cache of H_kv key/value heads of key dim
+/// dk and value dim dv. Throws ShapeError on non-positive heads or dims. O(1).
+[[nodiscard]] inline StateFootprint state_footprint(Index state_heads, Index kv_heads, Index r,
                                                     Index dk, Index dv) {
-  if (q_heads < 1 || kv_heads < 1 || r < 1 || dk < 1 || dv < 1)
-    detail::throw_shape_error("state_footprint needs positive heads and dims, got H_q=", q_heads,
-                              " H_kv=", kv_heads, " r=", r, " dk=", dk, " dv=", dv);
+  if (state_heads < 1 || kv_heads < 1 || r < 1 || dk < 1 || dv < 1)
+    detail::throw_shape_error("state_footprint needs positive heads and dims, got H_s=",
+                              state_heads, " H_kv=", kv_heads, " r=", r, " dk=", dk, " dv=", dv);
   StateFootprint f;
   f.state_scalars_per_head = r * dv + r;
-  f.state_scalars = q_heads * f.state_scalars_per_head;
+  f.state_scalars = state_heads * f.state_scalars_per_head;
   f.kv_scalars_per_token = kv_heads * (dk + dv);
   f.kv_cache_crossover = f.state_scalars / f.kv_scalars_per_token + 1;
   return f;

@@ -6,8 +6,16 @@
 ///
 /// Math: for every sequence s and query head h, with key/value head g = h / (H_q / H_kv),
 ///   out[s, :, h, :] = LinearAttention(Q[s, :, h, :], K[s, :, g, :], V[s, :, g, :])
-/// computed by LinearAttention::parallel_into (stateless or prefill) or step_into (decode)
-/// on Eigen::Map views of the buffers: no math is repeated here and nothing is copied.
+/// computed by LinearAttention::parallel_into (stateless), parallel_group_into (prefill) or
+/// step_into / step_group_into (decode) on Eigen::Map views of the buffers: no math is
+/// repeated here and nothing is copied.
+///
+/// State per key/value head: the G = H_q / H_kv query heads of a group attend over the same
+/// keys and values, so their S and z are the same sums. With an ordinary feature map the
+/// state keeps them once per key/value head (state_heads() = H_kv), as a K/V cache keeps
+/// keys once per key/value head: a prefill absorbs each group's keys once and reads it G
+/// times, a decode step absorbs once and reads G times. A log-scaled map (random features)
+/// keeps one state per query head (state_heads() = H_q), because its reads rescale S.
 ///
 /// Buffers are TensorView<const Scalar> (inputs) and TensorView<Scalar> (output), logical axes
 /// (batch, time, head, feature), any strides with a contiguous feature axis: [B, T, H, d] and
@@ -22,18 +30,22 @@
 ///                    any state (not S, not z), their queries are not read, and their output
 ///                    rows are set to zero.
 ///
-/// Threads: the (sequence, head) pairs are split over an OpenMP team when the code is compiled
-/// with OpenMP (the CMake target links it when found, see LINATTN_USE_OPENMP), serially
-/// otherwise. set_threads(n): n = 1 creates no thread; 0 means OpenMP's default. Results are
+/// Threads: the work items are split over an OpenMP team when the code is compiled with
+/// OpenMP (the CMake target links it when found, see LINATTN_USE_OPENMP), serially otherwise:
+/// (sequence, query head) pairs for forward(), (sequence, state head) pairs for prefill() and
+/// step(), so a single sequence of a multi-query layer (H_kv = 1) prefills on one thread.
+/// set_threads(n): n = 1 creates no thread; 0 means OpenMP's default. Results are
 /// bit-identical for every thread count.
 ///
 /// Errors: ShapeError names the views and what disagrees; DenominatorError comes from the
-/// Normalization policy. Every (sequence, head) pair is computed even when one throws; the
-/// exception of the lowest pair (sequence-major) is rethrown afterwards. A failing pair's state
-/// is as LinearAttention leaves it (decode: unchanged); the other pairs have advanced.
+/// Normalization policy. Every work item is computed even when one throws; the exception of
+/// the lowest item (sequence-major) is rethrown afterwards. A failing item's state is as
+/// LinearAttention leaves it (decode: unchanged; prefill: the chunks before the failing one,
+/// with the group's outputs from that chunk on unspecified); the other items have advanced.
 ///
-/// Complexity: the single-head cost times B H_q; memory beyond the buffers is the single-head
-/// scratch per pair (chunk buffers for the parallel path, none for a decode step).
+/// Complexity: per sequence and token, H_q reads (2 r dv each, plus the chunked path's
+/// C (r + dv)) and state_heads() updates (2 r dv each); memory beyond the buffers is the
+/// single-head scratch per item (chunk buffers for the parallel path, none for a decode step).
 
 #include <linattn/attention.hpp>
 #include <linattn/batch_state.hpp>
@@ -170,6 +182,16 @@ class MultiHeadAttention {
   /// r, the feature dimension of one head's state.
   [[nodiscard]] Index feature_dim() const { return attention_.feature_dim(heads_.key_dim); }
 
+  /// Whether the query heads of a key/value head share one state (ordinary feature maps) or
+  /// keep one each (log-scaled maps); see the file comment.
+  static constexpr bool shares_states = !LogScaledFeatureMap<Phi, Scalar>;
+  /// Head states per sequence: H_kv when shares_states, else H_q.
+  [[nodiscard]] Index state_heads() const noexcept {
+    return shares_states ? heads_.kv_heads : heads_.q_heads;
+  }
+  /// G = H_q / H_kv, the query heads of one key/value head.
+  [[nodiscard]] Index group_size() const noexcept { return heads_.q_heads / heads_.kv_heads; }
+
   /// Threads for later calls: 1 = the calling thread only (no thread is created), n > 1 = an
   /// OpenMP team of at most n, 0 = OpenMP's default (OMP_NUM_THREADS). Without OpenMP every
   /// count runs serially. Throws std::invalid_argument for a negative count.
@@ -181,13 +203,14 @@ class MultiHeadAttention {
 
   /// A batch state of `sequences` empty sequences for this layer.
   [[nodiscard]] State make_state(Index sequences = 0) const {
-    return State(heads_.q_heads, feature_dim(), heads_.key_dim, heads_.value_dim, sequences,
-                 LogScaledFeatureMap<Phi, Scalar>, attention_.decode_block(feature_dim(), heads_.value_dim));
+    return State(state_heads(), feature_dim(), heads_.key_dim, heads_.value_dim, sequences,
+                 LogScaledFeatureMap<Phi, Scalar>,
+                 attention_.decode_block(feature_dim(), heads_.value_dim));
   }
 
   /// State against K/V cache for one sequence of this layer.
   [[nodiscard]] StateFootprint footprint() const {
-    return state_footprint(heads_.q_heads, heads_.kv_heads, feature_dim(), heads_.key_dim,
+    return state_footprint(state_heads(), heads_.kv_heads, feature_dim(), heads_.key_dim,
                            heads_.value_dim);
   }
 
@@ -213,11 +236,33 @@ class MultiHeadAttention {
     check_views(Q, K, V, out, layout, true);
     const Index sequences = layout.count(Q.batches());
     check_state(state, sequences, slots);
-    over_sequence_heads(Q, K, V, out, layout, sequences,
-                        [&](const auto& q, const auto& k, const auto& v, auto o, Index s, Index h) {
-                          attention_.parallel_into(q, k, v, Mask::causal,
-                                                   slot_state(state, slots, s, h), o);
-                        });
+    if constexpr (!shares_states) {
+      over_sequence_heads(
+          Q, K, V, out, layout, sequences,
+          [&](const auto& q, const auto& k, const auto& v, auto o, Index s, Index h) {
+            attention_.parallel_into(q, k, v, Mask::causal, slot_state(state, slots, s, h), o);
+          });
+    } else {
+      const Index Hkv = heads_.kv_heads, G = group_size();
+      detail::parallel_for(sequences * Hkv, threads_, [&](Index item) {
+        const Index s = item / Hkv, g = item % Hkv;
+        const Rows rows = rows_of(layout, s, Q.times(), K.times());
+        for (Index h = g * G; h < (g + 1) * G; ++h) {
+          auto o = out.head_matrix(rows.entry, h);
+          zero_padding(o, rows, layout);
+        }
+        attention_.parallel_group_into(
+            G,
+            [&](Index i) {
+              return Q.head_matrix(rows.entry, g * G + i).middleRows(rows.first, rows.q_len);
+            },
+            K.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
+            V.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
+            slot_state(state, slots, s, g), [&](Index i) {
+              return out.head_matrix(rows.entry, g * G + i).middleRows(rows.first, rows.q_len);
+            });
+      });
+    }
   }
 
   /// One decode token for each sequence: q [N, 1, H_q, dk], k [N, 1, H_kv, dk],
@@ -230,13 +275,22 @@ class MultiHeadAttention {
                                 q.describe());
     check_views(q, k, v, out, SequenceLayout::batch(), true);
     check_state(state, q.batches(), slots);
-    const Index H = heads_.q_heads;
+    const Index H = state_heads(), G = group_size();
     detail::parallel_for(q.batches() * H, threads_, [&](Index item) {
       const Index b = item / H, h = item % H;
-      const Index g = kv_head(h);
-      attention_.step_into(slot_state(state, slots, b, h), q.head_matrix(b, h).row(0),
-                           k.head_matrix(b, g).row(0), v.head_matrix(b, g).row(0),
-                           out.head_matrix(b, h).row(0));
+      if (!shares_states || G == 1) {
+        const Index g = kv_head(h);
+        attention_.step_into(slot_state(state, slots, b, h), q.head_matrix(b, h).row(0),
+                             k.head_matrix(b, g).row(0), v.head_matrix(b, g).row(0),
+                             out.head_matrix(b, h).row(0));
+      } else if constexpr (shares_states) {
+        // h is key/value head g; its query heads are g G ... g G + G - 1.
+        attention_.step_group_into(
+            slot_state(state, slots, b, h), G,
+            [&](Index i) { return q.head_matrix(b, h * G + i).row(0); },
+            k.head_matrix(b, h).row(0), v.head_matrix(b, h).row(0),
+            [&](Index i) { return out.head_matrix(b, h * G + i).row(0); });
+      }
     });
   }
 
@@ -291,6 +345,7 @@ class MultiHeadAttention {
       o.bottomRows(rows.rows - rows.q_len).setZero();
   }
 
+  // The state of state head h (a key/value head when shares_states, else a query head).
   static AttentionState<Scalar>& slot_state(State& state, std::span<const Index> slots, Index s,
                                             Index h) {
     const Index position = slots.empty() ? s : slots[static_cast<std::size_t>(s)];
@@ -298,12 +353,12 @@ class MultiHeadAttention {
   }
 
   void check_state(const State& state, Index sequences, std::span<const Index> slots) const {
-    if (state.heads() != heads_.q_heads || state.feature_dim() != feature_dim() ||
+    if (state.heads() != state_heads() || state.feature_dim() != feature_dim() ||
         state.key_dim() != heads_.key_dim || state.value_dim() != heads_.value_dim)
       detail::throw_shape_error("batch state has heads=", state.heads(),
                                 " r=", state.feature_dim(), " dk=", state.key_dim(),
                                 " dv=", state.value_dim(), " but this layer needs heads=",
-                                heads_.q_heads, " r=", feature_dim(), " dk=", heads_.key_dim,
+                                state_heads(), " r=", feature_dim(), " dk=", heads_.key_dim,
                                 " dv=", heads_.value_dim);
     if (slots.empty()) {
       if (state.size() != sequences)

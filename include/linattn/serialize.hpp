@@ -3,24 +3,31 @@
 /// Saving a BatchState (or one of its sequences) to bytes and restoring it, so a server can
 /// park a conversation and resume it later with bit-identical outputs.
 ///
-/// Format, version 2. Every integer is unsigned little-endian; every scalar is IEEE-754
+/// Format, version 3. Every integer is unsigned little-endian; every scalar is IEEE-754
 /// binary32 (float) or binary64 (double) stored little-endian, whatever the host's order.
 ///   offset  size  field
 ///   0       8     magic "LNATTNST"
-///   8       4     format version (2; version 1 blobs, without pending tokens, still load)
+///   8       4     format version (3; versions 1 and 2 still load, see below)
 ///   12      4     scalar type: 1 = binary32 (float), 2 = binary64 (double)
 ///   16      8     total blob size in bytes, checksum included
 ///   24      8     feature-map fingerprint: Phi::fingerprint() if Phi has one, else 0
 ///   32      4     n, length of the feature-map name; then n bytes of the name
 ///                 (Phi::name, see detail::feature_map_name)
-///   ...     6*8   H_q, H_kv, dk, r, dv, N (number of sequences)
-///   ...           N * H_q head blocks, sequence-major: u64 tokens, the log-scale M (one
+///   ...     7*8   H_q, H_kv, dk, r, dv, N (number of sequences), H_s (state heads per
+///                 sequence: MultiHeadAttention::state_heads(), H_kv or H_q)
+///   ...           N * H_s head blocks, sequence-major: u64 tokens, the log-scale M (one
 ///                 scalar; 0 for ordinary maps, see AttentionState::log_scale()), u64 p (the
 ///                 pending tokens of a deferred decode, see AttentionState), then the stored
 ///                 S (r x dv, row-major, without the pending tokens), z (r), and p pending
-///                 tokens, each its key features (r) then its value (dv). Version 1 has no
-///                 p field and no pending tokens.
+///                 tokens, each its key features (r) then its value (dv).
 ///   end-8   8     FNV-1a 64 checksum of every byte before it
+///
+/// Versions 1 and 2 have no H_s field and keep one block per query head (H_s = H_q); version 1
+/// has no p field and no pending tokens. A layer that keeps one state per key/value head
+/// loads such a blob when the G query heads of each key/value head hold equal states (they
+/// do, unless a rejected denominator stopped one of them early) and keeps one of them; a blob
+/// whose heads of one group differ is rejected (shape_mismatch), as no single state stands
+/// for them.
 ///
 /// A blob is checked in this order before anything is modified: length and magic, version,
 /// stored size (truncated or trailing bytes), checksum, then scalar type, feature map and
@@ -31,7 +38,7 @@
 /// a learned projection), by an optional `std::uint64_t fingerprint() const` member that
 /// should change whenever the parameters do. Maps without a name all read as "user".
 ///
-/// Cost: O(N H_q r dv) time, output of 8 + sum over heads of 16 + (r dv + r + 1 + p (r + dv))
+/// Cost: O(N H_s r dv) time, output of 8 + sum over heads of 16 + (r dv + r + 1 + p (r + dv))
 /// sizeof(Scalar) bytes plus a header of about 100 bytes. Saving the pending tokens as they
 /// are, rather than adding them to S, is what makes a restored state continue bit-identically.
 
@@ -82,7 +89,7 @@ class StateFormatError : public std::runtime_error {
 namespace detail {
 
 inline constexpr std::string_view state_magic = "LNATTNST";
-inline constexpr std::uint32_t state_format_version = 2;
+inline constexpr std::uint32_t state_format_version = 3;
 
 template <class Scalar>
 constexpr std::uint32_t scalar_code() {
@@ -110,16 +117,17 @@ std::vector<std::byte> save_sequences(const MultiHeadAttention<Phi, Scalar>& lay
                                       const BatchState<Scalar>& state, Index first, Index count) {
   const HeadConfig& h = layer.heads();
   const Index r = layer.feature_dim();
-  if (state.heads() != h.q_heads || state.feature_dim() != r || state.key_dim() != h.key_dim ||
+  const Index state_heads = layer.state_heads();
+  if (state.heads() != state_heads || state.feature_dim() != r || state.key_dim() != h.key_dim ||
       state.value_dim() != h.value_dim)
     throw_shape_error("cannot save a batch state with heads=", state.heads(), " r=",
                       state.feature_dim(), " dk=", state.key_dim(), " dv=", state.value_dim(),
-                      " for a layer with heads=", h.q_heads, " r=", r, " dk=", h.key_dim,
+                      " for a layer with heads=", state_heads, " r=", r, " dk=", h.key_dim,
                       " dv=", h.value_dim);
   const std::string_view name = feature_map_name<Phi>();
   std::vector<std::byte> out;
   out.reserve(128 + static_cast<std::size_t>(count) * state.bytes_per_sequence() +
-              static_cast<std::size_t>(count * h.q_heads) * 8);
+              static_cast<std::size_t>(count * state_heads) * 8);
   ByteWriter w(out);
   w.put_bytes(state_magic);
   w.put_u32(state_format_version);
@@ -129,11 +137,11 @@ std::vector<std::byte> save_sequences(const MultiHeadAttention<Phi, Scalar>& lay
   w.put_u64(feature_map_fingerprint(layer.attention().feature_map()));
   w.put_u32(static_cast<std::uint32_t>(name.size()));
   w.put_bytes(name);
-  for (Index v : {h.q_heads, h.kv_heads, h.key_dim, r, h.value_dim, count})
+  for (Index v : {h.q_heads, h.kv_heads, h.key_dim, r, h.value_dim, count, state_heads})
     w.put_u64(static_cast<std::uint64_t>(v));
   for (Index s = first; s < first + count; ++s) {
     const auto& seq = state.sequence(s);
-    for (Index head = 0; head < h.q_heads; ++head) {
+    for (Index head = 0; head < state_heads; ++head) {
       const AttentionState<Scalar>& st = seq.head(head);
       w.put_u64(static_cast<std::uint64_t>(st.tokens()));
       w.put_scalar(st.log_scale());
@@ -157,6 +165,15 @@ std::vector<std::byte> save_sequences(const MultiHeadAttention<Phi, Scalar>& lay
 
 [[noreturn]] inline void format_error(StateFormatError::Reason reason, const std::string& what) {
   throw StateFormatError(reason, what);
+}
+
+/// Whether two head states hold the same value (S, z, token count, log scale, pending tokens).
+template <class Scalar>
+bool same_state(const AttentionState<Scalar>& a, const AttentionState<Scalar>& b) {
+  return a.tokens() == b.tokens() && a.log_scale() == b.log_scale() &&
+         a.pending_tokens() == b.pending_tokens() && a.stored_S() == b.stored_S() &&
+         a.z() == b.z() && a.pending_key_features() == b.pending_key_features() &&
+         a.pending_values() == b.pending_values();
 }
 
 }  // namespace detail
@@ -188,7 +205,7 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
   using detail::format_error;
   {
     const HeadConfig& h = layer.heads();
-    if (state.heads() != h.q_heads || state.feature_dim() != layer.feature_dim() ||
+    if (state.heads() != layer.state_heads() || state.feature_dim() != layer.feature_dim() ||
         state.key_dim() != h.key_dim || state.value_dim() != h.value_dim)
       detail::throw_shape_error("cannot restore into a batch state with heads=", state.heads(),
                                 " r=", state.feature_dim(), " dk=", state.key_dim(),
@@ -206,7 +223,7 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
   if (magic != detail::state_magic)
     format_error(R::bad_magic, "the blob does not start with \"LNATTNST\"");
   static_cast<void>(in.get_uint(version));
-  if (version != detail::state_format_version && version != 1)
+  if (version < 1 || version > detail::state_format_version)
     format_error(R::unsupported_version, "format version " + std::to_string(version) +
                                              ", this build reads versions 1 to " +
                                              std::to_string(detail::state_format_version));
@@ -247,9 +264,12 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
                  "saved with feature map \"" + name + "\" (fingerprint " +
                      std::to_string(fingerprint) + "), this layer uses \"" +
                      std::string(want_name) + "\" (fingerprint " + std::to_string(want_fp) + ")");
-  std::uint64_t dims[6] = {};
-  for (auto& d : dims)
-    if (!rd.get_uint(d)) format_error(R::size_mismatch, "the dimension fields run past the end");
+  // Versions 1 and 2 keep a block per query head and have no H_s field.
+  std::uint64_t dims[7] = {};
+  for (int i = 0; i < (version >= 3 ? 7 : 6); ++i)
+    if (!rd.get_uint(dims[i]))
+      format_error(R::size_mismatch, "the dimension fields run past the end");
+  if (version < 3) dims[6] = dims[0];
   const HeadConfig& h = layer.heads();
   const Index r = layer.feature_dim();
   const std::uint64_t want[5] = {static_cast<std::uint64_t>(h.q_heads),
@@ -266,6 +286,16 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
                        ", this layer has H_q=" + std::to_string(want[0]) + " H_kv=" +
                        std::to_string(want[1]) + " dk=" + std::to_string(want[2]) + " r=" +
                        std::to_string(want[3]) + " dv=" + std::to_string(want[4]));
+  const Index state_heads = layer.state_heads();
+  if (dims[6] != static_cast<std::uint64_t>(h.q_heads) &&
+      dims[6] != static_cast<std::uint64_t>(state_heads))
+    format_error(R::shape_mismatch, "saved with " + std::to_string(dims[6]) +
+                                        " state heads per sequence, this layer keeps " +
+                                        std::to_string(state_heads));
+  // Blocks per sequence in the blob: this layer's count, or one per query head (a version 1
+  // or 2 blob, or H_s = H_q), merged below to one per key/value head.
+  const Index blocks = static_cast<Index>(dims[6]);
+  const Index group = blocks / state_heads;
   // The dims now equal this layer's, so the per-head sizes cannot overflow; the count is
   // bounded by the bytes actually present before anything is allocated, and every variable
   // part (the pending tokens) before it is read.
@@ -273,7 +303,7 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
   const std::uint64_t fixed_per_head =
       (has_pending ? 16 : 8) + static_cast<std::uint64_t>(r * h.value_dim + r + 1) * sizeof(Scalar);
   const std::uint64_t per_token = static_cast<std::uint64_t>(r + h.value_dim) * sizeof(Scalar);
-  const std::uint64_t min_per_sequence = fixed_per_head * static_cast<std::uint64_t>(h.q_heads);
+  const std::uint64_t min_per_sequence = fixed_per_head * static_cast<std::uint64_t>(blocks);
   const std::uint64_t count = dims[5];
   const auto payload_error = [&] {
     format_error(R::size_mismatch, std::to_string(count) + " sequences do not fill the " +
@@ -286,9 +316,10 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
   loaded.reserve(static_cast<std::size_t>(count));
   RowVector<Scalar> key_features(r), value(h.value_dim);
   for (std::uint64_t s = 0; s < count; ++s) {
-    SequenceState<Scalar> seq(h.q_heads, r, h.key_dim, h.value_dim,
-                              LogScaledFeatureMap<Phi, Scalar>, layer.attention().decode_block(r, h.value_dim));
-    for (Index head = 0; head < h.q_heads; ++head) {
+    SequenceState<Scalar> seq(blocks, r, h.key_dim, h.value_dim,
+                              LogScaledFeatureMap<Phi, Scalar>,
+                              layer.attention().decode_block(r, h.value_dim));
+    for (Index head = 0; head < blocks; ++head) {
       if (rd.remaining() < fixed_per_head) payload_error();
       AttentionState<Scalar>& st = seq.head(head);
       std::uint64_t tokens = 0, pending = 0;
@@ -313,7 +344,26 @@ std::vector<SequenceId> restore_sequences(const MultiHeadAttention<Phi, Scalar>&
         st.load_pending_token(key_features, value);
       }
     }
-    loaded.push_back(std::move(seq));
+    if (group == 1) {
+      loaded.push_back(std::move(seq));
+      continue;
+    }
+    // One block per query head: the heads of each key/value head must agree.
+    SequenceState<Scalar> merged(state_heads, r, h.key_dim, h.value_dim,
+                                 LogScaledFeatureMap<Phi, Scalar>,
+                                 layer.attention().decode_block(r, h.value_dim));
+    for (Index g = 0; g < state_heads; ++g) {
+      for (Index i = 1; i < group; ++i)
+        if (!detail::same_state(seq.head(g * group), seq.head(g * group + i)))
+          format_error(R::shape_mismatch,
+                       "sequence " + std::to_string(s) + " keeps query heads " +
+                           std::to_string(g * group) + " and " + std::to_string(g * group + i) +
+                           " of key/value head " + std::to_string(g) +
+                           " with different states; this layer keeps one state per key/value "
+                           "head");
+      merged.head(g) = std::move(seq.head(g * group));
+    }
+    loaded.push_back(std::move(merged));
   }
   if (rd.remaining() != 0) payload_error();
   // Shapes match the layer and the state was checked against it above, so no add throws

@@ -17,6 +17,11 @@ namespace linattn::detail {
 /// Chunked causal linear attention of T tokens continuing from (S, z), on Eigen's GEMM: the
 /// form for scalar types Eigen does not vectorize and value widths that are not a multiple of
 /// the packet width (causal_chunked below dispatches). S, z and `tokens` absorb the tokens.
+/// `group` query heads read the one state: query(g) is head g's T x dk queries (direct
+/// access), output(g) its T x dv output (binds to Eigen::Ref<RowMatrix<Scalar>>); one head
+/// for LinearAttention::parallel_into, the query heads of a key/value head for a grouped
+/// prefill. Per chunk the keys' features and the state update are computed once, the reads
+/// once per head, each exactly as a single-head call would.
 /// For each chunk of n <= C rows with features qf = phi(Q_c), kf = phi(K_c):
 ///   A = [qf | tril(qf kf^T)]   (n x (r + n)),   B = [S ; V_c]   ((r + n) x dv),
 ///   out_c = A B = qf S + tril(qf kf^T) V_c      (one GEMM instead of two),
@@ -24,18 +29,18 @@ namespace linattn::detail {
 /// S lives in the top rows of B during the call, so the state read and the within-chunk part
 /// are one product with inner dimension r + n; it is copied back when the call ends or throws.
 /// Rows are normalized before the state absorbs their chunk: after a DenominatorError the state
-/// holds exactly the chunks before the failing one (and `tokens` counts them).
+/// holds exactly the chunks before the failing one (and `tokens` counts them); heads before
+/// the failing one have written that chunk's rows, later heads have not.
 ///
 /// Cost per chunk: 2 n (r + n) dv + 2 n^2 r + 2 n r dv flops, i.e. per token 4 r dv + 2 n (r + dv)
 /// (the masked half of the score block is computed and multiplied as zeros: at the chunk sizes
 /// that run fastest, a full small GEMM beats a triangular one). Memory: O(C (r + C) + r dv),
 /// never T x T. Allocates once per call, not per chunk.
-template <class Scalar, class Phi, class DQ, class DK, class DV>
-void causal_chunked_eigen(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
-                          RowMatrix<Scalar>& S, ColVector<Scalar>& z, Index& tokens,
-                          Index chunk_size, const Normalization& norm,
-                          Eigen::Ref<RowMatrix<Scalar>> out) {
-  const Index T = Q.rows(), r = S.rows(), dv = S.cols();
+template <class Scalar, class Phi, class QueryAt, class DK, class DV, class OutputAt>
+void causal_chunked_eigen(const Phi& phi, Index group, const QueryAt& query, const DK& K,
+                          const DV& V, RowMatrix<Scalar>& S, ColVector<Scalar>& z, Index& tokens,
+                          Index chunk_size, const Normalization& norm, const OutputAt& output) {
+  const Index T = K.rows(), r = S.rows(), dv = S.cols();
   if (T == 0) return;
   const Index C = std::min(chunk_size, T);
   RowMatrix<Scalar> A(C, r + C), B(r + C, dv), kf(C, r);
@@ -53,25 +58,31 @@ void causal_chunked_eigen(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   for (Index first = 0; first < T; first += C) {
     const Index n = std::min(C, T - first);
     {
-      Eigen::Ref<RowMatrix<Scalar>> qf_view(A.topLeftCorner(n, r)), kf_view(kf.topRows(n));
-      phi.apply(Q.middleRows(first, n), qf_view);
+      Eigen::Ref<RowMatrix<Scalar>> kf_view(kf.topRows(n));
       phi.apply(K.middleRows(first, n), kf_view);
     }
-    const auto qf = A.topLeftCorner(n, r);
     const auto kfc = kf.topRows(n);
-    auto scores = A.block(0, r, n, n);
-    scores.noalias() = qf * kfc.transpose();
-    scores.template triangularView<Eigen::StrictlyUpper>().setZero();
     auto v_chunk = B.middleRows(r, n);
     v_chunk = V.middleRows(first, n);
+    for (Index g = 0; g < group; ++g) {
+      {
+        Eigen::Ref<RowMatrix<Scalar>> qf_view(A.topLeftCorner(n, r));
+        phi.apply(query(g).middleRows(first, n), qf_view);
+      }
+      const auto qf = A.topLeftCorner(n, r);
+      auto scores = A.block(0, r, n, n);
+      scores.noalias() = qf * kfc.transpose();
+      scores.template triangularView<Eigen::StrictlyUpper>().setZero();
 
-    auto o = out.middleRows(first, n);
-    o.noalias() = A.topLeftCorner(n, r + n) * B.topRows(r + n);
-    if (norm.divides()) {
-      auto d = den.head(n);
-      d.noalias() = qf * z;
-      d += scores.rowwise().sum();
-      for (Index i = 0; i < n; ++i) o.row(i) /= norm.divisor(d(i), first + i);
+      Eigen::Ref<RowMatrix<Scalar>> out = output(g);
+      auto o = out.middleRows(first, n);
+      o.noalias() = A.topLeftCorner(n, r + n) * B.topRows(r + n);
+      if (norm.divides()) {
+        auto d = den.head(n);
+        d.noalias() = qf * z;
+        d += scores.rowwise().sum();
+        for (Index i = 0; i < n; ++i) o.row(i) /= norm.divisor(d(i), first + i);
+      }
     }
     B.topRows(r).noalias() += kfc.transpose() * v_chunk;
     z += kfc.colwise().sum().transpose();
@@ -101,6 +112,8 @@ std::pair<const Scalar*, Index> row_major_rows(const DV& V, Index first, Index n
 
 /// The same chunked recurrence on the register kernel, for Scalar types Eigen vectorizes and
 /// dv a multiple of the packet width (the common head sizes); otherwise causal_chunked_eigen.
+/// `group`, query(g) and output(g) as there: the key features, their transpose and the update
+/// of S are per chunk, the rest below per query head.
 /// Per chunk of n <= C rows with qf = phi(Q_c), kf = phi(K_c), P = tril(qf kf^T) (diagonal
 /// included):
 ///   z_i = z + kf_0 + ... + kf_i,  den_i = qf_i . z_i      checked before anything is written
@@ -114,18 +127,20 @@ std::pair<const Scalar*, Index> row_major_rows(const DV& V, Index first, Index n
 /// stride; nothing is re-packed. Per token: 4 r dv + about C (r + dv) flops (the triangle
 /// rounded up to whole tiles) + 3 r for the denominator; memory O(C (r + C) + C dv), never
 /// T x T. Allocates once per call, not per chunk. After a DenominatorError the state holds
-/// exactly the chunks before the failing one.
-template <class Scalar, class Phi, class DQ, class DK, class DV>
-void causal_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& V, RowMatrix<Scalar>& S,
-                    ColVector<Scalar>& z, Index& tokens, Index chunk_size,
-                    const Normalization& norm, Eigen::Ref<RowMatrix<Scalar>> out) {
-  const Index T = Q.rows(), r = S.rows(), dv = S.cols();
+/// exactly the chunks before the failing one. A group of G heads costs G reads (2 r dv + about
+/// C (r + dv) flops per token each) and one update (2 r dv), against G of each for G calls.
+template <class Scalar, class Phi, class QueryAt, class DK, class DV, class OutputAt>
+void causal_chunked(const Phi& phi, Index group, const QueryAt& query, const DK& K, const DV& V,
+                    RowMatrix<Scalar>& S, ColVector<Scalar>& z, Index& tokens, Index chunk_size,
+                    const Normalization& norm, const OutputAt& output) {
+  const Index T = K.rows(), r = S.rows(), dv = S.cols();
   if constexpr (!has_gemm_kernel<Scalar>) {
-    causal_chunked_eigen<Scalar>(phi, Q, K, V, S, z, tokens, chunk_size, norm, out);
+    causal_chunked_eigen<Scalar>(phi, group, query, K, V, S, z, tokens, chunk_size, norm, output);
   } else {
     constexpr Index lanes = GemmTile<Scalar>::lanes;
     if (dv % lanes != 0) {
-      causal_chunked_eigen<Scalar>(phi, Q, K, V, S, z, tokens, chunk_size, norm, out);
+      causal_chunked_eigen<Scalar>(phi, group, query, K, V, S, z, tokens, chunk_size, norm,
+                                   output);
       return;
     }
     if (T == 0) return;
@@ -138,35 +153,43 @@ void causal_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& V, RowMa
                       v_buffer(has_row_major_storage<DV>() ? 0 : C, dv);
     RowVector<Scalar> running_z(r);
     ColVector<Scalar> inverse(C);
-    const Index ld_out = out.outerStride();
     for (Index first = 0; first < T; first += C) {
       const Index n = std::min(C, T - first);
       const Index n_padded = (n + lanes - 1) / lanes * lanes;
       {
-        Eigen::Ref<RowMatrix<Scalar>> qf_view(qf.topRows(n)), kf_view(kf.topRows(n));
-        phi.apply(Q.middleRows(first, n), qf_view);
+        Eigen::Ref<RowMatrix<Scalar>> kf_view(kf.topRows(n));
         phi.apply(K.middleRows(first, n), kf_view);
       }
-      running_z = z.transpose();
-      for (Index i = 0; i < n; ++i) {
-        running_z += kf.row(i);
-        if (norm.divides()) {
-          const Scalar den = qf.row(i).dot(running_z);
-          inverse(i) = Scalar(1) / norm.divisor(den, first + i);
-        }
-      }
       transpose_into(n, r, kf.data(), r, kf_t.data(), padded);
-      small_gemm<Scalar, false>(n, n_padded, r, qf.data(), r, kf_t.data(), padded, scores.data(),
-                                padded, Triangle::lower_result);
-      // The read below walks P up to each row tile's diagonal: the entries right of the
-      // diagonal inside that range must be zero (they hold q_i . k_j for j > i).
-      for (Index i = 0; i + 1 < n; ++i) scores.row(i).segment(i + 1, n - i - 1).setZero();
-
       const auto [v_chunk, ld_v] = row_major_rows(V, first, n, v_buffer);
-      Scalar* o = out.data() + first * ld_out;
-      small_gemm<Scalar, false>(n, dv, r, qf.data(), r, S.data(), dv, o, ld_out);
-      small_gemm<Scalar, true>(n, dv, n, scores.data(), padded, v_chunk, ld_v, o, ld_out,
-                               Triangle::lower_lhs, norm.divides() ? inverse.data() : nullptr);
+      for (Index g = 0; g < group; ++g) {
+        {
+          Eigen::Ref<RowMatrix<Scalar>> qf_view(qf.topRows(n));
+          phi.apply(query(g).middleRows(first, n), qf_view);
+        }
+        // Each query head runs the same sum (a few r adds per row), so every head's
+        // denominators have the bits of a single-head call.
+        running_z = z.transpose();
+        for (Index i = 0; i < n; ++i) {
+          running_z += kf.row(i);
+          if (norm.divides()) {
+            const Scalar den = qf.row(i).dot(running_z);
+            inverse(i) = Scalar(1) / norm.divisor(den, first + i);
+          }
+        }
+        small_gemm<Scalar, false>(n, n_padded, r, qf.data(), r, kf_t.data(), padded,
+                                  scores.data(), padded, Triangle::lower_result);
+        // The read below walks P up to each row tile's diagonal: the entries right of the
+        // diagonal inside that range must be zero (they hold q_i . k_j for j > i).
+        for (Index i = 0; i + 1 < n; ++i) scores.row(i).segment(i + 1, n - i - 1).setZero();
+
+        Eigen::Ref<RowMatrix<Scalar>> out = output(g);
+        const Index ld_out = out.outerStride();
+        Scalar* o = out.data() + first * ld_out;
+        small_gemm<Scalar, false>(n, dv, r, qf.data(), r, S.data(), dv, o, ld_out);
+        small_gemm<Scalar, true>(n, dv, n, scores.data(), padded, v_chunk, ld_v, o, ld_out,
+                                 Triangle::lower_lhs, norm.divides() ? inverse.data() : nullptr);
+      }
       small_gemm<Scalar, true>(r, dv, n, kf_t.data(), padded, v_chunk, ld_v, S.data(), dv);
       z = running_z.transpose();
       tokens += n;
