@@ -6,7 +6,8 @@
 ///
 /// Math: for every sequence s and query head h, with key/value head g = h / (H_q / H_kv),
 ///   out[s, :, h, :] = LinearAttention(Q[s, :, h, :], K[s, :, g, :], V[s, :, g, :])
-/// computed by LinearAttention::parallel_into (stateless), parallel_group_into (prefill) or
+/// computed by LinearAttention::parallel_into (stateless), parallel_group_into (prefill and a
+/// grouped causal forward) or
 /// step_into / step_group_into (decode) on Eigen::Map views of the buffers: no math is
 /// repeated here and nothing is copied.
 ///
@@ -32,8 +33,9 @@
 ///
 /// Threads: the work items are split over an OpenMP team when the code is compiled with
 /// OpenMP (the CMake target links it when found, see LINATTN_USE_OPENMP), serially otherwise:
-/// (sequence, query head) pairs for forward(), (sequence, state head) pairs for prefill() and
-/// step(), so a single sequence of a multi-query layer (H_kv = 1) prefills on one thread.
+/// (sequence, state head) pairs for prefill(), step() and a causal forward() with grouped
+/// heads, (sequence, query head) pairs otherwise; so a single sequence of a multi-query layer
+/// (H_kv = 1) prefills on one thread.
 /// set_threads(n): n = 1 creates no thread; 0 means OpenMP's default. Results are
 /// bit-identical for every thread count.
 ///
@@ -217,10 +219,28 @@ class MultiHeadAttention {
   /// Stateless attention of every head of every sequence: full (Mask::none) or causal from an
   /// empty state. Q [B, Tq, H_q, dk], K [B, Tk, H_kv, dk], V [B, Tk, H_kv, dv],
   /// out [B, Tq, H_q, dv]; Tq may differ from Tk only for Mask::none with layout batch().
+  /// Causal with grouped heads and an ordinary map runs parallel_group_into per key/value head
+  /// (the keys absorbed once per group, each output with parallel_into's bits).
   void forward(ConstView Q, ConstView K, ConstView V, View out, Mask mask,
                const SequenceLayout& layout = SequenceLayout::batch()) const {
     check_views(Q, K, V, out, layout, mask == Mask::causal);
-    over_sequence_heads(Q, K, V, out, layout, layout.count(Q.batches()),
+    const Index sequences = layout.count(Q.batches());
+    if constexpr (shares_states) {
+      if (mask == Mask::causal && group_size() > 1) {
+        // The grouped chunked path from an empty state: each head's output has the bits of
+        // parallel_into, and each chunk's keys are absorbed once per group.
+        over_sequence_groups(Q, K, V, out, layout, sequences,
+                             [&](auto&& query, const auto& k, const auto& v, auto&& output,
+                                 Index, Index) {
+                               auto state = attention_.make_state(heads_.key_dim,
+                                                                  heads_.value_dim);
+                               attention_.parallel_group_into(group_size(), query, k, v, state,
+                                                              output);
+                             });
+        return;
+      }
+    }
+    over_sequence_heads(Q, K, V, out, layout, sequences,
                         [&](const auto& q, const auto& k, const auto& v, auto o, Index, Index) {
                           attention_.parallel_into(q, k, v, mask, o);
                         });
@@ -243,25 +263,13 @@ class MultiHeadAttention {
             attention_.parallel_into(q, k, v, Mask::causal, slot_state(state, slots, s, h), o);
           });
     } else {
-      const Index Hkv = heads_.kv_heads, G = group_size();
-      detail::parallel_for(sequences * Hkv, threads_, [&](Index item) {
-        const Index s = item / Hkv, g = item % Hkv;
-        const Rows rows = rows_of(layout, s, Q.times(), K.times());
-        for (Index h = g * G; h < (g + 1) * G; ++h) {
-          auto o = out.head_matrix(rows.entry, h);
-          zero_padding(o, rows, layout);
-        }
-        attention_.parallel_group_into(
-            G,
-            [&](Index i) {
-              return Q.head_matrix(rows.entry, g * G + i).middleRows(rows.first, rows.q_len);
-            },
-            K.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
-            V.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
-            slot_state(state, slots, s, g), [&](Index i) {
-              return out.head_matrix(rows.entry, g * G + i).middleRows(rows.first, rows.q_len);
-            });
-      });
+      over_sequence_groups(Q, K, V, out, layout, sequences,
+                           [&](auto&& query, const auto& k, const auto& v, auto&& output,
+                               Index s, Index g) {
+                             attention_.parallel_group_into(group_size(), query, k, v,
+                                                            slot_state(state, slots, s, g),
+                                                            output);
+                           });
     }
   }
 
@@ -317,6 +325,34 @@ class MultiHeadAttention {
              K.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
              V.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
              o.middleRows(rows.first, rows.q_len), s, h);
+    });
+  }
+
+  // Calls attend(query, k, v, output, s, g) for every (sequence s, key/value head g), spread
+  // over threads_: query(i) and output(i) are query head g G + i's matrices cut to sequence
+  // s's rows, k and v those of g; padded rows of the group's outputs are zeroed first.
+  template <class AttendGroup>
+  void over_sequence_groups(const ConstView& Q, const ConstView& K, const ConstView& V,
+                            const View& out, const SequenceLayout& layout, Index sequences,
+                            AttendGroup&& attend) const {
+    const Index Hkv = heads_.kv_heads, G = group_size();
+    detail::parallel_for(sequences * Hkv, threads_, [&](Index item) {
+      const Index s = item / Hkv, g = item % Hkv;
+      const Rows rows = rows_of(layout, s, Q.times(), K.times());
+      for (Index h = g * G; h < (g + 1) * G; ++h) {
+        auto o = out.head_matrix(rows.entry, h);
+        zero_padding(o, rows, layout);
+      }
+      attend(
+          [&](Index i) {
+            return Q.head_matrix(rows.entry, g * G + i).middleRows(rows.first, rows.q_len);
+          },
+          K.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
+          V.head_matrix(rows.entry, g).middleRows(rows.first, rows.k_len),
+          [&](Index i) {
+            return out.head_matrix(rows.entry, g * G + i).middleRows(rows.first, rows.q_len);
+          },
+          s, g);
     });
   }
 
