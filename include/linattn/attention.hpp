@@ -269,12 +269,7 @@ class LinearAttention {
     const auto v_row = detail::row_view(v, state.value_row_, "v", static_cast<const Scalar*>(nullptr), 0);
     Eigen::Ref<RowMatrix<Scalar>> kf(state.key_features_);
     phi_.apply(k_row, kf);
-    state.z_ += kf.transpose();
-    if (state.pending_.capacity > 0)
-      detail::append_pending(state.S_, state.pending_, kf.data(), v_row.data());
-    else
-      state.S_.noalias() += kf.transpose() * v_row;
-    ++state.tokens_;
+    absorb_features(state, kf, v_row);
   }
 
   /// Reads a state without changing it: y = phi(q)^T S / phi(q)^T z over the tokens absorbed
@@ -303,12 +298,7 @@ class LinearAttention {
     const auto q_row = detail::row_view(q, scratch.query_row_, "q", y.data(), y.size());
     Eigen::Ref<RowMatrix<Scalar>> qf(scratch.query_features_);
     phi_.apply(q_row, qf);
-    const Scalar den = detail::ordered_dot(qf.data(), state.z_.data(), r);
-    const Index row = std::max<Index>(state.tokens() - 1, 0);
-    const Scalar divisor = options_.normalization.divisor(den, row);
-    detail::read_with_pending(state.S_, state.pending_, qf.data(), y.data(),
-                              scratch.scores_.data(), divisor, options_.normalization.divides(),
-                              false);
+    read_features(state, qf.data(), y.data(), scratch.scores_.data());
   }
 
   // ---- grouped query heads: one state per key/value head ----------------------------------
@@ -379,8 +369,7 @@ class LinearAttention {
     Eigen::Ref<RowMatrix<Scalar>> kf(state.key_features_), qf(state.query_features_);
     phi_.apply(k_row, kf);
     const Normalization& norm = options_.normalization;
-    const Index row = state.tokens();
-    // z after this token, computed as absorb() will (same adds), for the checks.
+    // z after this token, with the adds absorb_features() will make, for the checks.
     state.z_next_ = state.z_ + kf.transpose();
     // Every query's shape, and its denominator where the policy divides, before any change.
     for (Index g = 0; g < group; ++g) {
@@ -389,28 +378,41 @@ class LinearAttention {
           detail::row_view(q, state.query_row_, "q", static_cast<const Scalar*>(nullptr), 0);
       if (!norm.divides()) continue;
       phi_.apply(q_row, qf);
-      static_cast<void>(norm.divisor(detail::ordered_dot(qf.data(), state.z_next_.data(), r), row));
+      static_cast<void>(norm.divisor(detail::ordered_dot(qf.data(), state.z_next_.data(), r),
+                                     state.tokens()));
     }
-    // Checked: absorb, then read (the features of k are still in kf).
-    state.z_.swap(state.z_next_);
-    if (state.pending_.capacity > 0)
-      detail::append_pending(state.S_, state.pending_, kf.data(), v_row.data());
-    else
-      state.S_.noalias() += kf.transpose() * v_row;
-    ++state.tokens_;
+    absorb_features(state, kf, v_row);  // kf still holds phi(k)
     for (Index g = 0; g < group; ++g) {
       Eigen::Ref<RowVector<Scalar>> y = output(g);
       decltype(auto) q = query(g);
       const auto q_row = detail::row_view(q, state.query_row_, "q", y.data(), y.size());
       phi_.apply(q_row, qf);
-      const Scalar den = detail::ordered_dot(qf.data(), state.z_.data(), r);
-      const Scalar divisor = norm.divisor(den, row);
-      detail::read_with_pending(state.S_, state.pending_, qf.data(), y.data(),
-                                state.pending_.scores.data(), divisor, norm.divides(), false);
+      read_features(state, qf.data(), y.data(), state.pending_.scores.data());
     }
   }
 
  private:
+  // absorb()'s update from the key's features kf (1 x r) and the value row v_row.
+  template <class Kf, class Vr>
+  static void absorb_features(State& state, const Kf& kf, const Vr& v_row) {
+    state.z_ += kf.transpose();
+    if (state.pending_.capacity > 0)
+      detail::append_pending(state.S_, state.pending_, kf.data(), v_row.data());
+    else
+      state.S_.noalias() += kf.transpose() * v_row;
+    ++state.tokens_;
+  }
+
+  // read_into()'s read from the query's features qf (r scalars) into y (dv scalars), with
+  // `scores` room for the pending tokens; the denominator's row is the last absorbed token.
+  void read_features(const State& state, const Scalar* qf, Scalar* y, Scalar* scores) const {
+    const Scalar den = detail::ordered_dot(qf, state.z_.data(), state.feature_dim());
+    const Index row = std::max<Index>(state.tokens() - 1, 0);
+    const Scalar divisor = options_.normalization.divisor(den, row);
+    detail::read_with_pending(state.S_, state.pending_, qf, y, scores, divisor,
+                              options_.normalization.divides(), false);
+  }
+
   // A state fits when its dims match and it was made for this kind of feature map (a state
   // for a log-scaled map starts at M = -inf; an ordinary one keeps M = 0).
   void check_state(const State& state, Index dk, Index dv) const {
