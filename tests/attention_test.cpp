@@ -453,6 +453,28 @@ void check_same_state(const AttentionState<Scalar>& actual, const AttentionState
   CHECK(actual.z() == expected.z());
 }
 
+// Runs parallel_group_into for the queries Q from `state`, and checks each head's output and
+// the state against parallel_into on a copy of the state as it was before.
+template <class Attn, class Scalar>
+void check_group_prefill(const Attn& attn, AttentionState<Scalar>& state,
+                         const std::vector<RowMatrix<Scalar>>& Q, const RowMatrix<Scalar>& K,
+                         const RowMatrix<Scalar>& V) {
+  using Mat = RowMatrix<Scalar>;
+  const auto G = static_cast<Index>(Q.size());
+  std::vector<AttentionState<Scalar>> copies(Q.size(), state);
+  std::vector<Mat> out(Q.size(), Mat(K.rows(), V.cols()));
+  attn.parallel_group_into(
+      G, [&](Index g) -> const Mat& { return Q[static_cast<std::size_t>(g)]; }, K, V, state,
+      [&](Index g) -> Mat& { return out[static_cast<std::size_t>(g)]; });
+  for (std::size_t g = 0; g < Q.size(); ++g) {
+    CAPTURE(g);
+    Mat y(K.rows(), V.cols());
+    attn.parallel_into(Q[g], K, V, Mask::causal, copies[g], y);
+    CHECK(out[g] == y);
+    check_same_state(state, copies[g]);
+  }
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("parallel_group_into gives each head the bits of parallel_into on a copy",
@@ -473,24 +495,11 @@ TEMPLATE_TEST_CASE("parallel_group_into gives each head the bits of parallel_int
           // chunks start off the chunk grid.
           for (int call = 0; call < 2; ++call) {
             CAPTURE(call);
-            const auto K = random_matrix<Scalar>(T, d, seed++);
-            const auto V = random_matrix<Scalar>(T, d, seed++);
-            std::vector<Mat> Q, out(static_cast<std::size_t>(G), Mat(T, d)), expected;
-            std::vector<AttentionState<Scalar>> copies(static_cast<std::size_t>(G), state);
-            for (Index g = 0; g < G; ++g) {
-              Q.push_back(random_matrix<Scalar>(T, d, seed++));
-              Mat y(T, d);
-              attn.parallel_into(Q.back(), K, V, Mask::causal, copies[g], y);
-              expected.push_back(y);
-            }
-            attn.parallel_group_into(
-                G, [&](Index g) -> const Mat& { return Q[g]; }, K, V, state,
-                [&](Index g) -> Mat& { return out[g]; });
-            for (Index g = 0; g < G; ++g) {
-              CAPTURE(g);
-              CHECK(out[g] == expected[g]);
-              check_same_state(state, copies[g]);
-            }
+            const Mat K = random_matrix<Scalar>(T, d, seed++);
+            const Mat V = random_matrix<Scalar>(T, d, seed++);
+            std::vector<Mat> Q;
+            for (Index g = 0; g < G; ++g) Q.push_back(random_matrix<Scalar>(T, d, seed++));
+            check_group_prefill(attn, state, Q, K, V);
             CHECK(state.tokens() == (call + 1) * T);
           }
         }
@@ -540,20 +549,10 @@ TEMPLATE_TEST_CASE("parallel_group_into folds a state's pending decode tokens as
     const auto [Qd, Kd, Vd] = random_qkv<Scalar>(6, d, d, 800 + d);
     for (Index t = 0; t < 6; ++t) (void)attn.step(state, Qd.row(t), Kd.row(t), Vd.row(t));
     REQUIRE(state.pending_tokens() == 2);
-    const auto K = random_matrix<Scalar>(T, d, 810 + d), V = random_matrix<Scalar>(T, d, 811 + d);
-    std::vector<Mat> Q, out(static_cast<std::size_t>(G), Mat(T, d));
+    const Mat K = random_matrix<Scalar>(T, d, 810 + d), V = random_matrix<Scalar>(T, d, 811 + d);
+    std::vector<Mat> Q;
     for (Index g = 0; g < G; ++g) Q.push_back(random_matrix<Scalar>(T, d, 820 + 10 * d + g));
-    std::vector<AttentionState<Scalar>> copies(static_cast<std::size_t>(G), state);
-    attn.parallel_group_into(
-        G, [&](Index g) -> const Mat& { return Q[g]; }, K, V, state,
-        [&](Index g) -> Mat& { return out[g]; });
-    for (Index g = 0; g < G; ++g) {
-      CAPTURE(g);
-      Mat y(T, d);
-      attn.parallel_into(Q[g], K, V, Mask::causal, copies[g], y);
-      CHECK(out[g] == y);
-      check_same_state(state, copies[g]);
-    }
+    check_group_prefill(attn, state, Q, K, V);
     CHECK(state.tokens() == 6 + T);
   }
 }

@@ -283,6 +283,38 @@ TEMPLATE_TEST_CASE("padded batch: padded keys reach neither output nor state",
   }
 }
 
+namespace {
+
+// Prefills the first T0 of the T tokens of q, k, v ([B, T, H, d] in `layout`) into `state`,
+// then decodes the others one step at a time; returns the [B, T, Hq, dv] output. The prefill
+// reads views whose T is T0 but whose strides are the full buffer's (head-first rows of one
+// head are T apart, not T0).
+template <class Scalar, class Mha>
+std::vector<Scalar> prefill_then_decode(const Mha& mha, BatchState<Scalar>& state, Layout layout,
+                                        const std::vector<Scalar>& q, const std::vector<Scalar>& k,
+                                        const std::vector<Scalar>& v, Index B, Index T, Index T0) {
+  const HeadConfig& h = mha.heads();
+  auto sub = [&](const std::vector<Scalar>& buf, Index H, Index d, Index t0, Index n) {
+    const TensorView<const Scalar> full = view<const Scalar>(layout, buf.data(), B, T, H, d);
+    return TensorView<const Scalar>(&full(0, t0, 0, 0), {B, n, H, d}, full.strides());
+  };
+  std::vector<Scalar> out(static_cast<std::size_t>(B * T * h.q_heads * h.value_dim));
+  const TensorView<Scalar> out_full = view(layout, out.data(), B, T, h.q_heads, h.value_dim);
+  mha.prefill(sub(q, h.q_heads, h.key_dim, 0, T0), sub(k, h.kv_heads, h.key_dim, 0, T0),
+              sub(v, h.kv_heads, h.value_dim, 0, T0),
+              TensorView<Scalar>(out.data(), {B, T0, h.q_heads, h.value_dim}, out_full.strides()),
+              state);
+  for (Index t = T0; t < T; ++t)
+    mha.step(sub(q, h.q_heads, h.key_dim, t, 1), sub(k, h.kv_heads, h.key_dim, t, 1),
+             sub(v, h.kv_heads, h.value_dim, t, 1),
+             TensorView<Scalar>(&out_full(0, t, 0, 0), {B, 1, h.q_heads, h.value_dim},
+                                out_full.strides()),
+             state);
+  return out;
+}
+
+}  // namespace
+
 TEMPLATE_TEST_CASE("prefill then decode equals one causal pass", "[multihead][decode]", float,
                    double) {
   using Scalar = TestType;
@@ -293,20 +325,8 @@ TEMPLATE_TEST_CASE("prefill then decode equals one causal pass", "[multihead][de
   const auto v = random_buffer<Scalar>(B * T * Hkv * dv, 53);
   MultiHeadAttention<EluPlusOne, Scalar> mha({Hq, Hkv, dk, dv});
   mha.set_threads(2);
-  // Prefill the first T0 tokens through views whose T is T0 but whose strides are the full
-  // buffer's (head-first rows of one head are T apart, not T0).
-  auto sub = [&](const std::vector<Scalar>& buf, Index H, Index d, Index t0, Index n) {
-    const TensorView<const Scalar> full = view<const Scalar>(layout, buf.data(), B, T, H, d);
-    return TensorView<const Scalar>(&full(0, t0, 0, 0), {B, n, H, d}, full.strides());
-  };
-  std::vector<Scalar> out(static_cast<std::size_t>(B * T * Hq * dv));
-  const TensorView<Scalar> out_full = view(layout, out.data(), B, T, Hq, dv);
   auto state = mha.make_state(B);
-  mha.prefill(sub(q, Hq, dk, 0, T0), sub(k, Hkv, dk, 0, T0), sub(v, Hkv, dv, 0, T0),
-              TensorView<Scalar>(out.data(), {B, T0, Hq, dv}, out_full.strides()), state);
-  for (Index t = T0; t < T; ++t)
-    mha.step(sub(q, Hq, dk, t, 1), sub(k, Hkv, dk, t, 1), sub(v, Hkv, dv, t, 1),
-             TensorView<Scalar>(&out_full(0, t, 0, 0), {B, 1, Hq, dv}, out_full.strides()), state);
+  const auto out = prefill_then_decode(mha, state, layout, q, k, v, B, T, T0);
   for (Index b = 0; b < B; ++b) {
     CHECK(state.sequence(b).tokens() == T);
     for (Index h = 0; h < Hq; ++h)
@@ -337,19 +357,9 @@ TEMPLATE_TEST_CASE("grouped query heads share one state per key/value head",
   MultiHeadAttention<EluPlusOne, Scalar> mha({Hq, Hkv, dk, dv}, EluPlusOne{}, opt);
   mha.set_threads(2);
   REQUIRE(mha.state_heads() == Hkv);
-  auto sub = [&](const std::vector<Scalar>& buf, Index H, Index d, Index t0, Index n) {
-    const TensorView<const Scalar> full = view<const Scalar>(layout, buf.data(), B, T, H, d);
-    return TensorView<const Scalar>(&full(0, t0, 0, 0), {B, n, H, d}, full.strides());
-  };
-  std::vector<Scalar> out(static_cast<std::size_t>(B * T * Hq * dv));
-  const TensorView<Scalar> out_full = view(layout, out.data(), B, T, Hq, dv);
   auto state = mha.make_state(B);
   REQUIRE(state.heads() == Hkv);
-  mha.prefill(sub(q, Hq, dk, 0, T0), sub(k, Hkv, dk, 0, T0), sub(v, Hkv, dv, 0, T0),
-              TensorView<Scalar>(out.data(), {B, T0, Hq, dv}, out_full.strides()), state);
-  for (Index t = T0; t < T; ++t)
-    mha.step(sub(q, Hq, dk, t, 1), sub(k, Hkv, dk, t, 1), sub(v, Hkv, dv, t, 1),
-             TensorView<Scalar>(&out_full(0, t, 0, 0), {B, 1, Hq, dv}, out_full.strides()), state);
+  const auto out = prefill_then_decode(mha, state, layout, q, k, v, B, T, T0);
   const auto& attn = mha.attention();
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < Hq; ++h) {
