@@ -505,6 +505,47 @@ TEMPLATE_TEST_CASE("parallel_group_into gives each head the bits of parallel_int
         }
 }
 
+TEMPLATE_TEST_CASE("stateless parallel_group_into gives each head parallel_into's bits",
+                   "[group]", float, double) {
+  // Full attention with Tq != Tk (phi(K)^T V once per group) and causal from an empty state,
+  // both kernels (d = 16 and 20).
+  using Scalar = TestType;
+  using Mat = RowMatrix<Scalar>;
+  const Index G = 3;
+  for (Index d : {16, 20}) {
+    for (const Mask mask : {Mask::none, Mask::causal}) {
+      CAPTURE(d, mask == Mask::causal);
+      const Index Tk = 23, Tq = mask == Mask::causal ? Tk : 9;
+      const LinearAttention<EluPlusOne, Scalar> attn(EluPlusOne{}, Options{{}, 8});
+      const Mat K = random_matrix<Scalar>(Tk, d, 1200 + d), V = random_matrix<Scalar>(Tk, d, 1201 + d);
+      std::vector<Mat> Q, out(static_cast<std::size_t>(G), Mat(Tq, d));
+      for (Index g = 0; g < G; ++g) Q.push_back(random_matrix<Scalar>(Tq, d, 1210 + 10 * d + g));
+      attn.parallel_group_into(
+          G, [&](Index g) -> const Mat& { return Q[static_cast<std::size_t>(g)]; }, K, V, mask,
+          [&](Index g) -> Mat& { return out[static_cast<std::size_t>(g)]; });
+      for (std::size_t g = 0; g < Q.size(); ++g) {
+        CAPTURE(g);
+        Mat y(Tq, d);
+        attn.parallel_into(Q[g], K, V, mask, y);
+        CHECK(out[g] == y);
+      }
+    }
+  }
+  // Shapes are checked per head: a query of another width, an output of the wrong length.
+  const LinearAttention<EluPlusOne, float> attn;
+  const RowMatrix<float> K = random_matrix<float>(5, 4, 1250), V = random_matrix<float>(5, 3, 1251);
+  const RowMatrix<float> Q = random_matrix<float>(2, 4, 1252), Q_wide = random_matrix<float>(2, 5, 1253);
+  RowMatrix<float> o(2, 3), o_long(3, 3);
+  CHECK_THROWS_AS(attn.parallel_group_into(
+                      2, [&](Index g) -> const RowMatrix<float>& { return g == 0 ? Q : Q_wide; },
+                      K, V, Mask::none, [&](Index) -> RowMatrix<float>& { return o; }),
+                  ShapeError);
+  CHECK_THROWS_AS(attn.parallel_group_into(
+                      2, [&](Index) -> const RowMatrix<float>& { return Q; }, K, V, Mask::none,
+                      [&](Index g) -> RowMatrix<float>& { return g == 0 ? o : o_long; }),
+                  ShapeError);
+}
+
 TEMPLATE_TEST_CASE("parallel_group_into reads and writes heads in place in [T, G*d] buffers",
                    "[group]", float, double) {
   using Scalar = TestType;

@@ -379,22 +379,26 @@ TEMPLATE_TEST_CASE("grouped query heads share one state per key/value head",
       CHECK(shared.S() == single.S());
       CHECK(shared.z() == single.z());
     }
-  // A stateless causal forward also reads each group's chunks once: each head has the bits of
-  // a fresh single-head parallel_into.
-  std::vector<Scalar> fwd(out.size(), Scalar(-1));
-  mha.forward(view<const Scalar>(layout, q.data(), B, T, Hq, dk),
-              view<const Scalar>(layout, k.data(), B, T, Hkv, dk),
-              view<const Scalar>(layout, v.data(), B, T, Hkv, dv),
-              view(layout, fwd.data(), B, T, Hq, dv), Mask::causal);
-  for (Index b = 0; b < B; ++b)
-    for (Index h = 0; h < Hq; ++h) {
-      INFO("forward: sequence " << b << " query head " << h);
-      const Index g = h / G;
-      RowMatrix<Scalar> want(T, dv);
-      attn.parallel_into(cut(q, layout, b, h, 0, T, T, Hq, dk), cut(k, layout, b, g, 0, T, T, Hkv, dk),
-                         cut(v, layout, b, g, 0, T, T, Hkv, dv), Mask::causal, want);
-      CHECK(cut(fwd, layout, b, h, 0, T, T, Hq, dv) == want);
-    }
+  // A stateless forward also reads each group's keys once, causal and full: each head has the
+  // bits of a fresh single-head parallel_into.
+  for (const Mask mask : {Mask::causal, Mask::none}) {
+    std::vector<Scalar> fwd(out.size(), Scalar(-1));
+    mha.forward(view<const Scalar>(layout, q.data(), B, T, Hq, dk),
+                view<const Scalar>(layout, k.data(), B, T, Hkv, dk),
+                view<const Scalar>(layout, v.data(), B, T, Hkv, dv),
+                view(layout, fwd.data(), B, T, Hq, dv), mask);
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < Hq; ++h) {
+        INFO("forward, causal " << (mask == Mask::causal) << ": sequence " << b << " query head "
+                                << h);
+        const Index g = h / G;
+        RowMatrix<Scalar> want(T, dv);
+        attn.parallel_into(cut(q, layout, b, h, 0, T, T, Hq, dk),
+                           cut(k, layout, b, g, 0, T, T, Hkv, dk),
+                           cut(v, layout, b, g, 0, T, T, Hkv, dv), mask, want);
+        CHECK(cut(fwd, layout, b, h, 0, T, T, Hq, dv) == want);
+      }
+  }
 }
 
 namespace {

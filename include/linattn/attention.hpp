@@ -303,6 +303,28 @@ class LinearAttention {
 
   // ---- grouped query heads: one state per key/value head ----------------------------------
 
+  /// Stateless attention of G query heads that share one key/value head: output(g) =
+  /// parallel(query(g), K, V, mask) for g < G. Mask::causal runs the grouped chunked pass below
+  /// from an empty state; Mask::none computes phi(K)^T V and phi(K)^T 1 once and reads them
+  /// per head (Tq may differ from Tk). query(g) and output(g) as below. Each output has the
+  /// bits of parallel_into(query(g), K, V, mask, out). Ordinary feature maps only.
+  template <class QueryAt, class DK, class DV, class OutputAt>
+  void parallel_group_into(Index group, QueryAt&& query, const Eigen::MatrixBase<DK>& K,
+                           const Eigen::MatrixBase<DV>& V, Mask mask, OutputAt&& output) const {
+    if (mask == Mask::causal) {
+      State state = make_state(K.cols(), V.cols());
+      parallel_group_into(group, query, K, V, state, output);
+      return;
+    }
+    check_group<QueryAt>(group);
+    for (Index g = 0; g < group; ++g) {
+      OutputRef out = output(g);
+      check_common(query(g), K, V, out);
+    }
+    full_reads(group, query, detail::materialize(K), detail::materialize(V),
+               [&](Index g) -> OutputRef { return output(g); });
+  }
+
   /// Causal prefill of G query heads that share one key/value head (grouped-query attention):
   /// for g < G, output(g) = parallel(query(g), K, V, Mask::causal) continued from `state`,
   /// while the state absorbs K and V once. query(g) returns head g's T x dk queries as an
@@ -316,15 +338,7 @@ class LinearAttention {
   template <class QueryAt, class DK, class DV, class OutputAt>
   void parallel_group_into(Index group, QueryAt&& query, const Eigen::MatrixBase<DK>& K,
                            const Eigen::MatrixBase<DV>& V, State& state, OutputAt&& output) const {
-    static_assert(!log_scaled,
-                  "grouped heads share a state with ordinary feature maps only; a log-scaled "
-                  "map (random features) keeps one state per query head");
-    using QueryType = std::remove_cvref_t<decltype(query(Index{0}))>;
-    static_assert((QueryType::Flags & Eigen::DirectAccessBit) != 0,
-                  "query(g) must return a matrix, Map or block with direct access (copy an "
-                  "expression into a matrix first)");
-    if (group < 1)
-      detail::throw_shape_error("a query group needs at least one head, got ", group);
+    check_group<QueryAt>(group);
     check_state(state, K.cols(), V.cols());
     for (Index g = 0; g < group; ++g) {
       OutputRef out = output(g);
@@ -392,6 +406,20 @@ class LinearAttention {
   }
 
  private:
+  // What every grouped call requires: an ordinary map, queries with direct access, G >= 1.
+  template <class QueryAt>
+  static void check_group(Index group) {
+    static_assert(!log_scaled,
+                  "grouped heads share a state with ordinary feature maps only; a log-scaled "
+                  "map (random features) keeps one state per query head");
+    using QueryType = std::remove_cvref_t<std::invoke_result_t<QueryAt&, Index>>;
+    static_assert((QueryType::Flags & Eigen::DirectAccessBit) != 0,
+                  "query(g) must return a matrix, Map or block with direct access (copy an "
+                  "expression into a matrix first)");
+    if (group < 1)
+      detail::throw_shape_error("a query group needs at least one head, got ", group);
+  }
+
   // absorb()'s update from the key's features kf (1 x r) and the value row v_row.
   template <class Kf, class Vr>
   static void absorb_features(State& state, const Kf& kf, const Vr& v_row) {
@@ -458,19 +486,34 @@ class LinearAttention {
     check_common(Q, K, V, out);
     if constexpr (log_scaled) {
       detail::log_domain_full_read<Scalar>(phi_, Q, K, V, out, options_.normalization);
-      return;
+    } else {
+      full_reads(1, [&](Index) -> const DQ& { return Q; }, K, V,
+                 [&](Index) -> OutputRef { return out; });
     }
+  }
+
+  // The full read for `group` queries of one K, V (ordinary maps): S = phi(K)^T V and
+  // z = phi(K)^T 1 once, then output(g) = phi(query(g)) S / phi(query(g)) z per head.
+  template <class QueryAt, class DK, class DV, class OutputAt>
+  void full_reads(Index group, const QueryAt& query, const DK& K, const DV& V,
+                  const OutputAt& output) const {
     const Index r = phi_.feature_dim(K.cols());
-    RowMatrix<Scalar> qf(Q.rows(), r), kf(K.rows(), r);
+    RowMatrix<Scalar> qf, kf(K.rows(), r);
     features(K, 0, K.rows(), kf);
     const RowMatrix<Scalar> S = kf.transpose() * V;
     const ColVector<Scalar> z = kf.colwise().sum().transpose();
-    features(Q, 0, Q.rows(), qf);
-    out.noalias() = qf * S;
-    if (!options_.normalization.divides()) return;
-    const ColVector<Scalar> den = qf * z;
-    for (Index i = 0; i < out.rows(); ++i)
-      out.row(i) /= options_.normalization.divisor(den(i), i);
+    ColVector<Scalar> den;
+    for (Index g = 0; g < group; ++g) {
+      decltype(auto) Q = query(g);
+      OutputRef out = output(g);
+      qf.resize(Q.rows(), r);
+      features(Q, 0, Q.rows(), qf);
+      out.noalias() = qf * S;
+      if (!options_.normalization.divides()) continue;
+      den.noalias() = qf * z;
+      for (Index i = 0; i < out.rows(); ++i)
+        out.row(i) /= options_.normalization.divisor(den(i), i);
+    }
   }
 
   template <class DQ, class DK, class DV>

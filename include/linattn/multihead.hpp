@@ -6,8 +6,8 @@
 ///
 /// Math: for every sequence s and query head h, with key/value head g = h / (H_q / H_kv),
 ///   out[s, :, h, :] = LinearAttention(Q[s, :, h, :], K[s, :, g, :], V[s, :, g, :])
-/// computed by LinearAttention::parallel_into (stateless), parallel_group_into (prefill and a
-/// grouped causal forward) or
+/// computed by LinearAttention::parallel_into, parallel_group_into (prefill, and forward with
+/// grouped heads) or
 /// step_into / step_group_into (decode) on Eigen::Map views of the buffers: no math is
 /// repeated here and nothing is copied.
 ///
@@ -33,9 +33,9 @@
 ///
 /// Threads: the work items are split over an OpenMP team when the code is compiled with
 /// OpenMP (the CMake target links it when found, see LINATTN_USE_OPENMP), serially otherwise:
-/// (sequence, state head) pairs for prefill(), step() and a causal forward() with grouped
-/// heads, (sequence, query head) pairs otherwise; so a single sequence of a multi-query layer
-/// (H_kv = 1) prefills on one thread.
+/// (sequence, state head) pairs for prefill(), step() and forward() with grouped heads,
+/// (sequence, query head) pairs otherwise; so a single sequence of a multi-query layer
+/// (H_kv = 1) runs on one thread.
 /// set_threads(n): n = 1 creates no thread; 0 means OpenMP's default. Results are
 /// bit-identical for every thread count.
 ///
@@ -219,22 +219,20 @@ class MultiHeadAttention {
   /// Stateless attention of every head of every sequence: full (Mask::none) or causal from an
   /// empty state. Q [B, Tq, H_q, dk], K [B, Tk, H_kv, dk], V [B, Tk, H_kv, dv],
   /// out [B, Tq, H_q, dv]; Tq may differ from Tk only for Mask::none with layout batch().
-  /// Causal with grouped heads and an ordinary map runs parallel_group_into per key/value head
-  /// (the keys absorbed once per group, each output with parallel_into's bits).
+  /// With grouped heads and an ordinary map, parallel_group_into runs per key/value head (the
+  /// keys read once per group, each output with parallel_into's bits).
   void forward(ConstView Q, ConstView K, ConstView V, View out, Mask mask,
                const SequenceLayout& layout = SequenceLayout::batch()) const {
     check_views(Q, K, V, out, layout, mask == Mask::causal);
     const Index sequences = layout.count(Q.batches());
     if constexpr (shares_states) {
-      if (mask == Mask::causal && group_size() > 1) {
-        // The grouped chunked path from an empty state: each head's output has the bits of
-        // parallel_into, and each chunk's keys are absorbed once per group.
+      if (group_size() > 1) {
+        // Each group's keys are read once (causal: per chunk; full: phi(K)^T V once), and
+        // each head's output has the bits of parallel_into.
         over_sequence_groups(Q, K, V, out, layout, sequences,
                              [&](auto&& query, const auto& k, const auto& v, auto&& output,
                                  Index, Index) {
-                               auto state = attention_.make_state(heads_.key_dim,
-                                                                  heads_.value_dim);
-                               attention_.parallel_group_into(group_size(), query, k, v, state,
+                               attention_.parallel_group_into(group_size(), query, k, v, mask,
                                                               output);
                              });
         return;
