@@ -64,9 +64,10 @@ Matrix random(Index rows, Index cols, unsigned seed) {
 struct Problem {
   Index T, d;
   Matrix Q, K, V, out;
+  Matrix step_out;  // one token's [1, H*d] output, reused by every step (decode_hot_out rows)
   Problem(Index T_, Index d_, bool positive = false)
       : T(T_), d(d_), Q(random(T_, d_, 1)), K(random(T_, d_, 2)), V(random(T_, d_, 3)),
-        out(Matrix::Zero(T_, kHeads * d_)) {
+        out(Matrix::Zero(T_, kHeads * d_)), step_out(Matrix::Zero(1, kHeads * d_)) {
     if (positive) {
       Q = Q.cwiseAbs();
       K = K.cwiseAbs();
@@ -243,7 +244,10 @@ void BM_recurrent(benchmark::State& state) {
 // step without the feature map's exponentials, which measures what they cost. `Fused` sets
 // Options::decode_block = 1 (decode_fused rows): each step rewrites S in one fused pass instead
 // of reading it and folding a block of tokens every decode_block steps (the default).
-template <bool Interleaved, class Attn = Attention, bool Fused = false>
+// `HotOutput` (decode_hot_out rows) writes every step's output into one reused [1, H*d] row, as
+// a model's decode step writes its activations, instead of row t of the [T, H*d] buffer, whose
+// lines each step must first fetch from memory.
+template <bool Interleaved, class Attn = Attention, bool Fused = false, bool HotOutput = false>
 void BM_decode(benchmark::State& state) {
   const Index T = state.range(0), d = state.range(1);
   const int threads = static_cast<int>(state.range(2));
@@ -253,6 +257,12 @@ void BM_decode(benchmark::State& state) {
   if (Fused) options.decode_block = 1;
   const Attn attn(typename Attn::feature_map_type{}, options);
   std::vector<typename Attn::State> states(kHeads, attn.make_state(d, d));
+  const auto y = [&](Index h, Index t) {
+    if constexpr (HotOutput)
+      return p.step_out.row(0).segment(h * d, d);
+    else
+      return p.out.row(t).segment(h * d, d);
+  };
   measure(state, T, d, threads, linear_flops(T, d), [&] {
     for (auto& s : states) s.reset();
     if constexpr (Interleaved) {
@@ -262,7 +272,7 @@ void BM_decode(benchmark::State& state) {
         for (Index t = 0; t < T; ++t)
           for (Index h = i; h < kHeads; h += threads)
             attn.step_into(states[static_cast<std::size_t>(h)], p.Q.row(t), p.K.row(t),
-                           p.V.row(t), p.head_out(h).row(t));
+                           p.V.row(t), y(h, t));
       };
       for (int i = 1; i < threads; ++i) pool.emplace_back(work, i);
       work(0);
@@ -270,8 +280,7 @@ void BM_decode(benchmark::State& state) {
     } else {
       over_heads(threads, [&](Index h) {
         auto& s = states[static_cast<std::size_t>(h)];
-        auto out = p.head_out(h);
-        for (Index t = 0; t < T; ++t) attn.step_into(s, p.Q.row(t), p.K.row(t), p.V.row(t), out.row(t));
+        for (Index t = 0; t < T; ++t) attn.step_into(s, p.Q.row(t), p.K.row(t), p.V.row(t), y(h, t));
       });
     }
   });
@@ -390,6 +399,8 @@ void register_all() {
     add_4096("decode_interleaved_fused", BM_decode<true, Attention, true>);
   }
   add_4096("decode_identity", BM_decode<false, IdentityAttention>);
+  add_4096("decode_hot_out", BM_decode<false, Attention, false, true>);
+  add_4096("decode_interleaved_hot_out", BM_decode<true, Attention, false, true>);
   add("quadratic", BM_quadratic, 4096, false);
   add("softmax", BM_softmax, 4096, false);
   // The chunk-size sweep behind Options::chunk_size's default.

@@ -177,6 +177,16 @@ def main():
                 print(f"  decode ({order}), d = {d}: default step {default['frac']:.2f} x GEMM, "
                       f"fused step (decode_block = 1) {fused['frac']:.2f}: default "
                       f"{fused['ms'] / default['ms']:.2f} x as fast")
+    for order, path in (("each head alone", "decode"), ("heads taking turns", "decode_interleaved")):
+        for d in dims:
+            # The same steps writing into one reused output row, as a model's decode does: what
+            # the cold output lines of the [T, H d] buffer cost the decode rows above.
+            hot = one(rows, path=path + "_hot_out", d=d, threads=1, T=4096)
+            cold = one(rows, path=path, d=d, threads=1, T=4096)
+            if hot and cold:
+                print(f"  decode ({order}) into one reused output row, d = {d}: "
+                      f"{hot['frac']:.2f} x GEMM, {cold['ms'] / hot['ms']:.2f} x as fast as into "
+                      "row t of [T, H d]")
     for d in dims:
         # The same decode with the Identity map on |q|, |k|: what the step costs without the
         # ELU+1 exponentials, i.e. how much of the gap to the decode target the map accounts for.

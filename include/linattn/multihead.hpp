@@ -6,9 +6,8 @@
 ///
 /// Math: for every sequence s and query head h, with key/value head g = h / (H_q / H_kv),
 ///   out[s, :, h, :] = LinearAttention(Q[s, :, h, :], K[s, :, g, :], V[s, :, g, :])
-/// computed by LinearAttention::parallel_into, parallel_group_into (prefill, and forward with
-/// grouped heads) or
-/// step_into / step_group_into (decode) on Eigen::Map views of the buffers: no math is
+/// computed by LinearAttention::parallel_into or parallel_group_into (forward, prefill) and
+/// step_into or step_group_into (decode) on Eigen::Map views of the buffers: no math is
 /// repeated here and nothing is copied.
 ///
 /// State per key/value head: the G = H_q / H_kv query heads of a group attend over the same
@@ -35,9 +34,8 @@
 /// OpenMP (the CMake target links it when found, see LINATTN_USE_OPENMP), serially otherwise:
 /// (sequence, state head) pairs for prefill(), step() and forward() with grouped heads,
 /// (sequence, query head) pairs otherwise; so a single sequence of a multi-query layer
-/// (H_kv = 1) runs on one thread.
-/// set_threads(n): n = 1 creates no thread; 0 means OpenMP's default. Results are
-/// bit-identical for every thread count.
+/// (H_kv = 1) runs on one thread. set_threads(n): n = 1 creates no thread; 0 means OpenMP's
+/// default. Results are bit-identical for every thread count.
 ///
 /// Errors: ShapeError names the views and what disagrees; DenominatorError comes from the
 /// Normalization policy. Every work item is computed even when one throws; the exception of
