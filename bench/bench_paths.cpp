@@ -27,6 +27,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -111,19 +112,60 @@ std::map<std::pair<Index, int>, double>& gemm_rate() {
   return rates;
 }
 
+// The reference GEMM's work for head size d: per head, every 64-row block of a T x d input
+// times a d x d matrix, C += A B, the shape of the chunked path's state read (T = 4096).
+struct ReferenceGemm {
+  static constexpr Index T = 4096;
+  Index d;
+  Matrix A, B;
+  std::vector<Matrix> C;
+  explicit ReferenceGemm(Index d_)
+      : d(d_), A(random(T, d_, 4)), B(random(d_, d_, 5)), C(kHeads, Matrix::Zero(kGemmRows, d_)) {}
+  // Real flops of one run: 2 * 64 * d * d per block.
+  [[nodiscard]] double flops() const {
+    return 2.0 * static_cast<double>(T * kHeads) * static_cast<double>(d * d);
+  }
+  void run_head(Index h) {
+    for (Index first = 0; first < T; first += kGemmRows)
+      C[static_cast<std::size_t>(h)].noalias() += A.middleRows(first, kGemmRows) * B;
+  }
+};
+
+// The rows the targets read (one thread, T = 4096 for the rates, T = 2048 and 16384 for the
+// scaling) are also timed against the reference GEMM run right after each call, in the same
+// iteration: `paired_frac` is this repetition's useful GFLOP/s over the GEMM's GFLOP/s in the
+// same moments. This VM changes speed from one moment to the next (repetitions of one row
+// 1.5 x apart), and a ratio of two rows measured at different moments carries that; the
+// paired ratio much less. scripts/summarize_bench.py reports the median over repetitions.
+bool paired_row(Index T, int threads) {
+  return threads == 1 && (T == 2048 || T == 4096 || T == 16384);
+}
+
 // Runs `call` in the benchmark loop and sets the counters for `useful_flops` per call.
 template <class Call>
 void measure(benchmark::State& state, Index T, Index d, int threads, double useful_flops,
              Call&& call) {
-  double seconds = 0;
+  double seconds = 0, gemm_seconds = 0;
+  const bool paired = paired_row(T, threads);
+  std::unique_ptr<ReferenceGemm> gemm = paired ? std::make_unique<ReferenceGemm>(d) : nullptr;
   for (auto _ : state) {
     const double start = clock_seconds(threads);
     call();
     seconds += clock_seconds(threads) - start;
     benchmark::ClobberMemory();
+    if (paired) {
+      state.PauseTiming();
+      const double gemm_start = clock_seconds(threads);
+      for (Index h = 0; h < kHeads; ++h) gemm->run_head(h);
+      gemm_seconds += clock_seconds(threads) - gemm_start;
+      benchmark::DoNotOptimize(gemm->C.data());
+      benchmark::ClobberMemory();
+      state.ResumeTiming();
+    }
   }
   const double iters = static_cast<double>(state.iterations());
   const double gflops = useful_flops * iters / seconds * 1e-9;
+  if (paired) state.counters["paired_frac"] = gflops / (gemm->flops() * iters / gemm_seconds * 1e-9);
   state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(T * kHeads),
                                                   benchmark::Counter::kIsIterationInvariantRate);
   state.counters["GFLOP/s"] = benchmark::Counter(useful_flops * 1e-9,
@@ -141,23 +183,18 @@ double linear_flops(Index T, Index d) {
 
 // ---- the reference GEMM ---------------------------------------------------------------------
 
-// Per head: every 64-row block of a T x d input times a d x d matrix, C += A B, the shape of
-// the chunked path's state read. Rate counted in real flops, 2 * 64 * d * d per block.
+// ReferenceGemm's work over heads, on 1 or 2 threads; rate counted in real flops.
 void BM_gemm(benchmark::State& state) {
-  const Index d = state.range(0), T = 4096;
+  const Index d = state.range(0);
   const int threads = static_cast<int>(state.range(1));
-  const Matrix A = random(T, d, 4), B = random(d, d, 5);
-  std::vector<Matrix> C(kHeads, Matrix::Zero(kGemmRows, d));
-  const double flops = 2.0 * static_cast<double>(T * kHeads) * static_cast<double>(d * d);
+  ReferenceGemm gemm(d);
+  const double flops = gemm.flops();
   double seconds = 0;
   for (auto _ : state) {
     const double start = clock_seconds(threads);
-    over_heads(threads, [&](Index h) {
-      for (Index first = 0; first < T; first += kGemmRows)
-        C[static_cast<std::size_t>(h)].noalias() += A.middleRows(first, kGemmRows) * B;
-    });
+    over_heads(threads, [&](Index h) { gemm.run_head(h); });
     seconds += clock_seconds(threads) - start;
-    benchmark::DoNotOptimize(C.data());
+    benchmark::DoNotOptimize(gemm.C.data());
     benchmark::ClobberMemory();
   }
   gemm_rate()[{d, threads}] = flops * static_cast<double>(state.iterations()) / seconds * 1e-9;
