@@ -184,26 +184,26 @@ def main():
     for path in ("recurrent", "decode"):
         for d, need in ((64, 0.5), (128, 0.45)):
             target(path, d, need)
-    for order, path in (("each head alone", "decode"), ("heads taking turns", "decode_interleaved")):
-        for d in dims:
-            # The default step (deferred when S is larger than 32 KiB) against the fused
-            # one-pass step (decode_block = 1).
-            fused = one(rows, path=path + "_fused", d=d, threads=1, T=4096)
-            default = one(rows, path=path, d=d, threads=1, T=4096)
-            if fused and default:
-                print(f"  decode ({order}), d = {d}: default step {default['frac']:.2f} x GEMM, "
-                      f"fused step (decode_block = 1) {fused['frac']:.2f}: default "
-                      f"{fused['ms'] / default['ms']:.2f} x as fast")
-    for order, path in (("each head alone", "decode"), ("heads taking turns", "decode_interleaved")):
-        for d in dims:
-            # The same steps writing into one reused output row, as a model's decode does: what
-            # the cold output lines of the [T, H d] buffer cost the decode rows above.
-            hot = one(rows, path=path + "_hot_out", d=d, threads=1, T=4096)
-            cold = one(rows, path=path, d=d, threads=1, T=4096)
-            if hot and cold:
-                print(f"  decode ({order}) into one reused output row, d = {d}: "
-                      f"{hot['frac']:.2f} x GEMM, {cold['ms'] / hot['ms']:.2f} x as fast as into "
-                      "row t of [T, H d]")
+    # Variants of the decode rows, each against the plain row of the same order and d: the
+    # fused one-pass step (decode_block = 1) against the default (deferred when S is larger
+    # than 32 KiB), and the same steps writing into one reused output row, as a model's decode
+    # does (what the cold output lines of the [T, H d] buffer cost the plain rows).
+    variants = (
+        ("_fused", lambda order, d, base, var:
+            f"  decode ({order}), d = {d}: default step {base['frac']:.2f} x GEMM, fused step "
+            f"(decode_block = 1) {var['frac']:.2f}: default {var['ms'] / base['ms']:.2f} x as fast"),
+        ("_hot_out", lambda order, d, base, var:
+            f"  decode ({order}) into one reused output row, d = {d}: {var['frac']:.2f} x GEMM, "
+            f"{base['ms'] / var['ms']:.2f} x as fast as into row t of [T, H d]"),
+    )
+    for suffix, line in variants:
+        for order, path in (("each head alone", "decode"),
+                            ("heads taking turns", "decode_interleaved")):
+            for d in dims:
+                base = one(rows, path=path, d=d, threads=1, T=4096)
+                var = one(rows, path=path + suffix, d=d, threads=1, T=4096)
+                if base and var:
+                    print(line(order, d, base, var))
     for d in dims:
         # The same decode with the Identity map on |q|, |k|: what the step costs without the
         # ELU+1 exponentials, i.e. how much of the gap to the decode target the map accounts for.
