@@ -15,7 +15,8 @@
 /// state keeps them once per key/value head (state_heads() = H_kv), as a K/V cache keeps
 /// keys once per key/value head: a prefill absorbs each group's keys once and reads it G
 /// times, a decode step absorbs once and reads G times. A log-scaled map (random features)
-/// keeps one state per query head (state_heads() = H_q), because its reads rescale S.
+/// keeps one state per query head (state_heads() = H_q): its log-domain kernels, which
+/// rescale S as the keys' running maximum grows, have no grouped form.
 ///
 /// Buffers are TensorView<const Scalar> (inputs) and TensorView<Scalar> (output), logical axes
 /// (batch, time, head, feature), any strides with a contiguous feature axis: [B, T, H, d] and
