@@ -316,7 +316,7 @@ class LinearAttention {
       parallel_group_into(group, query, K, V, state, output);
       return;
     }
-    check_group<QueryAt>(group);
+    check_group<QueryAt, true>(group);
     for (Index g = 0; g < group; ++g) {
       OutputRef out = output(g);
       check_common(query(g), K, V, out);
@@ -338,7 +338,7 @@ class LinearAttention {
   template <class QueryAt, class DK, class DV, class OutputAt>
   void parallel_group_into(Index group, QueryAt&& query, const Eigen::MatrixBase<DK>& K,
                            const Eigen::MatrixBase<DV>& V, State& state, OutputAt&& output) const {
-    check_group<QueryAt>(group);
+    check_group<QueryAt, true>(group);
     check_state(state, K.cols(), V.cols());
     for (Index g = 0; g < group; ++g) {
       OutputRef out = output(g);
@@ -365,11 +365,7 @@ class LinearAttention {
   template <class QueryAt, class Dk, class Dv, class OutputAt>
   void step_group_into(State& state, Index group, QueryAt&& query, const Eigen::MatrixBase<Dk>& k,
                        const Eigen::MatrixBase<Dv>& v, OutputAt&& output) const {
-    static_assert(!log_scaled,
-                  "grouped heads share a state with ordinary feature maps only; a log-scaled "
-                  "map (random features) keeps one state per query head");
-    if (group < 1)
-      detail::throw_shape_error("a query group needs at least one head, got ", group);
+    check_group<QueryAt, false>(group);
     check_state(state, state.key_dim(), state.value_dim());
     const Index r = state.feature_dim();
     for (Index g = 0; g < group; ++g) {
@@ -406,16 +402,19 @@ class LinearAttention {
   }
 
  private:
-  // What every grouped call requires: an ordinary map, queries with direct access, G >= 1.
-  template <class QueryAt>
+  // What every grouped call requires: an ordinary map and G >= 1; with `Prefill`, queries with
+  // direct access (the chunked kernel reads their rows in place).
+  template <class QueryAt, bool Prefill>
   static void check_group(Index group) {
     static_assert(!log_scaled,
                   "grouped heads share a state with ordinary feature maps only; a log-scaled "
                   "map (random features) keeps one state per query head");
-    using QueryType = std::remove_cvref_t<std::invoke_result_t<QueryAt&, Index>>;
-    static_assert((QueryType::Flags & Eigen::DirectAccessBit) != 0,
-                  "query(g) must return a matrix, Map or block with direct access (copy an "
-                  "expression into a matrix first)");
+    if constexpr (Prefill) {
+      using QueryType = std::remove_cvref_t<std::invoke_result_t<QueryAt&, Index>>;
+      static_assert((QueryType::Flags & Eigen::DirectAccessBit) != 0,
+                    "query(g) must return a matrix, Map or block with direct access (copy an "
+                    "expression into a matrix first)");
+    }
     if (group < 1)
       detail::throw_shape_error("a query group needs at least one head, got ", group);
   }
