@@ -14,6 +14,8 @@
 
 #include <linattn/types.hpp>
 
+#include <cmath>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -60,8 +62,11 @@ inline void elu_plus_one_row(const float* x, float* y, Index n) noexcept {
 }
 #else
 inline constexpr bool has_elu_kernel = false;
-// Declared so that callers name it in a discarded `if constexpr (has_elu_kernel)` branch.
-void elu_plus_one_row(const float* x, float* y, Index n) noexcept = delete;
+// Callers name it only in a discarded `if constexpr (has_elu_kernel)` branch, but a compiler
+// may still resolve the call there (clang does), so it exists: a plain loop, never used.
+inline void elu_plus_one_row(const float* x, float* y, Index n) noexcept {
+  for (Index j = 0; j < n; ++j) y[j] = x[j] > 0.0f ? x[j] + 1.0f : std::exp(x[j]);
+}
 #endif
 
 }  // namespace linattn::detail
