@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <concepts>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 
@@ -165,13 +166,28 @@ concept LogScaledFeatureMap =
 
 namespace detail {
 
-/// The feature map's name if it declares one, for messages and serialized state.
+/// The feature map's name if it declares one, for messages and a state's identity.
 template <class Phi>
 constexpr const char* feature_map_name() {
   if constexpr (requires { Phi::name; }) {
     return Phi::name;
   } else {
     return "user";
+  }
+}
+
+/// The map's fingerprint if it has one (maps with parameters: the random draw), else 0. A
+/// user map with parameters should provide `std::uint64_t fingerprint() const` that changes
+/// whenever they do, so that a state made with other parameters is refused.
+template <class Phi>
+std::uint64_t feature_map_fingerprint(const Phi& phi) {
+  if constexpr (requires {
+                  { phi.fingerprint() } -> std::convertible_to<std::uint64_t>;
+                }) {
+    return static_cast<std::uint64_t>(phi.fingerprint());
+  } else {
+    static_cast<void>(phi);
+    return 0;
   }
 }
 

@@ -1,6 +1,7 @@
 #pragma once
 /// \file state.hpp
-/// The fixed-size recurrent state of one head: S = sum phi(k) v^T (r x dv) and z = sum phi(k) (r).
+/// AttentionState: the fixed-size recurrent state of one head under the additive rule,
+/// S = sum phi(k) v^T (r x dv) and z = sum phi(k) (r).
 ///
 /// The state is a compressed summary, not a copy of the K/V list: different histories can give
 /// the same S and z. It holds exactly what the normalized causal read needs for the chosen
@@ -18,14 +19,16 @@
 namespace linattn {
 
 /// Recurrent state of one head plus the scratch a decode step needs, so that step() never
-/// allocates. Create it with LinearAttention::make_state(dk, dv).
+/// allocates. Create it with make_state(dk, dv) of the attention that will use it; a state
+/// remembers the feature map and rule that made it (identity()) and other attentions refuse it.
 ///
-/// Deferred decode: a state made with decode_block B > 1 (Options::decode_block; by default 16
-/// where S is larger than 32 KiB) lets step() and absorb() collect up to B tokens beside S and
-/// fold them into S together (see LinearAttention::step_into); S() and the serialized state always include them, and every
-/// other path folds them first. They take B (2 r + dv + 1) more scalars (the tokens, and
-/// scratch for the fold and the read), which scalar_count() does not count: the pending tokens
-/// are part of S, only not yet added.
+/// Deferred decode: a state made with decode block B > 1 (Options::decode_block) lets step()
+/// and absorb() collect up to B tokens beside S and fold them into S together (a full block
+/// folds when the next token arrives). S() and a saved state always include them, and every
+/// other path folds them first. They take B (2 r + dv + 1) more scalars, which scalar_count()
+/// does not count: the pending tokens are part of S, only not yet added. B belongs to the state
+/// (a restored state keeps the B it was saved with), so a state continues with the same bits
+/// whichever attention options step it.
 /// Aligned to 128 bytes: each step writes the state object (token count, z buffers), so states
 /// of heads that different threads decode must not share a cache line, nor the pair of lines
 /// x86 cores prefetch together; in a std::vector they then never do.
@@ -37,24 +40,19 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
  public:
   AttentionState() = default;
 
-  /// An empty (all-zero) state for feature dimension r, key dimension dk, value dimension dv.
-  /// `log_domain` (set by LinearAttention for a LogScaledFeatureMap) makes the empty state's
-  /// log_scale() -infinity instead of 0. Throws ShapeError for a negative dim.
-  /// `decode_block` is B above (0 or 1: fold every token at once; ignored when log_domain).
-  AttentionState(Index r, Index dk, Index dv, bool log_domain = false, Index decode_block = 0)
-      : Core(r, dk, dv, true),
-        query_row_(1, dk),
-        key_row_(1, dk),
-        value_row_(1, dv),
-        query_features_(1, r),
-        key_features_(1, r),
-        z_next_(r),
+  /// An empty (all-zero) state for feature dimension r, key dimension dk, value dimension dv,
+  /// made for `identity`. `log_domain` (for a LogScaledFeatureMap) makes the empty state's
+  /// log_scale() -infinity instead of 0. `decode_block` is B above (0 or 1: fold every token
+  /// at once; ignored when log_domain). Throws ShapeError unless r, dk, dv >= 1.
+  AttentionState(Index r, Index dk, Index dv, const detail::StateIdentity& identity,
+                 bool log_domain = false, Index decode_block = 0)
+      : Core(r, dk, dv, true, identity),
         pending_(log_domain ? 0 : decode_block, r, dv),
         log_scale_(empty_log_scale(log_domain)),
         log_domain_(log_domain) {}
 
-  // tokens(), the dims, scalar_count() (r*dv + r: 16,512 for r = dv = 128) and check_shape()
-  // come from detail::StateCore.
+  // tokens(), the dims, scalar_count() (r*dv + r: 16,512 for r = dv = 128), identity() and
+  // check_shape() come from detail::StateCore.
 
   /// S: r x dv, the sum of phi(k) v^T over all absorbed tokens, pending ones included. A copy,
   /// O(r dv (1 + B)): for inspection and saving, not for per-token use.
@@ -66,18 +64,11 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
   }
   /// S without the pending tokens (what the state stores; equals S() when none is pending).
   [[nodiscard]] const RowMatrix<Scalar>& stored_S() const noexcept { return this->S_; }
-  /// Writable S, for loading a saved state (folds pending tokens first); its shape must not
-  /// change.
-  [[nodiscard]] Eigen::Ref<RowMatrix<Scalar>> mutable_S() noexcept {
-    settle();
-    return this->S_;
-  }
 
-  /// Folds the pending tokens into S (O(pending r dv)); S() is then this->S_ without a copy.
-  /// Nothing observable changes except rounding in later reads: the paths call it themselves.
+  /// Folds the pending tokens into S (O(pending r dv)). Nothing observable changes except
+  /// rounding in later reads: the paths call it themselves.
   void settle() noexcept { detail::fold_pending(this->S_, pending_); }
-  /// Tokens absorbed but not yet added to the stored S (0 <= n <= decode_block(); a full block
-  /// is folded when the next token arrives).
+  /// Tokens absorbed but not yet added to the stored S (0 <= n <= decode_block()).
   [[nodiscard]] Index pending_tokens() const noexcept { return pending_.count; }
   /// B: how many tokens step() collects before folding them into S; 0 when it folds each one.
   [[nodiscard]] Index decode_block() const noexcept { return pending_.capacity; }
@@ -89,42 +80,18 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
   [[nodiscard]] auto pending_values() const noexcept {
     return pending_.values.topRows(pending_.count);
   }
-  /// Appends one pending token (key features kf, length r; value v, length dv), for loading a
-  /// saved state; a full block is folded into S first, and a state without one (B <= 1) adds
-  /// the token to S. Does not change tokens() or z. Throws ShapeError for wrong lengths.
-  template <class Dk, class Dv>
-  void load_pending_token(const Eigen::MatrixBase<Dk>& kf, const Eigen::MatrixBase<Dv>& v) {
-    if (kf.size() != this->feature_dim() || v.size() != this->value_dim() ||
-        (kf.rows() != 1 && kf.cols() != 1) || (v.rows() != 1 && v.cols() != 1))
-      detail::throw_shape_error("a pending token needs key features of length r = ",
-                                this->feature_dim(), " and a value of length dv = ",
-                                this->value_dim(), ", got ", kf.rows(), "x", kf.cols(), " and ",
-                                v.rows(), "x", v.cols());
-    if (pending_.capacity == 0) {
-      this->S_.noalias() += kf.reshaped() * v.reshaped().transpose();
-      return;
-    }
-    if (pending_.count == pending_.capacity) settle();  // as the next step would
-    const Index j = pending_.count++;
-    pending_.keys.row(j) = kf.reshaped().transpose();
-    pending_.values.row(j) = v.reshaped().transpose();
-  }
 
   /// z = sum over absorbed tokens of phi(k); length r.
   [[nodiscard]] const ColVector<Scalar>& z() const noexcept { return this->z_; }
-  /// Writable z, for loading a saved state; its length must not change.
-  [[nodiscard]] Eigen::Ref<ColVector<Scalar>> mutable_z() noexcept { return this->z_; }
 
   /// M: S() and z() hold the true sums divided by exp(M), i.e. true S = exp(M) S(). Always 0
   /// for ordinary feature maps. For a LogScaledFeatureMap it is the running maximum of the
   /// absorbed keys' log-scales (-infinity while empty), so stored entries never overflow.
   [[nodiscard]] Scalar log_scale() const noexcept { return log_scale_; }
-  /// Sets M, for loading a saved state together with mutable_S() and mutable_z().
-  void set_log_scale(Scalar m) noexcept { log_scale_ = m; }
   /// Whether this state keeps S and z log-scaled (made for a LogScaledFeatureMap).
   [[nodiscard]] bool log_domain() const noexcept { return log_domain_; }
 
-  /// Back to the empty state; keeps the allocation.
+  /// Back to the empty state; keeps the allocation and the decode block.
   void reset() noexcept {
     this->reset_sums();
     pending_.count = 0;
@@ -132,17 +99,12 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
   }
 
  private:
-  template <class, class>
-  friend class LinearAttention;
+  friend struct detail::StateAccess;
 
   static Scalar empty_log_scale(bool log_domain) noexcept {
     return log_domain ? -std::numeric_limits<Scalar>::infinity() : Scalar(0);
   }
 
-  // Per-token scratch for step(): sized once, reused, never part of the state's value.
-  RowMatrix<Scalar> query_row_, key_row_, value_row_;
-  RowMatrix<Scalar> query_features_, key_features_;
-  ColVector<Scalar> z_next_;
   // Tokens of a deferred decode not yet in S_: part of the state's value.
   detail::PendingTokens<Scalar> pending_;
 
@@ -150,23 +112,22 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
   bool log_domain_ = false;
 };
 
-/// Scratch of one reader of a state (LinearAttention::read_into): the query row, its features
-/// and the scores against pending tokens. Readers that share one state (grouped-query heads,
-/// threads) each need their own; reading then allocates nothing. Make it with
-/// LinearAttention::make_read_scratch(dk, dv).
+/// Scratch of one reader of a state (read_into): the query row, its features and the scores
+/// against pending tokens. Readers that share one state (threads) each need their own; reading
+/// then allocates nothing.
 template <class Scalar>
 class ReadScratch {
  public:
   ReadScratch() = default;
-  /// Room for queries of dimension dk, features of dimension r and `block` pending tokens.
-  ReadScratch(Index dk, Index r, Index block)
-      : query_row_(1, dk), query_features_(1, r), scores_(std::max<Index>(block, 1)) {}
+  /// Room to read `state` (and any state of its dims and decode block). O(r + dk + B).
+  explicit ReadScratch(const AttentionState<Scalar>& state)
+      : scratch_(state.feature_dim(), state.key_dim(), state.value_dim()),
+        scores_(std::max<Index>(state.decode_block(), 1)) {}
 
  private:
-  template <class, class>
-  friend class LinearAttention;
+  friend struct detail::StateAccess;
 
-  RowMatrix<Scalar> query_row_, query_features_;
+  detail::StepScratch<Scalar> scratch_;
   RowVector<Scalar> scores_;
 };
 

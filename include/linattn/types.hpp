@@ -1,7 +1,8 @@
 #pragma once
 /// \file types.hpp
-/// Matrix aliases used across linattn. Outputs and states are row-major: one row per token
-/// (outputs) or per key feature (state S), so a row is contiguous.
+/// The vocabulary types of linattn: matrix aliases, views of rows, and the attention mask.
+/// Outputs and states are row-major: one row per token (outputs) or per key feature (state S),
+/// so a row is contiguous.
 
 #include <Eigen/Core>
 
@@ -28,8 +29,50 @@ using RowVector = Eigen::Matrix<Scalar, 1, Eigen::Dynamic>;
 template <class Scalar>
 using ColVector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
 
+/// A read-only view of rows that lie `outerStride()` elements apart, each contiguous: one
+/// head of a [T, H d] buffer, a block of a row-major matrix, or a whole matrix. The grouped
+/// calls take a span of these, one per query head (TensorView::head_matrix returns one).
+template <class Scalar>
+using ConstRowsView = Eigen::Map<const RowMatrix<Scalar>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+/// A writable view of rows, as ConstRowsView (the outputs of a grouped call).
+template <class Scalar>
+using RowsView = Eigen::Map<RowMatrix<Scalar>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
 /// Causal or full (non-causal) attention.
-enum class Mask { none, causal };
+///
+/// `Mask::none` and `Mask::causal` are constants of distinct types that convert to a run-time
+/// Mask, so a call that has both forms takes either (or a Mask chosen at run time), while a
+/// call with only the causal form (a write rule other than Additive) accepts `Mask::causal`
+/// alone and rejects the rest at compile time.
+class Mask {
+ public:
+  enum class Kind : unsigned char { none, causal };
+
+  /// The type of Mask::none and Mask::causal.
+  template <Kind K>
+  struct Constant {
+    static constexpr Kind kind = K;
+    constexpr operator Mask() const noexcept { return Mask(K); }  // NOLINT(google-explicit-constructor)
+  };
+
+  /// Every query reads every key (Tq may differ from Tk).
+  static constexpr Constant<Kind::none> none{};
+  /// Query i reads keys j <= i.
+  static constexpr Constant<Kind::causal> causal{};
+
+  constexpr Mask(Kind kind) noexcept : kind_(kind) {}  // NOLINT(google-explicit-constructor)
+
+  [[nodiscard]] constexpr Kind kind() const noexcept { return kind_; }
+  [[nodiscard]] constexpr bool is_causal() const noexcept { return kind_ == Kind::causal; }
+  friend constexpr bool operator==(Mask, Mask) noexcept = default;
+
+ private:
+  Kind kind_;
+};
+
+/// The type of Mask::causal: what the causal-only calls take.
+using CausalMask = Mask::Constant<Mask::Kind::causal>;
 
 /// The scalar types linattn computes in.
 template <class Scalar>

@@ -27,9 +27,7 @@
 
 #include <linattn/types.hpp>
 
-#include <cmath>
 #include <concepts>
-#include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <type_traits>
@@ -40,22 +38,28 @@ namespace linattn {
 enum class WriteKind { additive, decay, gated, delta, gated_delta };
 
 /// A write-rule policy: `static constexpr WriteKind kind`, `static constexpr bool
-/// keeps_normalizer` (true iff the normalized read is defined), `static constexpr int
-/// token_inputs` (per-token arrays each call needs) and a `name`.
+/// keeps_normalizer` (true iff the normalized read is defined), `static constexpr bool
+/// has_full_form` (true iff a non-causal read of all keys is defined), `static constexpr int
+/// token_inputs` (per-token arrays each call needs), a `name` and `double parameter() const`
+/// (the rule's constant, recorded in its states' identity; 0 when it has none).
 template <class R>
-concept WriteRule = std::copy_constructible<R> && requires {
+concept WriteRule = std::copy_constructible<R> && requires(const R& rule) {
   { std::integral_constant<WriteKind, R::kind>::value } -> std::convertible_to<WriteKind>;
   { std::bool_constant<R::keeps_normalizer>::value } -> std::convertible_to<bool>;
+  { std::bool_constant<R::has_full_form>::value } -> std::convertible_to<bool>;
   { std::integral_constant<int, R::token_inputs>::value } -> std::convertible_to<int>;
   { R::name } -> std::convertible_to<const char*>;
+  { rule.parameter() } -> std::convertible_to<double>;
 };
 
 /// S += kf v^T, z += kf: the articles' rule and LinearAttention's behaviour. No per-token input.
 struct Additive {
   static constexpr WriteKind kind = WriteKind::additive;
   static constexpr bool keeps_normalizer = true;
+  static constexpr bool has_full_form = true;
   static constexpr int token_inputs = 0;
   static constexpr const char* name = "additive";
+  [[nodiscard]] static constexpr double parameter() noexcept { return 0; }
 };
 
 /// S = gamma S + kf v^T, z = gamma z + kf with one fixed gamma in (0, 1] (RetNet retention).
@@ -65,6 +69,7 @@ class Decay {
  public:
   static constexpr WriteKind kind = WriteKind::decay;
   static constexpr bool keeps_normalizer = true;
+  static constexpr bool has_full_form = false;
   static constexpr int token_inputs = 0;
   static constexpr const char* name = "decay";
 
@@ -76,6 +81,7 @@ class Decay {
     }
   }
   [[nodiscard]] double gamma() const noexcept { return gamma_; }
+  [[nodiscard]] double parameter() const noexcept { return gamma_; }
 
  private:
   double gamma_;
@@ -87,8 +93,10 @@ class Decay {
 struct Gated {
   static constexpr WriteKind kind = WriteKind::gated;
   static constexpr bool keeps_normalizer = true;
+  static constexpr bool has_full_form = false;
   static constexpr int token_inputs = 1;
   static constexpr const char* name = "gated";
+  [[nodiscard]] static constexpr double parameter() noexcept { return 0; }
 };
 
 /// S = S + beta_t kf (v_t - S^T kf)^T (error-correcting write). Each call takes beta, a length-T
@@ -97,8 +105,10 @@ struct Gated {
 struct Delta {
   static constexpr WriteKind kind = WriteKind::delta;
   static constexpr bool keeps_normalizer = false;
+  static constexpr bool has_full_form = false;
   static constexpr int token_inputs = 1;
   static constexpr const char* name = "delta";
+  [[nodiscard]] static constexpr double parameter() noexcept { return 0; }
 };
 
 /// S = alpha_t (I - beta_t kf kf^T) S + beta_t kf v_t^T. Each call takes beta (length T, in
@@ -106,39 +116,10 @@ struct Delta {
 struct GatedDelta {
   static constexpr WriteKind kind = WriteKind::gated_delta;
   static constexpr bool keeps_normalizer = false;
+  static constexpr bool has_full_form = false;
   static constexpr int token_inputs = 2;
   static constexpr const char* name = "gated_delta";
+  [[nodiscard]] static constexpr double parameter() noexcept { return 0; }
 };
 
-namespace detail {
-
-/// Throws std::invalid_argument unless every entry of `beta` is in [0, 1] (NaN fails).
-template <class Derived>
-void check_betas(const Derived& beta) {
-  for (Index t = 0; t < beta.size(); ++t) {
-    const double b = static_cast<double>(beta.data()[t]);
-    if (!(b >= 0.0 && b <= 1.0)) {
-      std::ostringstream os;
-      os << "linattn: beta must lie in [0, 1], got " << b << " at token " << t;
-      throw std::invalid_argument(os.str());
-    }
-  }
-}
-
-/// Throws std::invalid_argument unless every log-gate is finite and <= 0 (a gate in (0, 1]).
-template <class Derived>
-void check_log_gates(const Derived& log_gate, const char* what) {
-  for (Index t = 0; t < log_gate.rows(); ++t)
-    for (Index n = 0; n < log_gate.cols(); ++n) {
-      const double g = static_cast<double>(log_gate(t, n));
-      if (!(g <= 0.0) || !std::isfinite(g)) {
-        std::ostringstream os;
-        os << "linattn: " << what << " must be finite and <= 0 (a gate in (0, 1]), got " << g
-           << " at token " << t << ", channel " << n;
-        throw std::invalid_argument(os.str());
-      }
-    }
-}
-
-}  // namespace detail
 }  // namespace linattn

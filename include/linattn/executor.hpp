@@ -1,0 +1,87 @@
+#pragma once
+/// \file executor.hpp
+/// Executor: how the multi-head layer runs independent work items (sequence, head) on threads,
+/// supplied by the caller. linattn itself creates no thread and links nothing: without an
+/// executor every call runs on the calling thread. linattn/thread_pool.hpp has one
+/// (ThreadPool, CMake target linattn::threads); any other (TBB, a server's own pool) plugs in
+/// by deriving from Executor.
+///
+/// Results are bit-identical for any executor and thread count: an item is computed start to
+/// finish by one thread with the same operations; the executor only decides which thread.
+
+#include <linattn/types.hpp>
+
+#include <algorithm>
+#include <exception>
+#include <mutex>
+#include <utility>
+
+namespace linattn {
+
+/// A non-owning reference to a callable void(Index begin, Index end): the range of items one
+/// thread runs. Cheap to copy; the callable must outlive the call it is passed to.
+class TaskRange {
+ public:
+  template <class F>
+  explicit TaskRange(F& f) noexcept
+      : object_(&f), call_([](void* o, Index b, Index e) { (*static_cast<F*>(o))(b, e); }) {}
+  void operator()(Index begin, Index end) const { call_(object_, begin, end); }
+
+ private:
+  void* object_;
+  void (*call_)(void*, Index, Index);
+};
+
+/// Runs the items [0, n) of a call split into `parts` contiguous ranges, one range per task.
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  /// Threads the executor runs tasks on, the caller's included (>= 1).
+  [[nodiscard]] virtual int concurrency() const noexcept = 0;
+  /// Calls task(begin_p, end_p) for the `parts` ranges that split [0, n) evenly (part p is
+  /// [p n / parts, (p + 1) n / parts)), each once, possibly concurrently, and returns when all
+  /// have returned. The task does not throw (the layer catches inside it).
+  virtual void run(Index n, int parts, TaskRange task) = 0;
+};
+
+namespace detail {
+
+/// Flops below which a call runs on the calling thread even with an executor: handing work to
+/// another thread and collecting it costs about 1 to 2 microseconds with ThreadPool's spinning
+/// workers (bench_multihead, "pool_overhead"), and 2e5 flops take about 4 to 10 microseconds on
+/// one core, so smaller calls lose more to the hand-off than they gain.
+inline constexpr double kParallelGrainFlops = 2e5;
+
+/// Calls f(i) for i in [0, n) on `executor` (or serially when it is null, has one thread, or the
+/// work, n * flops_per_item, is below kParallelGrainFlops). Every item runs even if another
+/// throws; afterwards the exception of the lowest failing item is rethrown, so what is thrown
+/// and which items completed do not depend on threads.
+template <class F>
+void parallel_for(Index n, Executor* executor, double flops_per_item, F&& f) {
+  std::exception_ptr first_error;
+  Index first_index = n;
+  std::mutex error_mutex;
+  auto range = [&](Index begin, Index end) {
+    for (Index i = begin; i < end; ++i) {
+      try {
+        f(i);
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(error_mutex);
+        if (i < first_index) {
+          first_index = i;
+          first_error = std::current_exception();
+        }
+      }
+    }
+  };
+  const int threads = executor == nullptr ? 1 : executor->concurrency();
+  const int parts = static_cast<int>(std::min<Index>(n, threads));
+  if (parts <= 1 || static_cast<double>(n) * flops_per_item < kParallelGrainFlops)
+    range(0, n);
+  else
+    executor->run(n, parts, TaskRange(range));
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+}  // namespace detail
+}  // namespace linattn

@@ -1,0 +1,73 @@
+#pragma once
+/// \file options.hpp
+/// Options: the run-time settings of an attention (normalization, chunk size, decode block),
+/// and how their machine-dependent defaults are chosen.
+
+#include <linattn/detail/cache_info.hpp>
+#include <linattn/normalization.hpp>
+#include <linattn/types.hpp>
+
+#include <stdexcept>
+
+namespace linattn {
+
+/// The default of Options::chunk_size and Options::decode_block: chosen for the machine that
+/// runs, from its L1 data cache (see there).
+inline constexpr Index kAuto = -1;
+
+/// Run-time options of an attention.
+struct Options {
+  /// What the read divides by; strict (throwing) by default. The delta rules, which keep no
+  /// normalizer, read unnormalized whatever is set here.
+  Normalization normalization{};
+  /// Tokens per chunk in the chunked causal paths (>= 1, or kAuto). Per token the chunked path
+  /// costs about 4 r dv + C (r + dv) flops: smaller chunks spend less on the within-chunk score
+  /// block, larger ones give the products more rows. kAuto takes 32 where the state S
+  /// (r x dv) fits the L1 data cache and 16 where it does not (docs/performance.md has the
+  /// chunk-size sweep behind this).
+  Index chunk_size = kAuto;
+  /// Tokens a state made by this attention collects in step() before folding them into S
+  /// (0 or 1 folds every token in one fused pass over S; additive rule only). With B > 1 each
+  /// step reads S instead of rewriting it, and one rank-B product per B tokens updates it:
+  /// same flops, half the state traffic, plus about 2 B (r + dv) flops per token. It can pay
+  /// only when S does not fit L1; measured, it did on a core with a 48 KiB L1 (Sapphire
+  /// Rapids, 1.2 x with heads taking turns at r = dv = 128) and did not on cores with 32 KiB
+  /// (AMD Zen 3 and Zen 4, 0.7 to 0.8 x). kAuto takes B = 16 where S is larger than the L1
+  /// data cache and the L1 holds at least 48 KiB, and 0 otherwise; the main command
+  /// (scripts/bench.sh) prints both choices side by side. Costs B (2 r + dv + 1) scalars per
+  /// state.
+  Index decode_block = kAuto;
+};
+
+namespace detail {
+
+/// Options::chunk_size resolved for feature dim r and value dim dv.
+inline Index resolve_chunk_size(const Options& options, Index r, Index dv, Index scalar_bytes) {
+  if (options.chunk_size != kAuto) return options.chunk_size;
+  const bool fits_l1 = r * dv <= cache_sizes().l1d / scalar_bytes;
+  return fits_l1 ? 32 : 16;
+}
+
+/// Options::decode_block resolved for feature dim r and value dim dv.
+inline Index resolve_decode_block(const Options& options, Index r, Index dv, Index scalar_bytes) {
+  if (options.decode_block != kAuto) return options.decode_block;
+  constexpr Index large_l1 = 48 * 1024;
+  const Index l1 = cache_sizes().l1d;
+  const bool exceeds_l1 = r * dv > l1 / scalar_bytes;
+  return exceeds_l1 && l1 >= large_l1 ? 16 : 0;
+}
+
+/// Throws std::invalid_argument for option values no call could use.
+inline void check_options(const Options& options) {
+  if (options.chunk_size < 1 && options.chunk_size != kAuto)
+    throw std::invalid_argument("linattn: Options::chunk_size must be >= 1 or kAuto");
+  if (options.chunk_size > (Index{1} << 20))
+    throw std::invalid_argument("linattn: Options::chunk_size must be at most 2^20");
+  if (options.decode_block < 0 && options.decode_block != kAuto)
+    throw std::invalid_argument("linattn: Options::decode_block must be >= 0 or kAuto");
+  if (options.decode_block > 4096)
+    throw std::invalid_argument("linattn: Options::decode_block must be at most 4096");
+}
+
+}  // namespace detail
+}  // namespace linattn
