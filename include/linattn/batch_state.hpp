@@ -1,24 +1,21 @@
 #pragma once
 /// \file batch_state.hpp
-/// Recurrent state of a batch of sequences for multi-head decoding: one AttentionState per
+/// Recurrent state of a batch of sequences for multi-head decoding: one head state per
 /// (sequence, state head), sequences added and dropped one at a time (continuous batching),
-/// and the size accounting that compares the state with a K/V cache.
+/// and the size accounting that compares the state with a K/V cache. HeadState is the state of
+/// the layer's attention (AttentionState for Additive, RuleState for the other rules).
 ///
-/// State heads: MultiHeadAttention keeps one state per key/value head (H_s = H_kv) for an
-/// ordinary feature map, since the query heads of a group accumulate the same S and z, and
-/// one per query head (H_s = H_q) for a log-scaled one (MultiHeadAttention::state_heads()).
+/// State heads: MultiHeadAttention keeps one state per key/value head (H_s = H_kv), since the
+/// query heads of a group accumulate the same sums, except for random features under the
+/// additive rule (log-scaled maps), which keep one per query head (H_s = H_q).
 ///
-/// Memory per sequence: H_s (r dv + r) scalars whatever the context length. A softmax model's
-/// K/V cache holds H_kv (dk + dv) scalars per token, so it outgrows the state at
-/// L = floor(H_s (r dv + r) / (H_kv (dk + dv))) + 1 tokens (kv_cache_crossover()); for
-/// r = dk = dv = 128 and one head that is 16,512 scalars against 256 per token: 65 tokens,
-/// whatever the number of query heads per key/value head when H_s = H_kv.
+/// Memory per sequence: H_s (r dv + r) scalars (r dv for the delta rules) whatever the context
+/// length. A softmax model's K/V cache holds H_kv (dk + dv) scalars per token, so it outgrows
+/// the state at L = floor(H_s (r dv + r) / (H_kv (dk + dv))) + 1 tokens; for
+/// r = dk = dv = 128 and one head that is 16,512 scalars against 256 per token: 65 tokens.
 
 #include <linattn/errors.hpp>
-#include <linattn/state.hpp>
 #include <linattn/types.hpp>
-
-#include <Eigen/Core>
 
 #include <algorithm>
 #include <cstddef>
@@ -30,57 +27,40 @@
 
 namespace linattn {
 
-/// The state of one sequence: one AttentionState per state head, all with the same (r, dk, dv).
-template <class Scalar>
+/// The state of one sequence: one head state per state head, all of one shape and identity.
+template <class HeadState>
 class SequenceState {
-  static_assert(SupportedScalar<Scalar>, "linattn computes in float or double");
-
  public:
   SequenceState() = default;
 
-  /// `heads` empty head states of feature dim r, key dim dk, value dim dv. O(heads r dv).
-  /// `log_domain` as for AttentionState: true for a LogScaledFeatureMap (random features);
-  /// `decode_block` as for AttentionState (LinearAttention::decode_block(r, dv) gives the layer's).
-  SequenceState(Index heads, Index r, Index dk, Index dv, bool log_domain = false,
-                Index decode_block = 0) {
+  /// `heads` copies of the empty state `empty`. O(heads r dv).
+  SequenceState(Index heads, const HeadState& empty) {
     if (heads < 0)
       detail::throw_shape_error("a sequence state needs a non-negative head count, got ", heads);
-    heads_.reserve(static_cast<std::size_t>(heads));
-    for (Index h = 0; h < heads; ++h) heads_.emplace_back(r, dk, dv, log_domain, decode_block);
+    heads_.assign(static_cast<std::size_t>(heads), empty);
   }
 
   [[nodiscard]] Index heads() const noexcept { return static_cast<Index>(heads_.size()); }
-  /// The state of state head h (key/value head h, or query head h for a log-scaled map; see
-  /// the file comment). No bounds check beyond an assertion in debug builds.
-  [[nodiscard]] AttentionState<Scalar>& head(Index h) noexcept {
-    return heads_[static_cast<std::size_t>(h)];
-  }
-  [[nodiscard]] const AttentionState<Scalar>& head(Index h) const noexcept {
-    return heads_[static_cast<std::size_t>(h)];
-  }
+  /// The state of state head h. Throws std::out_of_range.
+  [[nodiscard]] HeadState& head(Index h) { return heads_.at(checked(h)); }
+  [[nodiscard]] const HeadState& head(Index h) const { return heads_.at(checked(h)); }
 
   /// Tokens absorbed (by head 0; heads differ only after a rejected denominator).
   [[nodiscard]] Index tokens() const noexcept { return heads_.empty() ? 0 : heads_[0].tokens(); }
 
-  /// Scalars that persist between tokens: heads * (r dv + r).
+  /// Scalars that persist between tokens, summed over heads.
   [[nodiscard]] Index scalar_count() const noexcept {
     Index n = 0;
     for (const auto& s : heads_) n += s.scalar_count();
     return n;
   }
 
-  /// Throws ShapeError unless this has `heads` heads of shape (r, dk, dv) and log domain
-  /// `log_domain`.
-  void check_shape(Index heads, Index r, Index dk, Index dv, bool log_domain = false) const {
+  /// Throws ShapeError or StateMismatchError unless this has `heads` heads each of the dims
+  /// and identity of `prototype`.
+  void check_like(Index heads, const HeadState& prototype) const {
     if (this->heads() != heads)
       detail::throw_shape_error("sequence state has ", this->heads(), " heads, expected ", heads);
-    for (const auto& s : heads_) {
-      s.check_shape(r, dk, dv);
-      if (s.log_domain() != log_domain)
-        detail::throw_shape_error("sequence state was made for ",
-                                  s.log_domain() ? "a log-scaled" : "an ordinary",
-                                  " feature map, this batch holds the other kind");
-    }
+    for (const auto& s : heads_) prototype.check_like(s);
   }
 
   /// Back to the empty state; keeps the allocations.
@@ -89,7 +69,12 @@ class SequenceState {
   }
 
  private:
-  std::vector<AttentionState<Scalar>> heads_;
+  static std::size_t checked(Index h) {
+    if (h < 0) throw std::out_of_range("linattn: negative head index");
+    return static_cast<std::size_t>(h);
+  }
+
+  std::vector<HeadState> heads_;
 };
 
 /// A handle that names a sequence of a BatchState for as long as it stays in the batch.
@@ -100,45 +85,41 @@ using SequenceId = std::uint64_t;
 /// Position i (0 <= i < size()) is the i-th batch row of a prefill or step call; ids are
 /// stable handles that survive other sequences being added or dropped. Adding appends at the
 /// end; dropping removes one position and shifts the later ones up by one (their states are
-/// moved, never modified). Complexity: add O(heads r dv) (allocation), drop and index_of O(size()).
-template <class Scalar>
+/// moved, never modified). Complexity: add O(heads r dv) (allocation), drop and index_of
+/// O(size()).
+template <class HeadState>
 class BatchState {
-  static_assert(SupportedScalar<Scalar>, "linattn computes in float or double");
-
  public:
-  using Sequence = SequenceState<Scalar>;
+  using Sequence = SequenceState<HeadState>;
+  using head_state_type = HeadState;
 
-  /// A batch of `sequences` empty sequences, each with `heads` state heads of shape (r, dk, dv);
-  /// `log_domain` for a LogScaledFeatureMap, `decode_block` for the deferred decode of each
-  /// head state (MultiHeadAttention::make_state sets both).
-  BatchState(Index heads, Index r, Index dk, Index dv, Index sequences = 0,
-             bool log_domain = false, Index decode_block = 0)
-      : heads_(heads), r_(r), dk_(dk), dv_(dv), decode_block_(decode_block),
-        log_domain_(log_domain) {
-    if (heads < 0 || r < 0 || dk < 0 || dv < 0 || sequences < 0)
-      detail::throw_shape_error("batch state dimensions must be non-negative, got heads=", heads,
-                                " r=", r, " dk=", dk, " dv=", dv, " sequences=", sequences);
+  /// A batch of `sequences` empty sequences of `heads` state heads, each a copy of `empty` (an
+  /// empty state of the layer's attention; MultiHeadAttention::make_state makes both).
+  BatchState(Index heads, HeadState empty, Index sequences = 0)
+      : heads_(heads), empty_(std::move(empty)) {
+    if (heads < 0 || sequences < 0)
+      detail::throw_shape_error("batch state needs non-negative heads and sequences, got heads=",
+                                heads, " sequences=", sequences);
+    empty_.reset();
     for (Index i = 0; i < sequences; ++i) add_sequence();
   }
 
   [[nodiscard]] Index size() const noexcept { return static_cast<Index>(sequences_.size()); }
   [[nodiscard]] bool empty() const noexcept { return sequences_.empty(); }
   [[nodiscard]] Index heads() const noexcept { return heads_; }
-  [[nodiscard]] Index feature_dim() const noexcept { return r_; }
-  [[nodiscard]] Index key_dim() const noexcept { return dk_; }
-  [[nodiscard]] Index value_dim() const noexcept { return dv_; }
-  /// Whether the states keep S and z log-scaled (see AttentionState::log_scale()).
-  [[nodiscard]] bool log_domain() const noexcept { return log_domain_; }
+  [[nodiscard]] Index feature_dim() const noexcept { return empty_.feature_dim(); }
+  [[nodiscard]] Index key_dim() const noexcept { return empty_.key_dim(); }
+  [[nodiscard]] Index value_dim() const noexcept { return empty_.value_dim(); }
+  /// An empty head state of this batch: its dims, identity and decode block.
+  [[nodiscard]] const HeadState& empty_head() const noexcept { return empty_; }
 
   /// Appends an empty sequence; returns its id.
-  SequenceId add_sequence() {
-    return add_sequence(Sequence(heads_, r_, dk_, dv_, log_domain_, decode_block_));
-  }
+  SequenceId add_sequence() { return add_sequence(Sequence(heads_, empty_)); }
 
   /// Appends `sequence` (e.g. one prefilled alone, or restored from bytes); returns its id.
-  /// Throws ShapeError if its heads or shapes differ from this batch's.
+  /// Throws ShapeError or StateMismatchError if its heads, shapes or identity differ.
   SequenceId add_sequence(Sequence sequence) {
-    sequence.check_shape(heads_, r_, dk_, dv_, log_domain_);
+    sequence.check_like(heads_, empty_);
     sequences_.push_back(std::move(sequence));
     ids_.push_back(next_id_);
     return next_id_++;
@@ -175,9 +156,10 @@ class BatchState {
   [[nodiscard]] Sequence& sequence(Index i) { return sequences_.at(checked(i)); }
   [[nodiscard]] const Sequence& sequence(Index i) const { return sequences_.at(checked(i)); }
 
-  /// Bytes of state one sequence keeps: heads (r dv + r) sizeof(Scalar).
+  /// Bytes of state one sequence keeps: heads scalar_count() sizeof(Scalar).
   [[nodiscard]] std::size_t bytes_per_sequence() const noexcept {
-    return static_cast<std::size_t>(heads_ * (r_ * dv_ + r_)) * sizeof(Scalar);
+    return static_cast<std::size_t>(heads_ * empty_.scalar_count()) *
+           sizeof(typename HeadState::scalar_type);
   }
 
  private:
@@ -186,9 +168,8 @@ class BatchState {
     return static_cast<std::size_t>(i);
   }
 
-  Index heads_ = 0, r_ = 0, dk_ = 0, dv_ = 0;
-  Index decode_block_ = 0;
-  bool log_domain_ = false;
+  Index heads_ = 0;
+  HeadState empty_;
   std::vector<Sequence> sequences_;
   std::vector<SequenceId> ids_;
   SequenceId next_id_ = 0;
@@ -196,9 +177,9 @@ class BatchState {
 
 /// State against K/V cache for one sequence of a model (per layer), in scalars.
 struct StateFootprint {
-  /// r dv + r: one head's state (16,512 for r = dv = 128).
+  /// One head's state: r dv + r (r dv for the delta rules); 16,512 for r = dv = 128.
   Index state_scalars_per_head = 0;
-  /// H_s (r dv + r): what a BatchState keeps per sequence.
+  /// H_s times that: what a BatchState keeps per sequence.
   Index state_scalars = 0;
   /// H_kv (dk + dv): what a softmax model's K/V cache adds per token.
   Index kv_scalars_per_token = 0;
@@ -207,18 +188,20 @@ struct StateFootprint {
   Index kv_cache_crossover = 0;
 };
 
-/// The footprint of H_s state heads with feature dim r (MultiHeadAttention::state_heads():
-/// H_kv, or H_q for a log-scaled map) against a K/V cache of H_kv key/value heads of key dim
-/// dk and value dim dv. Throws ShapeError on non-positive heads or dims. O(1).
+/// The footprint of H_s state heads with feature dim r against a K/V cache of H_kv key/value
+/// heads of key dim dk and value dim dv; `keeps_z` adds r per head. Throws ShapeError on
+/// non-positive heads or dims, or sizes that do not fit an Index. O(1).
 [[nodiscard]] inline StateFootprint state_footprint(Index state_heads, Index kv_heads, Index r,
-                                                    Index dk, Index dv) {
+                                                    Index dk, Index dv, bool keeps_z = true) {
   if (state_heads < 1 || kv_heads < 1 || r < 1 || dk < 1 || dv < 1)
     detail::throw_shape_error("state_footprint needs positive heads and dims, got H_s=",
                               state_heads, " H_kv=", kv_heads, " r=", r, " dk=", dk, " dv=", dv);
   StateFootprint f;
-  f.state_scalars_per_head = r * dv + r;
-  f.state_scalars = state_heads * f.state_scalars_per_head;
-  f.kv_scalars_per_token = kv_heads * (dk + dv);
+  f.state_scalars_per_head =
+      detail::checked_sum(detail::checked_product(r, dv, "r x dv"), keeps_z ? r : 0, "r dv + r");
+  f.state_scalars = detail::checked_product(state_heads, f.state_scalars_per_head, "H_s (r dv + r)");
+  f.kv_scalars_per_token =
+      detail::checked_product(kv_heads, detail::checked_sum(dk, dv, "dk + dv"), "H_kv (dk + dv)");
   f.kv_cache_crossover = f.state_scalars / f.kv_scalars_per_token + 1;
   return f;
 }

@@ -1,17 +1,21 @@
 #pragma once
 /// \file linattn.hpp
-/// Umbrella header: everything linattn offers. Each header below also compiles on its own.
+/// Umbrella header: everything linattn offers except the thread pool (linattn/thread_pool.hpp,
+/// CMake target linattn::threads). Each header below also compiles on its own.
 
 #include <linattn/attention.hpp>
 #include <linattn/batch_state.hpp>
 #include <linattn/errors.hpp>
+#include <linattn/executor.hpp>
 #include <linattn/feature_maps.hpp>
+#include <linattn/head_config.hpp>
 #include <linattn/multihead.hpp>
 #include <linattn/normalization.hpp>
+#include <linattn/options.hpp>
 #include <linattn/random_features.hpp>
 #include <linattn/reference.hpp>
-#include <linattn/rule_attention.hpp>
 #include <linattn/rule_state.hpp>
+#include <linattn/sequence_layout.hpp>
 #include <linattn/serialize.hpp>
 #include <linattn/state.hpp>
 #include <linattn/tensor_view.hpp>

@@ -79,10 +79,12 @@ class ThreadPool final : public Executor {
   }
 
   void work(int w) {
-    std::uint64_t seen = generation_.load(std::memory_order_acquire);
+    // The generation when the pool was made, not when this thread happened to start: a job or
+    // the destructor may already have advanced it.
+    std::uint32_t seen = 0;
     for (;;) {
       // Spin for new work, then sleep until the generation changes.
-      std::uint64_t now = generation_.load(std::memory_order_acquire);
+      std::uint32_t now = generation_.load(std::memory_order_acquire);
       const auto until = std::chrono::steady_clock::now() + kSpinTime;
       while (now == seen) {
         for (int i = 0; i < 64 && now == seen; ++i) now = generation_.load(std::memory_order_acquire);
@@ -102,7 +104,10 @@ class ThreadPool final : public Executor {
   int threads_;
   std::vector<std::thread> workers_;
   std::mutex run_mutex_;
-  std::atomic<std::uint64_t> generation_{0};
+  // 32 bits: the width the OS wait primitive (futex) takes directly; libstdc++ 12 waits on
+  // wider atomics through a proxy that can miss a notification. Wrap-around is harmless: only
+  // equality with the last generation seen matters.
+  std::atomic<std::uint32_t> generation_{0};
   std::atomic<int> remaining_{0};
   std::atomic<bool> stop_{false};
   // The current job, written before generation_ is advanced (release) and read after it is

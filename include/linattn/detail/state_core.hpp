@@ -73,6 +73,8 @@ struct StateAccess {
 template <class Scalar>
 class StateCore {
  public:
+  using scalar_type = Scalar;
+
   /// S: r x dv, row-major; the sum of phi(k) v^T over the absorbed tokens as the write rule
   /// accumulates it.
   [[nodiscard]] const RowMatrix<Scalar>& S() const noexcept { return S_; }
@@ -103,6 +105,12 @@ class StateCore {
       throw_error<StateMismatchError>("the state was made for ", identity_.describe(),
                                       ", this attention uses ", identity.describe(),
                                       "; make the state with this attention's make_state()");
+  }
+
+  /// Throws ShapeError or StateMismatchError unless `other` has this state's dims and identity.
+  void check_like(const StateCore& other) const {
+    other.check_shape(feature_dim(), key_dim(), value_dim());
+    other.check_identity(identity_);
   }
 
   /// Throws ShapeError unless `n` more tokens keep the count within kMaxTokens.

@@ -1,0 +1,136 @@
+#pragma once
+// The multi-head layer's plumbing: the checks of its views, layouts, slots and per-token input
+// views (each message written once), and the cutting of per-token inputs into one head's rows.
+
+#include <linattn/errors.hpp>
+#include <linattn/head_config.hpp>
+#include <linattn/sequence_layout.hpp>
+#include <linattn/tensor_view.hpp>
+#include <linattn/types.hpp>
+#include <linattn/write_rules.hpp>
+
+#include <array>
+#include <cstddef>
+#include <span>
+#include <tuple>
+#include <utility>
+
+namespace linattn::detail {
+
+/// Throws ShapeError if a count or dim is not positive or H_q is not a multiple of H_kv.
+inline void check_head_config(const HeadConfig& h) {
+  if (h.q_heads < 1 || h.kv_heads < 1 || h.key_dim < 1 || h.value_dim < 1)
+    throw_shape_error("multi-head attention needs positive heads and dims, got H_q=", h.q_heads,
+                      " H_kv=", h.kv_heads, " dk=", h.key_dim, " dv=", h.value_dim);
+  if (h.q_heads % h.kv_heads != 0)
+    throw_shape_error("query heads H_q=", h.q_heads, " must be a multiple of key/value heads H_kv=",
+                      h.kv_heads);
+}
+
+/// Q [B, Tq, H_q, dk], K [B, Tk, H_kv, dk], V [B, Tk, H_kv, dv], out [B, Tq, H_q, dv], and a
+/// layout that fits; `same_length` (causal, or a variable-length layout) needs Tq = Tk.
+template <class Scalar>
+void check_views(const HeadConfig& heads, Index r, const TensorView<const Scalar>& Q,
+                 const TensorView<const Scalar>& K, const TensorView<const Scalar>& V,
+                 const TensorView<Scalar>& out, const SequenceLayout& layout, bool same_length) {
+  static_cast<void>(r);
+  auto fail = [&](const char* what) {
+    throw_shape_error(what, "; Q ", Q.describe(), ", K ", K.describe(), ", V ", V.describe(),
+                      ", out ", out.describe(), " for H_q=", heads.q_heads, " H_kv=",
+                      heads.kv_heads, " dk=", heads.key_dim, " dv=", heads.value_dim);
+  };
+  if (Q.heads() != heads.q_heads || out.heads() != heads.q_heads) fail("Q and out need H_q heads");
+  if (K.heads() != heads.kv_heads || V.heads() != heads.kv_heads) fail("K and V need H_kv heads");
+  if (Q.dim() != heads.key_dim || K.dim() != heads.key_dim) fail("Q and K need dim dk");
+  if (V.dim() != heads.value_dim || out.dim() != heads.value_dim) fail("V and out need dim dv");
+  if (K.batches() != Q.batches() || V.batches() != Q.batches() || out.batches() != Q.batches())
+    fail("Q, K, V and out need the same batch size");
+  if (K.times() != V.times()) fail("K and V need the same number of tokens");
+  if (out.times() != Q.times()) fail("out needs as many tokens as Q");
+  if ((same_length || layout.kind() != SequenceLayout::Kind::batch) && Q.times() != K.times())
+    fail("causal and variable-length attention need as many queries as keys");
+  layout.check(Q.batches(), Q.times());
+}
+
+/// A per-token input view: [B, T, H_kv, 1], or [B, T, H_kv, r] where per-channel values are
+/// allowed (Gated), with B and T of K.
+template <class Scalar>
+void check_token_view(const TensorView<const Scalar>& in, const TensorView<const Scalar>& K,
+                      Index kv_heads, Index r, bool per_channel) {
+  if (in.batches() != K.batches() || in.times() != K.times() || in.heads() != kv_heads ||
+      !(in.dim() == 1 || (per_channel && in.dim() == r)))
+    throw_shape_error("a per-token input view is ", in.describe(), ", expected [B=", K.batches(),
+                      ", T=", K.times(), ", H_kv=", kv_heads, ", 1", per_channel ? " or r=" : "",
+                      per_channel ? std::to_string(r) : std::string(),
+                      "] (one value per token and key/value head)");
+}
+
+/// The layer's state holds `sequences` sequences (or `slots` names distinct positions in it)
+/// and was made by this layer (state heads, dims, identity).
+template <class State, class Layer>
+void check_slots(const State& state, const Layer& layer, Index sequences,
+                 std::span<const Index> slots) {
+  const HeadConfig& h = layer.heads();
+  if (state.heads() != layer.state_heads() || state.feature_dim() != layer.feature_dim() ||
+      state.key_dim() != h.key_dim || state.value_dim() != h.value_dim)
+    throw_shape_error("batch state has heads=", state.heads(), " r=", state.feature_dim(),
+                      " dk=", state.key_dim(), " dv=", state.value_dim(),
+                      " but this layer needs heads=", layer.state_heads(), " r=",
+                      layer.feature_dim(), " dk=", h.key_dim, " dv=", h.value_dim);
+  state.empty_head().check_identity(layer.attention().state_identity());
+  if (slots.empty()) {
+    if (state.size() != sequences)
+      throw_shape_error("the inputs hold ", sequences, " sequences but the batch state ",
+                        state.size(), " (pass slots to use a subset)");
+    return;
+  }
+  if (static_cast<Index>(slots.size()) != sequences)
+    throw_shape_error("the inputs hold ", sequences, " sequences but ", slots.size(),
+                      " slots were given");
+  // Slots must be distinct: two batch rows on one state would race and double-count.
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] < 0 || slots[i] >= state.size())
+      throw_shape_error("slot ", slots[i], " is outside the batch state of size ", state.size());
+    for (std::size_t j = 0; j < i; ++j)
+      if (slots[j] == slots[i]) throw_shape_error("slot ", slots[i], " is given twice");
+  }
+}
+
+/// The first N arguments of a call as read-only views.
+template <std::size_t N, class Scalar, class Tuple>
+std::array<TensorView<const Scalar>, N> token_views(const Tuple& all) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    return std::array<TensorView<const Scalar>, N>{TensorView<const Scalar>(std::get<I>(all))...};
+  }(std::make_index_sequence<N>{});
+}
+
+/// Rows [first, first + n) of key/value head g of batch entry `entry` of each per-token input,
+/// as a tuple of n x c row views (what the single-head calls take).
+template <class Scalar, std::size_t N>
+auto rows_inputs(const std::array<TensorView<const Scalar>, N>& inputs, Index entry, Index g,
+                 Index first, Index n) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    return std::make_tuple(inputs[I].head_rows(entry, g, first, n)...);
+  }(std::make_index_sequence<N>{});
+}
+
+/// One decode token's per-token inputs of key/value head g of batch row b: the gates as a
+/// 1 x c row (Gated), beta and log_alpha as numbers (the delta rules).
+template <class Rule, class Scalar, std::size_t N>
+auto step_inputs(const std::array<TensorView<const Scalar>, N>& inputs, Index b, Index g) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    if constexpr (Rule::kind == WriteKind::gated)
+      return std::make_tuple(inputs[I].head_rows(b, g, 0, 1)...);
+    else
+      return std::make_tuple(inputs[I](b, 0, g, 0)...);
+  }(std::make_index_sequence<N>{});
+}
+
+/// Sets every row of every head of a view to zero (padded rows of an output).
+template <class Scalar>
+void zero_rows(const TensorView<Scalar>& view) {
+  for (Index b = 0; b < view.batches(); ++b)
+    for (Index h = 0; h < view.heads(); ++h) view.head_matrix(b, h).setZero();
+}
+
+}  // namespace linattn::detail
