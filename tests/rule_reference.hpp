@@ -159,19 +159,10 @@ RuleReference naive_delta(const MQ& Q, const MK& K, const MV& V, const VB& beta,
   return ref;
 }
 
-/// max over elements of |actual - expected| / (u * allowed_units + tiny); <= 1 passes.
+/// worst_ratio_of with the reference's own allowance.
 template <class Scalar, class M>
 double worst_ratio(const M& actual, const RuleReference& ref) {
-  const double u = unit_roundoff<Scalar>();
-  double worst = 0;
-  for (Index i = 0; i < ref.y.rows(); ++i)
-    for (Index c = 0; c < ref.y.cols(); ++c) {
-      const double allowed = u * ref.allowed_units(i, c) + std::numeric_limits<Scalar>::min();
-      const double err = std::abs(double(actual(i, c)) - ref.y(i, c));
-      worst = std::max(worst, err / allowed);
-      if (!std::isfinite(double(actual(i, c)))) worst = std::numeric_limits<double>::infinity();
-    }
-  return worst;
+  return worst_ratio_of<Scalar>(actual, ref.y, ref.allowed_units);
 }
 
 }  // namespace linattn_test

@@ -2,6 +2,7 @@
 // Shared helpers for the tests: seeded random inputs and an independent double-precision
 // reference written directly from the formulas, with its own error-bound bookkeeping.
 
+#include <linattn/detail/random.hpp>
 #include <linattn/types.hpp>
 
 #include <Eigen/Core>
@@ -10,7 +11,6 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
-#include <random>
 #include <vector>
 
 namespace linattn_test {
@@ -24,17 +24,38 @@ constexpr double unit_roundoff() {
   return std::numeric_limits<Scalar>::epsilon() / 2;
 }
 
-/// T x d matrix with iid N(0, sigma^2) entries from a fixed seed.
+/// T x d matrix with iid N(0, sigma^2) entries from a fixed seed, drawn from the library's own
+/// reproducible Gaussian stream (detail/random.hpp), so a failing seed gives the same inputs
+/// with any standard library.
 template <class Scalar>
 linattn::RowMatrix<Scalar> random_matrix(Index rows, Index cols, std::uint64_t seed,
                                          double sigma = 1.0) {
-  std::mt19937_64 gen(seed);
-  std::normal_distribution<double> normal(0.0, sigma);
+  linattn::detail::GaussianStream normal(seed);
   linattn::RowMatrix<Scalar> m(rows, cols);
   for (Index i = 0; i < rows; ++i)
-    for (Index j = 0; j < cols; ++j) m(i, j) = static_cast<Scalar>(normal(gen));
+    for (Index j = 0; j < cols; ++j) m(i, j) = static_cast<Scalar>(sigma * normal.next());
   return m;
 }
+
+/// rows x cols matrix with iid entries uniform on [lo, hi) from a fixed seed (the library's
+/// xoshiro256** generator: reproducible on any standard library).
+template <class Scalar>
+linattn::RowMatrix<Scalar> uniform_matrix(Index rows, Index cols, std::uint64_t seed, double lo,
+                                          double hi) {
+  linattn::detail::Xoshiro256StarStar gen(seed);
+  linattn::RowMatrix<Scalar> m(rows, cols);
+  for (Index i = 0; i < rows; ++i)
+    for (Index j = 0; j < cols; ++j) {
+      const double u = static_cast<double>(gen.next() >> 11) * 0x1.0p-53;  // [0, 1)
+      m(i, j) = static_cast<Scalar>(lo + (hi - lo) * u);
+    }
+  return m;
+}
+
+/// Units of u allowed for a normalized read over T keys with r features: the dot product over r
+/// features (r u), the sums over at most T keys (T u), the feature map and the division (4 u),
+/// doubled for the ratio of two such sums (numerator and denominator).
+inline double bound_units(Index r, Index T) { return 2.0 * static_cast<double>(r + T + 4); }
 
 /// Q (T x dk), K (T x dk), V (T x dv) from seeds seed, seed + 1, seed + 2, as three
 /// random_matrix calls would give them.
@@ -94,20 +115,27 @@ Reference naive_attention(const MQ& Q, const MK& K, const MV& V, bool causal,
   return ref;
 }
 
-/// Largest |actual - expected| / allowed over all elements (<= 1 passes), where
-/// allowed = bound_units * u * magnitude + tiny, tiny guarding exact zeros.
-template <class Scalar, class M>
-double worst_error_ratio(const M& actual, const Reference& ref, double bound_units) {
+/// Largest |actual(i, c) - y(i, c)| / (u allowed_units(i, c) + tiny) over all elements (<= 1
+/// passes; a non-finite actual value fails), tiny (the smallest normal Scalar) guarding exact
+/// zeros. The one comparison every reference of the tests goes through.
+template <class Scalar, class M, class AllowedUnits>
+double worst_ratio_of(const M& actual, const MatrixXdR& y, const AllowedUnits& allowed_units) {
   const double u = unit_roundoff<Scalar>();
   double worst = 0;
-  for (Index i = 0; i < ref.y.rows(); ++i)
-    for (Index c = 0; c < ref.y.cols(); ++c) {
-      const double allowed =
-          bound_units * u * ref.magnitude(i, c) + std::numeric_limits<Scalar>::min();
-      const double err = std::abs(static_cast<double>(actual(i, c)) - ref.y(i, c));
-      worst = std::max(worst, err / allowed);
+  for (Index i = 0; i < y.rows(); ++i)
+    for (Index c = 0; c < y.cols(); ++c) {
+      const double a = static_cast<double>(actual(i, c));
+      if (!std::isfinite(a)) return std::numeric_limits<double>::infinity();
+      const double allowed = u * allowed_units(i, c) + std::numeric_limits<Scalar>::min();
+      worst = std::max(worst, std::abs(a - y(i, c)) / allowed);
     }
   return worst;
+}
+
+/// worst_ratio_of with allowed = bound_units * magnitude (a Reference of naive_attention).
+template <class Scalar, class M>
+double worst_error_ratio(const M& actual, const Reference& ref, double bound_units) {
+  return worst_ratio_of<Scalar>(actual, ref.y, [&](Index i, Index c) { return bound_units * ref.magnitude(i, c); });
 }
 
 }  // namespace linattn_test
