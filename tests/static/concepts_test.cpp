@@ -2,7 +2,10 @@
 
 #include <linattn/linattn.hpp>
 
+#include <span>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -47,3 +50,27 @@ static_assert(!linattn::SupportedScalar<int>);
 static_assert(std::is_base_of_v<std::invalid_argument, linattn::ShapeError>);
 static_assert(std::is_base_of_v<std::domain_error, linattn::DenominatorError>);
 static_assert(std::is_default_constructible_v<linattn::LinearAttention<linattn::EluPlusOne>>);
+// One attention class: LinearAttention is RuleAttention under the additive rule (the same type,
+// so the same bits), and each rule's state type.
+static_assert(std::is_same_v<linattn::LinearAttention<linattn::EluPlusOne>,
+                             linattn::RuleAttention<linattn::EluPlusOne, linattn::Additive, float>>);
+static_assert(std::is_same_v<linattn::RuleAttention<linattn::EluPlusOne>::State,
+                             linattn::AttentionState<float>>);
+static_assert(std::is_same_v<linattn::state_t<linattn::Gated, double>,
+                             linattn::RuleState<linattn::Gated, double>>);
+static_assert(linattn::WriteRule<linattn::Additive> && linattn::WriteRule<linattn::GatedDelta>);
+static_assert(linattn::Additive::has_full_form && !linattn::Decay::has_full_form &&
+              !linattn::Gated::has_full_form && !linattn::Delta::has_full_form &&
+              !linattn::GatedDelta::has_full_form);
+// What the grouped calls take: spans or vectors of row views, or a tensor view slice; not a
+// vector of owning matrices (that would copy every head).
+static_assert(linattn::detail::QueryGroup<std::vector<linattn::ConstRowsView<float>>, float>);
+static_assert(linattn::detail::QueryGroup<std::span<const linattn::ConstRowsView<double>>, double>);
+static_assert(linattn::detail::QueryGroup<linattn::TensorView<const float>, float>);
+static_assert(linattn::detail::QueryGroup<linattn::TensorView<float>, float>);
+static_assert(!linattn::detail::QueryGroup<std::vector<linattn::RowMatrix<float>>, float>);
+static_assert(!linattn::detail::QueryGroup<std::vector<linattn::ConstRowsView<float>>, double>);
+static_assert(linattn::detail::OutputGroup<std::vector<linattn::RowsView<float>>, float>);
+static_assert(linattn::detail::OutputGroup<linattn::TensorView<float>, float>);
+static_assert(!linattn::detail::OutputGroup<linattn::TensorView<const float>, float>);
+static_assert(!linattn::detail::OutputGroup<std::vector<linattn::ConstRowsView<float>>, float>);

@@ -4,6 +4,8 @@
 #include <linattn/attention.hpp>
 #include <linattn/random_features.hpp>
 
+#include <vector>
+
 int main() {
   using Map = linattn::PositiveRandomFeatures<float>;
   using Matrix = linattn::RowMatrix<float>;
@@ -11,7 +13,9 @@ int main() {
   auto state = attn.make_state(4, 4);
   const Matrix Q = Matrix::Ones(2, 4), K = Q, V = Q;
   Matrix out(2, 4);
-  attn.parallel_group_into(
-      1, [&](linattn::Index) -> const Matrix& { return Q; }, K, V, state,
-      [&](linattn::Index) -> Matrix& { return out; });
+  const std::vector<linattn::ConstRowsView<float>> queries{
+      linattn::ConstRowsView<float>(Q.data(), 2, 4, Eigen::OuterStride<>(4))};
+  const std::vector<linattn::RowsView<float>> outputs{
+      linattn::RowsView<float>(out.data(), 2, 4, Eigen::OuterStride<>(4))};
+  attn.prefill_into(state, queries, K, V, outputs);
 }

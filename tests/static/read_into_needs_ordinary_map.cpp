@@ -7,7 +7,7 @@ int main() {
   using Map = linattn::PositiveRandomFeatures<float>;
   const linattn::LinearAttention<Map> attn(Map(4, 8, 1));
   auto state = attn.make_state(4, 4);
-  auto scratch = attn.make_read_scratch(4, 4);
+  linattn::ReadScratch<float> scratch(state);
   linattn::RowVector<float> y(4);
   attn.read_into(state, y, y, scratch);
 }
