@@ -7,35 +7,41 @@
 
 #include <linattn/multihead.hpp>
 #include <linattn/random_features.hpp>
+#include <linattn/thread_pool.hpp>
 
 #include <catch2/catch.hpp>
 
 #include "test_support.hpp"
 
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <limits>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 using namespace linattn;
+using linattn_test::bound_units;
 using linattn_test::naive_attention;
 using linattn_test::worst_error_ratio;
 
 namespace {
 
-// Same derivation as attention_test.cpp: each weight carries gamma_r, the sum over T keys
-// gamma_T, numerator and denominator each, plus division and feature map: 2 (r + T + 4) u
-// times sum|w||v| / |den|.
-double bound_units(Index r, Index T) { return 2.0 * static_cast<double>(r + T + 4); }
+template <class Scalar>
+using Elu = LinearAttention<EluPlusOne, Scalar>;
+template <class Scalar>
+using EluLayer = MultiHeadAttention<Elu<Scalar>>;
+
+// A layer of ELU+1 heads with the given chunk size and decode block.
+template <class Scalar>
+EluLayer<Scalar> elu_layer(HeadConfig heads, Index chunk = kAuto, Index block = kAuto) {
+  Options opt;
+  opt.chunk_size = chunk;
+  opt.decode_block = block;
+  return EluLayer<Scalar>(heads, Elu<Scalar>(EluPlusOne{}, opt));
+}
 
 enum class Layout { batch_first, head_first };
 
@@ -47,11 +53,8 @@ Index flat(Layout l, Index b, Index t, Index h, Index c, Index T, Index H, Index
 
 template <class Scalar>
 std::vector<Scalar> random_buffer(Index n, std::uint64_t seed) {
-  std::mt19937_64 gen(seed);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  std::vector<Scalar> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = static_cast<Scalar>(normal(gen));
-  return v;
+  const auto m = linattn_test::random_matrix<Scalar>(1, n, seed);
+  return {m.data(), m.data() + n};
 }
 
 template <class Scalar>
@@ -80,7 +83,7 @@ void check_head(const Attn& attn, const RowMatrix<Scalar>& got, const RowMatrix<
   const auto ref = naive_attention(Q, K, V, causal, linattn_test::elu_plus_one);
   const double units = bound_units(Q.cols(), K.rows());
   CHECK(worst_error_ratio<Scalar>(got, ref, units) <= 1.0);
-  const RowMatrix<Scalar> single = attn.parallel(Q, K, V, causal ? Mask::causal : Mask::none);
+  const RowMatrix<Scalar> single = attn.parallel(Q, K, V, Mask::causal_if(causal));
   CHECK(worst_error_ratio<Scalar>(single, ref, units) <= 1.0);
   double worst = 0;
   for (Index i = 0; i < got.rows(); ++i)
@@ -99,18 +102,18 @@ struct Dims {
 
 template <class Scalar>
 void check_forward(Layout layout, const Dims& s, Mask mask, int threads) {
+  ThreadPool pool(threads);
   const Index B = s.B, Tq = s.Tq, Tk = s.Tk, Hq = s.Hq, Hkv = s.Hkv, dk = s.dk, dv = s.dv;
   const auto q = random_buffer<Scalar>(B * Tq * Hq * dk, 11);
   const auto k = random_buffer<Scalar>(B * Tk * Hkv * dk, 12);
   const auto v = random_buffer<Scalar>(B * Tk * Hkv * dv, 13);
   std::vector<Scalar> out(static_cast<std::size_t>(B * Tq * Hq * dv), Scalar(-7));
-  Options opt;
-  opt.chunk_size = 4;  // several chunks per sequence
-  MultiHeadAttention<EluPlusOne, Scalar> mha({Hq, Hkv, dk, dv}, EluPlusOne{}, opt);
-  mha.set_threads(threads);
-  mha.forward(view(layout, q.data(), B, Tq, Hq, dk), view(layout, k.data(), B, Tk, Hkv, dk),
-              view(layout, v.data(), B, Tk, Hkv, dv), view(layout, out.data(), B, Tq, Hq, dv),
-              mask);
+  auto mha = elu_layer<Scalar>({Hq, Hkv, dk, dv}, 4);  // several chunks per sequence
+  mha.set_executor(&pool);
+  mha.parallel_into(view<const Scalar>(layout, q.data(), B, Tq, Hq, dk),
+                    view<const Scalar>(layout, k.data(), B, Tk, Hkv, dk),
+                    view<const Scalar>(layout, v.data(), B, Tk, Hkv, dv), mask,
+                    view(layout, out.data(), B, Tq, Hq, dv));
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < Hq; ++h) {
       const Index g = h / (Hq / Hkv);
@@ -127,7 +130,7 @@ void check_forward(Layout layout, const Dims& s, Mask mask, int threads) {
 TEMPLATE_TEST_CASE("multi-head output equals per-head single-head attention", "[multihead]",
                    float, double) {
   const Layout layout = GENERATE(Layout::batch_first, Layout::head_first);
-  const Mask mask = GENERATE(Mask::causal, Mask::none);
+  const Mask mask = GENERATE(Mask(Mask::causal), Mask(Mask::none));
   INFO((layout == Layout::batch_first ? "batch-first" : "head-first")
        << (mask == Mask::causal ? ", causal" : ", full"));
   SECTION("plain multi-head, dk != dv") { check_forward<TestType>(layout, {2, 13, 13, 3, 3, 6, 5}, mask, 1); }
@@ -154,8 +157,8 @@ TEST_CASE("a strided slice of a fused qkv buffer is read in place", "[multihead]
   const TensorView<const double> K(qkv.data() + H * d, shape, strides);
   const TensorView<const double> V(qkv.data() + 2 * H * d, shape, strides);
   std::vector<double> out(static_cast<std::size_t>(B * T * H * d));
-  const MultiHeadAttention<EluPlusOne, double> mha({H, H, d, d});
-  mha.forward(Q, K, V, TensorView<double>::batch_first(out.data(), B, T, H, d), Mask::causal);
+  const EluLayer<double> mha({H, H, d, d});
+  mha.parallel_into(Q, K, V, Mask::causal, TensorView<double>::batch_first(out.data(), B, T, H, d));
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < H; ++h) {
       RowMatrix<double> q(T, d), k(T, d), v(T, d);
@@ -174,7 +177,7 @@ TEST_CASE("a strided slice of a fused qkv buffer is read in place", "[multihead]
 TEMPLATE_TEST_CASE("packed variable-length batch: each sequence on its own", "[multihead][varlen]",
                    float, double) {
   using Scalar = TestType;
-  const Mask mask = GENERATE(Mask::causal, Mask::none);
+  const Mask mask = GENERATE(Mask(Mask::causal), Mask(Mask::none));
   const Layout layout = GENERATE(Layout::batch_first, Layout::head_first);
   const Index T = 20, Hq = 4, Hkv = 2, dk = 5, dv = 3;
   const std::vector<Index> offsets{0, 5, 5, 12, 20};  // lengths 5, 0, 7, 8
@@ -182,15 +185,14 @@ TEMPLATE_TEST_CASE("packed variable-length batch: each sequence on its own", "[m
   auto k = random_buffer<Scalar>(T * Hkv * dk, 32);
   auto v = random_buffer<Scalar>(T * Hkv * dv, 33);
   std::vector<Scalar> out(static_cast<std::size_t>(T * Hq * dv));
-  Options opt;
-  opt.chunk_size = 3;
-  MultiHeadAttention<EluPlusOne, Scalar> mha({Hq, Hkv, dk, dv}, EluPlusOne{}, opt);
-  mha.set_threads(2);
+  ThreadPool pool(2);
+  auto mha = elu_layer<Scalar>({Hq, Hkv, dk, dv}, 3);
+  mha.set_executor(&pool);
   auto run = [&](std::vector<Scalar>& o) {
-    mha.forward(view<const Scalar>(layout, q.data(), 1, T, Hq, dk),
-                view<const Scalar>(layout, k.data(), 1, T, Hkv, dk),
-                view<const Scalar>(layout, v.data(), 1, T, Hkv, dv),
-                view(layout, o.data(), 1, T, Hq, dv), mask, SequenceLayout::packed(offsets));
+    mha.parallel_into(view<const Scalar>(layout, q.data(), 1, T, Hq, dk),
+                      view<const Scalar>(layout, k.data(), 1, T, Hkv, dk),
+                      view<const Scalar>(layout, v.data(), 1, T, Hkv, dv), mask,
+                      view(layout, o.data(), 1, T, Hq, dv), SequenceLayout::packed(offsets));
   };
   run(out);
   for (std::size_t s = 0; s + 1 < offsets.size(); ++s) {
@@ -221,7 +223,7 @@ TEMPLATE_TEST_CASE("packed variable-length batch: each sequence on its own", "[m
 TEMPLATE_TEST_CASE("padded batch: padded keys reach neither output nor state",
                    "[multihead][padded]", float, double) {
   using Scalar = TestType;
-  const Mask mask = GENERATE(Mask::causal, Mask::none);
+  const Mask mask = GENERATE(Mask(Mask::causal), Mask(Mask::none));
   const Layout layout = GENERATE(Layout::batch_first, Layout::head_first);
   const Index B = 3, T = 13, Hq = 2, Hkv = 1, dk = 4, dv = 3;
   const std::vector<Index> lengths{7, 0, 13};
@@ -239,17 +241,18 @@ TEMPLATE_TEST_CASE("padded batch: padded keys reach neither output nor state",
       for (Index c = 0; c < dv; ++c) v[static_cast<std::size_t>(flat(layout, b, t, 0, c, T, Hkv, dv))] = nan;
     }
   std::vector<Scalar> out(static_cast<std::size_t>(B * T * Hq * dv), Scalar(5));
-  MultiHeadAttention<EluPlusOne, Scalar> mha({Hq, Hkv, dk, dv});
-  mha.set_threads(2);
+  ThreadPool pool(2);
+  EluLayer<Scalar> mha({Hq, Hkv, dk, dv});
+  mha.set_executor(&pool);
   const auto Qv = view<const Scalar>(layout, q.data(), B, T, Hq, dk);
   const auto Kv = view<const Scalar>(layout, k.data(), B, T, Hkv, dk);
   const auto Vv = view<const Scalar>(layout, v.data(), B, T, Hkv, dv);
   const auto Ov = view(layout, out.data(), B, T, Hq, dv);
   auto state = mha.make_state(B);
   if (mask == Mask::causal)
-    mha.prefill(Qv, Kv, Vv, Ov, state, SequenceLayout::padded(lengths));
+    mha.prefill_into(state, Qv, Kv, Vv, Ov, SequenceLayout::padded(lengths));
   else
-    mha.forward(Qv, Kv, Vv, Ov, mask, SequenceLayout::padded(lengths));
+    mha.parallel_into(Qv, Kv, Vv, mask, Ov, SequenceLayout::padded(lengths));
   for (Index b = 0; b < B; ++b) {
     const Index n = lengths[static_cast<std::size_t>(b)];
     for (Index h = 0; h < Hq; ++h) {
@@ -276,7 +279,7 @@ TEMPLATE_TEST_CASE("padded batch: padded keys reach neither output nor state",
         }
         // A sum of n positive terms: gamma_n plus the feature map's ulps.
         CHECK(std::abs(static_cast<double>(st.z()(c)) - z) <=
-              (n + 4) * linattn_test::unit_roundoff<Scalar>() * z_abs);
+              static_cast<double>(n + 4) * linattn_test::unit_roundoff<Scalar>() * z_abs);
       }
       CHECK(st.S().allFinite());
     }
@@ -290,7 +293,7 @@ namespace {
 // reads views whose T is T0 but whose strides are the full buffer's (head-first rows of one
 // head are T apart, not T0).
 template <class Scalar, class Mha>
-std::vector<Scalar> prefill_then_decode(const Mha& mha, BatchState<Scalar>& state, Layout layout,
+std::vector<Scalar> prefill_then_decode(const Mha& mha, typename Mha::State& state, Layout layout,
                                         const std::vector<Scalar>& q, const std::vector<Scalar>& k,
                                         const std::vector<Scalar>& v, Index B, Index T, Index T0) {
   const HeadConfig& h = mha.heads();
@@ -300,16 +303,14 @@ std::vector<Scalar> prefill_then_decode(const Mha& mha, BatchState<Scalar>& stat
   };
   std::vector<Scalar> out(static_cast<std::size_t>(B * T * h.q_heads * h.value_dim));
   const TensorView<Scalar> out_full = view(layout, out.data(), B, T, h.q_heads, h.value_dim);
-  mha.prefill(sub(q, h.q_heads, h.key_dim, 0, T0), sub(k, h.kv_heads, h.key_dim, 0, T0),
-              sub(v, h.kv_heads, h.value_dim, 0, T0),
-              TensorView<Scalar>(out.data(), {B, T0, h.q_heads, h.value_dim}, out_full.strides()),
-              state);
+  mha.prefill_into(state, sub(q, h.q_heads, h.key_dim, 0, T0), sub(k, h.kv_heads, h.key_dim, 0, T0),
+                   sub(v, h.kv_heads, h.value_dim, 0, T0),
+                   TensorView<Scalar>(out.data(), {B, T0, h.q_heads, h.value_dim}, out_full.strides()));
   for (Index t = T0; t < T; ++t)
-    mha.step(sub(q, h.q_heads, h.key_dim, t, 1), sub(k, h.kv_heads, h.key_dim, t, 1),
-             sub(v, h.kv_heads, h.value_dim, t, 1),
-             TensorView<Scalar>(&out_full(0, t, 0, 0), {B, 1, h.q_heads, h.value_dim},
-                                out_full.strides()),
-             state);
+    mha.step_into(state, sub(q, h.q_heads, h.key_dim, t, 1), sub(k, h.kv_heads, h.key_dim, t, 1),
+                  sub(v, h.kv_heads, h.value_dim, t, 1),
+                  TensorView<Scalar>(&out_full(0, t, 0, 0), {B, 1, h.q_heads, h.value_dim},
+                                     out_full.strides()));
   return out;
 }
 
@@ -323,8 +324,9 @@ TEMPLATE_TEST_CASE("prefill then decode equals one causal pass", "[multihead][de
   const auto q = random_buffer<Scalar>(B * T * Hq * dk, 51);
   const auto k = random_buffer<Scalar>(B * T * Hkv * dk, 52);
   const auto v = random_buffer<Scalar>(B * T * Hkv * dv, 53);
-  MultiHeadAttention<EluPlusOne, Scalar> mha({Hq, Hkv, dk, dv});
-  mha.set_threads(2);
+  ThreadPool pool(2);
+  EluLayer<Scalar> mha({Hq, Hkv, dk, dv});
+  mha.set_executor(&pool);
   auto state = mha.make_state(B);
   const auto out = prefill_then_decode(mha, state, layout, q, k, v, B, T, T0);
   for (Index b = 0; b < B; ++b) {
@@ -351,11 +353,9 @@ TEMPLATE_TEST_CASE("grouped query heads share one state per key/value head",
   const auto q = random_buffer<Scalar>(B * T * Hq * dk, 71);
   const auto k = random_buffer<Scalar>(B * T * Hkv * dk, 72);
   const auto v = random_buffer<Scalar>(B * T * Hkv * dv, 73);
-  Options opt;
-  opt.chunk_size = 4;
-  opt.decode_block = 4;
-  MultiHeadAttention<EluPlusOne, Scalar> mha({Hq, Hkv, dk, dv}, EluPlusOne{}, opt);
-  mha.set_threads(2);
+  ThreadPool pool(2);
+  auto mha = elu_layer<Scalar>({Hq, Hkv, dk, dv}, 4, 4);
+  mha.set_executor(&pool);
   REQUIRE(mha.state_heads() == Hkv);
   auto state = mha.make_state(B);
   REQUIRE(state.heads() == Hkv);
@@ -370,8 +370,7 @@ TEMPLATE_TEST_CASE("grouped query heads share one state per key/value head",
       const auto V = cut(v, layout, b, g, 0, T, T, Hkv, dv);
       auto single = attn.make_state(dk, dv);
       RowMatrix<Scalar> want(T, dv);
-      attn.parallel_into(Q.topRows(T0), K.topRows(T0), V.topRows(T0), Mask::causal, single,
-                         want.topRows(T0));
+      attn.prefill_into(single, Q.topRows(T0), K.topRows(T0), V.topRows(T0), want.topRows(T0));
       for (Index t = T0; t < T; ++t) attn.step_into(single, Q.row(t), K.row(t), V.row(t), want.row(t));
       CHECK(cut(out, layout, b, h, 0, T, T, Hq, dv) == want);
       const auto& shared = state.sequence(b).head(g);
@@ -379,18 +378,18 @@ TEMPLATE_TEST_CASE("grouped query heads share one state per key/value head",
       CHECK(shared.S() == single.S());
       CHECK(shared.z() == single.z());
     }
-  // A stateless forward also reads each group's keys once, causal and full: each head has the
+  // A stateless call also reads each group's keys once, causal and full: each head has the
   // bits of a fresh single-head parallel_into.
-  for (const Mask mask : {Mask::causal, Mask::none}) {
+  for (const Mask mask : {Mask(Mask::causal), Mask(Mask::none)}) {
     std::vector<Scalar> fwd(out.size(), Scalar(-1));
-    mha.forward(view<const Scalar>(layout, q.data(), B, T, Hq, dk),
-                view<const Scalar>(layout, k.data(), B, T, Hkv, dk),
-                view<const Scalar>(layout, v.data(), B, T, Hkv, dv),
-                view(layout, fwd.data(), B, T, Hq, dv), mask);
+    mha.parallel_into(view<const Scalar>(layout, q.data(), B, T, Hq, dk),
+                      view<const Scalar>(layout, k.data(), B, T, Hkv, dk),
+                      view<const Scalar>(layout, v.data(), B, T, Hkv, dv), mask,
+                      view(layout, fwd.data(), B, T, Hq, dv));
     for (Index b = 0; b < B; ++b)
       for (Index h = 0; h < Hq; ++h) {
-        INFO("forward, causal " << (mask == Mask::causal) << ": sequence " << b << " query head "
-                                << h);
+        INFO("stateless, causal " << (mask == Mask::causal) << ": sequence " << b
+                                  << " query head " << h);
         const Index g = h / G;
         RowMatrix<Scalar> want(T, dv);
         attn.parallel_into(cut(q, layout, b, h, 0, T, T, Hq, dk),
@@ -416,7 +415,8 @@ struct Conversation {
         T(T0 + steps) {}
 };
 
-using Mha = MultiHeadAttention<EluPlusOne, float>;
+using Mha = EluLayer<float>;
+using Batch = Mha::State;
 
 // Gathers token t of the given conversations into a [N, 1, H, d] batch-first buffer.
 std::vector<float> gather(const std::vector<const std::vector<float>*>& src, Index t, Index H,
@@ -428,22 +428,21 @@ std::vector<float> gather(const std::vector<const std::vector<float>*>& src, Ind
 }
 
 // Prefills conversation c alone into batch position `slot` of `state`; returns its outputs.
-std::vector<float> prefill_one(const Mha& mha, BatchState<float>& state, const Conversation& c,
-                               Index slot) {
+std::vector<float> prefill_one(const Mha& mha, Batch& state, const Conversation& c, Index slot) {
   using C = Conversation;
   std::vector<float> out(static_cast<std::size_t>(C::T0 * C::Hq * C::dv));
   const Index slots[] = {slot};
-  mha.prefill(TensorView<const float>::batch_first(c.q.data(), 1, C::T0, C::Hq, C::dk),
-              TensorView<const float>::batch_first(c.k.data(), 1, C::T0, C::Hkv, C::dk),
-              TensorView<const float>::batch_first(c.v.data(), 1, C::T0, C::Hkv, C::dv),
-              TensorView<float>::batch_first(out.data(), 1, C::T0, C::Hq, C::dv), state,
-              SequenceLayout::batch(), slots);
+  mha.prefill_into(state, TensorView<const float>::batch_first(c.q.data(), 1, C::T0, C::Hq, C::dk),
+                   TensorView<const float>::batch_first(c.k.data(), 1, C::T0, C::Hkv, C::dk),
+                   TensorView<const float>::batch_first(c.v.data(), 1, C::T0, C::Hkv, C::dv),
+                   TensorView<float>::batch_first(out.data(), 1, C::T0, C::Hq, C::dv),
+                   SequenceLayout::batch(), std::span<const Index>(slots));
   return out;
 }
 
 // One decode step of the listed conversations at their token t (all at the same t here);
 // returns [N, Hq, dv] outputs.
-std::vector<float> step_all(const Mha& mha, BatchState<float>& state,
+std::vector<float> step_all(const Mha& mha, Batch& state,
                             const std::vector<const Conversation*>& cs, Index t) {
   using C = Conversation;
   std::vector<const std::vector<float>*> qs, ks, vs;
@@ -456,10 +455,10 @@ std::vector<float> step_all(const Mha& mha, BatchState<float>& state,
              v = gather(vs, t, C::Hkv, C::dv);
   const auto N = static_cast<Index>(cs.size());
   std::vector<float> out(static_cast<std::size_t>(N * C::Hq * C::dv));
-  mha.step(TensorView<const float>::batch_first(q.data(), N, 1, C::Hq, C::dk),
-           TensorView<const float>::batch_first(k.data(), N, 1, C::Hkv, C::dk),
-           TensorView<const float>::batch_first(v.data(), N, 1, C::Hkv, C::dv),
-           TensorView<float>::batch_first(out.data(), N, 1, C::Hq, C::dv), state);
+  mha.step_into(state, TensorView<const float>::batch_first(q.data(), N, 1, C::Hq, C::dk),
+                TensorView<const float>::batch_first(k.data(), N, 1, C::Hkv, C::dk),
+                TensorView<const float>::batch_first(v.data(), N, 1, C::Hkv, C::dv),
+                TensorView<float>::batch_first(out.data(), N, 1, C::Hq, C::dv));
   return out;
 }
 
@@ -476,7 +475,8 @@ TEST_CASE("continuous batching: a sequence's outputs do not depend on its batch 
   const Index steps = 5;
   const Conversation a(0, steps), b(1, steps), c(2, steps), d(3, steps);
   Mha mha({C::Hq, C::Hkv, C::dk, C::dv});
-  mha.set_threads(GENERATE(1, 2));
+  ThreadPool pool(GENERATE(1, 2));
+  mha.set_executor(&pool);
 
   // Conversation b decoding alone.
   auto solo = mha.make_state(1);
@@ -510,23 +510,20 @@ TEST_CASE("continuous batching: a sequence's outputs do not depend on its batch 
   // d is T0 tokens in and b is further along; feed d its own first decode tokens while b
   // continues: the batch holds sequences at different positions.
   for (Index i = 0; t < b.T; ++t, ++i) {
-    const auto q = [&] {
-      auto x = gather({&b.q, &c.q}, t, C::Hq, C::dk);
-      auto y = gather({&d.q}, C::T0 + i, C::Hq, C::dk);
-      x.insert(x.end(), y.begin(), y.end());
-      return x;
-    }();
+    auto q = gather({&b.q, &c.q}, t, C::Hq, C::dk);
+    const auto qd = gather({&d.q}, C::T0 + i, C::Hq, C::dk);
+    q.insert(q.end(), qd.begin(), qd.end());
     auto k = gather({&b.k, &c.k}, t, C::Hkv, C::dk);
-    auto kd = gather({&d.k}, C::T0 + i, C::Hkv, C::dk);
+    const auto kd = gather({&d.k}, C::T0 + i, C::Hkv, C::dk);
     k.insert(k.end(), kd.begin(), kd.end());
     auto v = gather({&b.v, &c.v}, t, C::Hkv, C::dv);
-    auto vd = gather({&d.v}, C::T0 + i, C::Hkv, C::dv);
+    const auto vd = gather({&d.v}, C::T0 + i, C::Hkv, C::dv);
     v.insert(v.end(), vd.begin(), vd.end());
     std::vector<float> out(static_cast<std::size_t>(3 * C::Hq * C::dv));
-    mha.step(TensorView<const float>::batch_first(q.data(), 3, 1, C::Hq, C::dk),
-             TensorView<const float>::batch_first(k.data(), 3, 1, C::Hkv, C::dk),
-             TensorView<const float>::batch_first(v.data(), 3, 1, C::Hkv, C::dv),
-             TensorView<float>::batch_first(out.data(), 3, 1, C::Hq, C::dv), batch);
+    mha.step_into(batch, TensorView<const float>::batch_first(q.data(), 3, 1, C::Hq, C::dk),
+                  TensorView<const float>::batch_first(k.data(), 3, 1, C::Hkv, C::dk),
+                  TensorView<const float>::batch_first(v.data(), 3, 1, C::Hkv, C::dv),
+                  TensorView<float>::batch_first(out.data(), 3, 1, C::Hq, C::dv));
     CHECK(row_of(out, 0) == b_alone[static_cast<std::size_t>(t - C::T0)]);
   }
   CHECK(batch.sequence(0).tokens() == b.T);
@@ -537,54 +534,89 @@ TEST_CASE("continuous batching: a sequence's outputs do not depend on its batch 
   auto q1 = gather({&b.q}, 0, C::Hq, C::dk), k1 = gather({&b.k}, 0, C::Hkv, C::dk),
        v1 = gather({&b.v}, 0, C::Hkv, C::dv);
   std::vector<float> o1(static_cast<std::size_t>(C::Hq * C::dv));
-  mha.step(TensorView<const float>::batch_first(q1.data(), 1, 1, C::Hq, C::dk),
-           TensorView<const float>::batch_first(k1.data(), 1, 1, C::Hkv, C::dk),
-           TensorView<const float>::batch_first(v1.data(), 1, 1, C::Hkv, C::dv),
-           TensorView<float>::batch_first(o1.data(), 1, 1, C::Hq, C::dv), batch, slot);
+  mha.step_into(batch, TensorView<const float>::batch_first(q1.data(), 1, 1, C::Hq, C::dk),
+                TensorView<const float>::batch_first(k1.data(), 1, 1, C::Hkv, C::dk),
+                TensorView<const float>::batch_first(v1.data(), 1, 1, C::Hkv, C::dv),
+                TensorView<float>::batch_first(o1.data(), 1, 1, C::Hq, C::dv),
+                std::span<const Index>(slot));
   CHECK(batch.sequence(1).head(1).S() == c_state);
   CHECK(batch.sequence(0).tokens() == b.T + 1);
 }
 
+namespace {
+// ELU+1 that counts the calls made off the thread that started the layer's call: the proof
+// that a pool's threads actually ran work items.
+struct Probe {
+  static inline std::atomic<int> calls_off_caller{0};
+  static inline std::thread::id caller;
+  static constexpr bool strictly_positive = true;
+  static constexpr const char* name = "probe";
+  [[nodiscard]] Index feature_dim(Index d) const noexcept { return d; }
+  template <class In, class Out>
+  void apply(const In& x, Out& out) const {
+    EluPlusOne{}.apply(x, out);
+    if (std::this_thread::get_id() != caller) ++calls_off_caller;
+  }
+};
+
+// Threads of this process, from /proc (Linux); -1 where that is not available.
+Index process_threads() {
+  std::error_code ec;
+  Index n = 0;
+  for (auto it = std::filesystem::directory_iterator("/proc/self/task", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec))
+    ++n;
+  return ec ? -1 : n;
+}
+}  // namespace
+
 TEMPLATE_TEST_CASE("one and two threads give identical bytes", "[multihead][threads]", float,
                    double) {
+  // Work large enough for the pool's grain (each of the 3 x 2 prefill items is 64 tokens x
+  // 2 query heads x 4 r dv flops = 0.26 MFLOP at r = 32, dv = 16), so two threads really run:
+  // the probe map counts the work items computed off the calling thread.
   using Scalar = TestType;
-  INFO("compiled with OpenMP: " << detail::openmp_enabled);
-  const Index B = 3, T = 37, Hq = 4, Hkv = 2, dk = 16, dv = 8;
+  const Index B = 3, T = 64, Hq = 4, Hkv = 2, dk = 32, dv = 16;
   const auto q = random_buffer<Scalar>(B * T * Hq * dk, 61);
   const auto k = random_buffer<Scalar>(B * T * Hkv * dk, 62);
   const auto v = random_buffer<Scalar>(B * T * Hkv * dv, 63);
-  const std::vector<Index> lengths{37, 20, 3};
+  const std::vector<Index> lengths{64, 20, 3};
+  using Layer = MultiHeadAttention<LinearAttention<Probe, Scalar>>;
   auto run = [&](int threads, std::vector<Scalar>& out, std::vector<Scalar>& dec,
-                 BatchState<Scalar>& state) {
-    MultiHeadAttention<EluPlusOne, Scalar> mha({Hq, Hkv, dk, dv});
-    mha.set_threads(threads);
+                 typename Layer::State& state) {
+    Layer mha({Hq, Hkv, dk, dv});
+    ThreadPool pool(threads);
+    mha.set_executor(&pool);
     const auto Q = TensorView<const Scalar>::head_first(q.data(), B, Hq, T, dk);
     const auto K = TensorView<const Scalar>::head_first(k.data(), B, Hkv, T, dk);
     const auto V = TensorView<const Scalar>::head_first(v.data(), B, Hkv, T, dv);
-    mha.prefill(Q, K, V, TensorView<Scalar>::head_first(out.data(), B, Hq, T, dv), state,
-                SequenceLayout::padded(lengths));
+    mha.prefill_into(state, Q, K, V, TensorView<Scalar>::head_first(out.data(), B, Hq, T, dv),
+                     SequenceLayout::padded(lengths));
     // Decode token 0 of every sequence again as a new step (any data will do).
     const auto q1 = TensorView<const Scalar>::batch_first(q.data(), B, 1, Hq, dk);
     const auto k1 = TensorView<const Scalar>::batch_first(k.data(), B, 1, Hkv, dk);
     const auto v1 = TensorView<const Scalar>::batch_first(v.data(), B, 1, Hkv, dv);
-    mha.step(q1, k1, v1, TensorView<Scalar>::batch_first(dec.data(), B, 1, Hq, dv), state);
-    // Stateless full attention over the same rows packed as one sequence per batch entry
-    // would need B = 1; read batch entry 0's rows as three packed sequences instead.
+    mha.step_into(state, q1, k1, v1, TensorView<Scalar>::batch_first(dec.data(), B, 1, Hq, dv));
+    // Batch entry 0's rows as three packed sequences, full attention.
     const std::vector<Index> offsets{0, 10, 11, T};
     std::vector<Scalar> packed(static_cast<std::size_t>(T * Hq * dv));
-    mha.forward(TensorView<const Scalar>::head_first(q.data(), 1, Hq, T, dk),
-                TensorView<const Scalar>::head_first(k.data(), 1, Hkv, T, dk),
-                TensorView<const Scalar>::head_first(v.data(), 1, Hkv, T, dv),
-                TensorView<Scalar>::head_first(packed.data(), 1, Hq, T, dv), Mask::none,
-                SequenceLayout::packed(offsets));
+    mha.parallel_into(TensorView<const Scalar>::head_first(q.data(), 1, Hq, T, dk),
+                      TensorView<const Scalar>::head_first(k.data(), 1, Hkv, T, dk),
+                      TensorView<const Scalar>::head_first(v.data(), 1, Hkv, T, dv), Mask::none,
+                      TensorView<Scalar>::head_first(packed.data(), 1, Hq, T, dv),
+                      SequenceLayout::packed(offsets));
     out.insert(out.end(), packed.begin(), packed.end());
   };
+  Probe::caller = std::this_thread::get_id();
   const auto n = static_cast<std::size_t>(B * T * Hq * dv);
   std::vector<Scalar> out1(n), out2(n), dec1(static_cast<std::size_t>(B * Hq * dv)), dec2(dec1);
-  // One state per key/value head (MultiHeadAttention::state_heads() for ELU+1).
-  auto s1 = BatchState<Scalar>(Hkv, dk, dk, dv, B), s2 = BatchState<Scalar>(Hkv, dk, dk, dv, B);
+  const Layer layer({Hq, Hkv, dk, dv});
+  auto s1 = layer.make_state(B), s2 = layer.make_state(B);
+  Probe::calls_off_caller = 0;
   run(1, out1, dec1, s1);
+  CHECK(Probe::calls_off_caller == 0);
   run(2, out2, dec2, s2);
+  CHECK(Probe::calls_off_caller > 0);  // the second thread did run items
   REQUIRE(out1.size() == n + static_cast<std::size_t>(T * Hq * dv));
   REQUIRE(out2.size() == out1.size());
   CHECK(std::memcmp(out1.data(), out2.data(), out1.size() * sizeof(Scalar)) == 0);
@@ -596,18 +628,54 @@ TEMPLATE_TEST_CASE("one and two threads give identical bytes", "[multihead][thre
     }
 }
 
+TEST_CASE("without an executor no thread is created and every item runs on the caller",
+          "[multihead][threads]") {
+  const Index B = 2, T = 128, H = 2, d = 64;
+  const auto q = random_buffer<float>(B * T * H * d, 81);
+  std::vector<float> out(q.size());
+  MultiHeadAttention<LinearAttention<Probe>> mha({H, H, d, d});
+  const auto in = TensorView<const float>::batch_first(q.data(), B, T, H, d);
+  const auto o = TensorView<float>::batch_first(out.data(), B, T, H, d);
+  Probe::caller = std::this_thread::get_id();
+  Probe::calls_off_caller = 0;
+  const Index before = process_threads();
+  mha.parallel_into(in, in, in, Mask::causal, o);
+  mha.parallel_into(in, in, in, Mask::none, o);
+  auto state = mha.make_state(B);
+  mha.prefill_into(state, in, in, in, o);
+  CHECK(process_threads() == before);
+  CHECK(Probe::calls_off_caller == 0);
+}
+
+TEST_CASE("a call below the grain size stays on the calling thread", "[multihead][threads]") {
+  // One sequence of one token at d = 8: 2 heads x 4 r dv = 512 flops, far below
+  // detail::kParallelGrainFlops: handing it to a thread would cost more than it saves.
+  const Index H = 2, d = 8;
+  const auto x = random_buffer<float>(H * d, 82);
+  std::vector<float> out(x.size());
+  MultiHeadAttention<LinearAttention<Probe>> mha({H, H, d, d});
+  ThreadPool pool(2);
+  mha.set_executor(&pool);
+  auto state = mha.make_state(1);
+  const auto in = TensorView<const float>::batch_first(x.data(), 1, 1, H, d);
+  Probe::caller = std::this_thread::get_id();
+  Probe::calls_off_caller = 0;
+  for (int i = 0; i < 10; ++i)
+    mha.step_into(state, in, in, in, TensorView<float>::batch_first(out.data(), 1, 1, H, d));
+  CHECK(Probe::calls_off_caller == 0);
+}
+
 TEST_CASE("an error in one head is reported once, after every other head ran", "[multihead]") {
   // Identity features: a query orthogonal to the keys gives a zero denominator in head 1 only.
   const Index H = 2, d = 2;
   std::vector<double> q{1, 0, 0, 1}, k{1, 0, 1, 0}, v{1, 2, 3, 4};  // [1, 1, H, d]
   std::vector<double> out(4, -1.0);
-  MultiHeadAttention<Identity, double> mha({H, H, d, d});
-  mha.set_threads(2);
+  MultiHeadAttention<LinearAttention<Identity, double>> mha({H, H, d, d});
   auto state = mha.make_state(1);
   const auto Q = TensorView<const double>::batch_first(q.data(), 1, 1, H, d);
   const auto K = TensorView<const double>::batch_first(k.data(), 1, 1, H, d);
   const auto V = TensorView<const double>::batch_first(v.data(), 1, 1, H, d);
-  CHECK_THROWS_AS(mha.step(Q, K, V, TensorView<double>::batch_first(out.data(), 1, 1, H, d), state),
+  CHECK_THROWS_AS(mha.step_into(state, Q, K, V, TensorView<double>::batch_first(out.data(), 1, 1, H, d)),
                   DenominatorError);
   CHECK(state.sequence(0).head(0).tokens() == 1);  // head 0 stepped: y = v = (1, 2)
   CHECK(out[0] == 1.0);
@@ -626,7 +694,7 @@ TEST_CASE("shape errors name the views", "[multihead][errors]") {
   auto o = [&](Index b, Index t, Index h, Index dd) {
     return TensorView<float>::batch_first(out.data(), b, t, h, dd);
   };
-  const MultiHeadAttention<EluPlusOne, float> mha({H, 1, d, d});
+  const EluLayer<float> mha({H, 1, d, d});
   auto fails = [](auto&& call, const std::string& part) {
     try {
       call();
@@ -636,157 +704,56 @@ TEST_CASE("shape errors name the views", "[multihead][errors]") {
       CHECK(std::string(e.what()).find(part) != std::string::npos);
     }
   };
-  const Mask c = Mask::causal;
-  fails([&] { mha.forward(in(B, T, 3, d), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d), c); }, "H_q heads");
-  fails([&] { mha.forward(in(B, T, H, d), in(B, T, 2, d), in(B, T, 1, d), o(B, T, H, d), c); }, "H_kv heads");
-  fails([&] { mha.forward(in(B, T, H, 2), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d), c); }, "dim dk");
-  fails([&] { mha.forward(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, 2), o(B, T, H, d), c); }, "dim dv");
-  fails([&] { mha.forward(in(B, T, H, d), in(1, T, 1, d), in(B, T, 1, d), o(B, T, H, d), c); }, "batch size");
-  fails([&] { mha.forward(in(B, T, H, d), in(B, 3, 1, d), in(B, T, 1, d), o(B, T, H, d), Mask::none); }, "K and V");
-  fails([&] { mha.forward(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), o(B, 3, H, d), c); }, "out needs");
-  fails([&] { mha.forward(in(B, T, H, d), in(B, 3, 1, d), in(B, 3, 1, d), o(B, T, H, d), c); }, "as many queries as keys");
+  const auto c = Mask::causal;
+  fails([&] { mha.parallel_into(in(B, T, 3, d), in(B, T, 1, d), in(B, T, 1, d), c, o(B, T, H, d)); }, "H_q heads");
+  fails([&] { mha.parallel_into(in(B, T, H, d), in(B, T, 2, d), in(B, T, 1, d), c, o(B, T, H, d)); }, "H_kv heads");
+  fails([&] { mha.parallel_into(in(B, T, H, 2), in(B, T, 1, d), in(B, T, 1, d), c, o(B, T, H, d)); }, "dim dk");
+  fails([&] { mha.parallel_into(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, 2), c, o(B, T, H, d)); }, "dim dv");
+  fails([&] { mha.parallel_into(in(B, T, H, d), in(1, T, 1, d), in(B, T, 1, d), c, o(B, T, H, d)); }, "batch size");
+  fails([&] { mha.parallel_into(in(B, T, H, d), in(B, 3, 1, d), in(B, T, 1, d), Mask::none, o(B, T, H, d)); }, "K and V");
+  fails([&] { mha.parallel_into(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), c, o(B, 3, H, d)); }, "out needs");
+  fails([&] { mha.parallel_into(in(B, T, H, d), in(B, 3, 1, d), in(B, 3, 1, d), c, o(B, T, H, d)); }, "as many queries as keys");
   // The message names the views.
-  fails([&] { mha.forward(in(B, T, 3, d), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d), c); }, "[B=2, T=4, H=3, d=3]");
+  fails([&] { mha.parallel_into(in(B, T, 3, d), in(B, T, 1, d), in(B, T, 1, d), c, o(B, T, H, d)); }, "[B=2, T=4, H=3, d=3]");
 
   const std::vector<Index> bad_offsets{0, 3, 2, 4}, short_offsets{0, 3}, lengths{4, 5};
-  fails([&] { mha.forward(in(1, T, H, d), in(1, T, 1, d), in(1, T, 1, d), o(1, T, H, d), c, SequenceLayout::packed(bad_offsets)); }, "must not decrease");
-  fails([&] { mha.forward(in(1, T, H, d), in(1, T, 1, d), in(1, T, 1, d), o(1, T, H, d), c, SequenceLayout::packed(short_offsets)); }, "end at T=4");
-  fails([&] { mha.forward(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d), c, SequenceLayout::packed(short_offsets)); }, "batch size 1");
-  fails([&] { mha.forward(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d), c, SequenceLayout::padded(lengths)); }, "outside [0, T=4]");
-  fails([&] { mha.forward(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d), c, SequenceLayout::padded(bad_offsets)); }, "4 lengths for batch size B=2");
+  fails([&] { mha.parallel_into(in(1, T, H, d), in(1, T, 1, d), in(1, T, 1, d), c, o(1, T, H, d), SequenceLayout::packed(bad_offsets)); }, "must not decrease");
+  fails([&] { mha.parallel_into(in(1, T, H, d), in(1, T, 1, d), in(1, T, 1, d), c, o(1, T, H, d), SequenceLayout::packed(short_offsets)); }, "end at T=4");
+  fails([&] { mha.parallel_into(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), c, o(B, T, H, d), SequenceLayout::packed(short_offsets)); }, "batch size 1");
+  fails([&] { mha.parallel_into(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), c, o(B, T, H, d), SequenceLayout::padded(lengths)); }, "outside [0, T=4]");
+  fails([&] { mha.parallel_into(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), c, o(B, T, H, d), SequenceLayout::padded(bad_offsets)); }, "4 lengths for batch size B=2");
 
   auto state = mha.make_state(3);
-  fails([&] { mha.prefill(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d), state); }, "the batch state 3");
+  const auto all = SequenceLayout::batch();
+  fails([&] { mha.prefill_into(state, in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d)); }, "the batch state 3");
   const Index dup[] = {1, 1}, far[] = {0, 3};
-  fails([&] { mha.prefill(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d), state, SequenceLayout::batch(), dup); }, "given twice");
-  fails([&] { mha.prefill(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d), state, SequenceLayout::batch(), far); }, "outside the batch state");
-  fails([&] { mha.step(in(3, 2, H, d), in(3, 2, 1, d), in(3, 2, 1, d), o(3, 2, H, d), state); }, "one token per sequence");
-  auto other = BatchState<float>(H, d, d, d + 1, 2);
-  fails([&] { mha.prefill(in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d), other); }, "this layer needs");
+  fails([&] { mha.prefill_into(state, in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d), all, std::span<const Index>(dup)); }, "given twice");
+  fails([&] { mha.prefill_into(state, in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d), all, std::span<const Index>(far)); }, "outside the batch state");
+  fails([&] { mha.step_into(state, in(3, 2, H, d), in(3, 2, 1, d), in(3, 2, 1, d), o(3, 2, H, d)); }, "one token per sequence");
+  const EluLayer<float> wider({H, 1, d, d + 1});
+  auto other = wider.make_state(2);
+  fails([&] { mha.prefill_into(other, in(B, T, H, d), in(B, T, 1, d), in(B, T, 1, d), o(B, T, H, d)); }, "this layer needs");
 
-  fails([] { MultiHeadAttention<EluPlusOne, float>({3, 2, 4, 4}); }, "multiple of");
-  fails([] { MultiHeadAttention<EluPlusOne, float>({2, 1, 0, 4}); }, "positive");
-  fails([&] { static_cast<void>(TensorView<float>(out.data(), {1, 2, 2, 3}, {12, 6, 3, 2})); }, "contiguous feature axis");
-  fails([&] { static_cast<void>(TensorView<float>(out.data(), {1, -2, 2, 3}, {12, 6, 3, 1})); }, "negative");
-  fails([] { static_cast<void>(TensorView<float>(nullptr, {1, 2, 2, 3}, {12, 6, 3, 1})); }, "null");
-  fails([&] { static_cast<void>(TensorView<float>::batch_first(out.data(), 1, 2, 2, 3).head_matrix(0, 2)); }, "outside tensor view");
-  fails([&] { auto s = mha.make_state(); s.add_sequence(SequenceState<float>(mha.state_heads(), d, d, d + 1)); }, "dv=");
+  fails([] { EluLayer<float>({3, 2, 4, 4}); }, "multiple of");
+  fails([] { EluLayer<float>({2, 1, 0, 4}); }, "positive");
+  fails([&] { auto s = mha.make_state(); s.add_sequence(Batch::Sequence(mha.state_heads(), wider.make_state(1).empty_head())); }, "dv=");
   CHECK_THROWS_AS(mha.make_state(1).drop_sequence(99), std::out_of_range);
 }
 
-TEST_CASE("TensorView addresses both layouts", "[tensor_view]") {
-  std::vector<int> idx(2 * 3 * 4 * 5);
-  std::vector<double> buf(idx.size());
-  for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<double>(i);
-  const auto bf = TensorView<const double>::batch_first(buf.data(), 2, 3, 4, 5);
-  const auto hf = TensorView<const double>::head_first(buf.data(), 2, 4, 3, 5);
-  CHECK(bf(1, 2, 3, 4) == static_cast<double>(((1 * 3 + 2) * 4 + 3) * 5 + 4));
-  CHECK(hf(1, 2, 3, 4) == static_cast<double>(((1 * 4 + 3) * 3 + 2) * 5 + 4));
-  CHECK(hf.times() == 3);
-  CHECK(hf.heads() == 4);
-  const auto m = bf.head_matrix(1, 2);
-  CHECK(m.rows() == 3);
-  CHECK(m.cols() == 5);
-  CHECK(m(2, 1) == bf(1, 2, 2, 1));
-  const auto n = hf.head_matrix(1, 2);
-  CHECK(n(2, 1) == hf(1, 2, 2, 1));
-  CHECK(n.data() == &hf(1, 0, 2, 0));  // a view, not a copy
-}
-
-TEST_CASE("state size against a K/V cache", "[batch_state]") {
-  // One head, r = dk = dv = 128: the state is 128*128 + 128 = 16,512 scalars; a K/V cache
-  // adds 128 + 128 = 256 per token, 64 * 256 = 16,384 <= 16,512 < 16,640 = 65 * 256.
-  const auto one = state_footprint(1, 1, 128, 128, 128);
-  CHECK(one.state_scalars_per_head == 16512);
-  CHECK(one.kv_scalars_per_token == 256);
-  CHECK(one.kv_cache_crossover == 65);
-  // dk = dv = 64: 64*64 + 64 = 4160 against 128 per token: 32 * 128 = 4096 <= 4160 < 4224.
-  CHECK(state_footprint(1, 1, 64, 64, 64).kv_cache_crossover == 33);
-  // 8 state heads against 2 kv heads (a log-scaled map keeps a state per query head), d = 128:
-  // 8 * 16512 = 132096 state scalars, 2 * 256 = 512 per token; 132096 / 512 = 258 exactly,
-  // so the cache passes it at 259.
-  const auto per_query = state_footprint(8, 2, 128, 128, 128);
-  CHECK(per_query.state_scalars == 132096);
-  CHECK(per_query.kv_cache_crossover == 259);
-  // An ordinary map shares one state per kv head: 2 * 16512 = 33024 scalars against 512 per
-  // token, 64 * 512 = 32768 <= 33024 < 33280 = 65 * 512: the same 65 as one plain head.
-  const MultiHeadAttention<EluPlusOne, float> mha({8, 2, 128, 128});
-  CHECK(mha.state_heads() == 2);
-  CHECK(mha.footprint().state_scalars == 33024);
-  CHECK(mha.footprint().kv_cache_crossover == 65);
-  const auto state = mha.make_state(2);
-  CHECK(state.heads() == 2);
-  CHECK(state.bytes_per_sequence() == 33024u * sizeof(float));
-  CHECK(state.sequence(1).scalar_count() == 33024);
-  // Random features keep one state per query head: r = 128 features of dk = 64 keys.
-  const MultiHeadAttention<PositiveRandomFeatures<float>, float> favor(
-      {8, 2, 64, 64}, PositiveRandomFeatures<float>(64, 128, 7));
-  CHECK(favor.state_heads() == 8);
-  CHECK(favor.make_state(1).heads() == 8);
-  CHECK(favor.footprint().state_scalars == 8 * (128 * 64 + 128));
-}
-
-namespace {
-// Threads of this process, from /proc (Linux); -1 where that is not available.
-Index process_threads() {
-  std::error_code ec;
-  Index n = 0;
-  for (auto it = std::filesystem::directory_iterator("/proc/self/task", ec);
-       !ec && it != std::filesystem::directory_iterator(); it.increment(ec))
-    ++n;
-  return ec ? -1 : n;
-}
-
-// ELU+1 that records, from inside the work items, on which thread it runs and how many
-// threads a parallel region opened there (e.g. by Eigen's GEMM) could get.
-struct Probe {
-  static inline std::atomic<int> widest_nested{0};
-  static inline std::atomic<int> calls_off_caller{0};
-  static inline std::thread::id caller;
-  static constexpr bool strictly_positive = true;
-  [[nodiscard]] Index feature_dim(Index d) const noexcept { return d; }
-  template <class In, class Out>
-  void apply(const In& x, Out& out) const {
-    EluPlusOne{}.apply(x, out);
-    if (std::this_thread::get_id() != caller) ++calls_off_caller;
-#ifdef _OPENMP
-    int seen = widest_nested.load();
-    const int now = omp_get_max_threads();
-    while (now > seen && !widest_nested.compare_exchange_weak(seen, now)) {
-    }
-#endif
-  }
-};
-}  // namespace
-
-TEST_CASE("one thread requested: no thread is created", "[multihead][threads]") {
-  // Products of 64 x 128 x 128 (a chunk against the state) are large enough for Eigen's GEMM
-  // to open an OpenMP team of its own. Two checks: (1) inside every work item a nested region
-  // could get only one thread (omp_get_max_threads() == 1, which is what Eigen asks), for one
-  // and for two linattn threads; (2) with one thread requested everything runs on the calling
-  // thread and the process has no more threads afterwards (ctest runs each test case in its
-  // own process, so this starts from a process without an OpenMP pool).
-  const Index B = 2, T = 128, H = 2, d = 128;
-  const auto q = random_buffer<float>(B * T * H * d, 81);
-  std::vector<float> out(q.size());
-  MultiHeadAttention<Probe, float> mha({H, H, d, d});
-  auto in = TensorView<const float>::batch_first(q.data(), B, T, H, d);
-  auto o = TensorView<float>::batch_first(out.data(), B, T, H, d);
-  auto run = [&] {
-    mha.forward(in, in, in, o, Mask::causal);
-    mha.forward(in, in, in, o, Mask::none);
-    auto state = mha.make_state(B);
-    mha.prefill(in, in, in, o, state);
-  };
-  Probe::caller = std::this_thread::get_id();
-  mha.set_threads(1);
-  const Index before = process_threads();
-  run();
-  CHECK(process_threads() == before);
-  CHECK(Probe::calls_off_caller == 0);
-  mha.set_threads(2);
-  run();
-  if (detail::openmp_enabled) {
-    CHECK(Probe::widest_nested == 1);
+TEST_CASE("a state made by another layer's attention is refused", "[multihead][errors]") {
+  // Same dims, another feature map: StateMismatchError names both identities.
+  const Index H = 2, d = 4;
+  const EluLayer<float> elu({H, H, d, d});
+  const MultiHeadAttention<LinearAttention<Identity>> identity({H, H, d, d});
+  auto state = identity.make_state(1);
+  const auto x = random_buffer<float>(H * d, 83);
+  std::vector<float> out(x.size());
+  const auto in = TensorView<const float>::batch_first(x.data(), 1, 1, H, d);
+  try {
+    elu.step_into(state, in, in, in, TensorView<float>::batch_first(out.data(), 1, 1, H, d));
+    FAIL("accepted");
+  } catch (const StateMismatchError& e) {
+    CHECK(std::string(e.what()).find("identity") != std::string::npos);
+    CHECK(std::string(e.what()).find("elu_plus_one") != std::string::npos);
   }
 }

@@ -242,8 +242,13 @@ class MultiHeadAttention {
                   State* state, std::span<const Index> slots, Attend&& attend) const {
     const Index H = state_heads(), G = group_size(), sequences = layout.count(Q.batches());
     const Index heads_per_item = shares_states ? G : 1;
+    // Work per item for the grain decision: 4 r dv flops per token and query head (the reads
+    // and the update), over the average sequence length.
+    const double rows_per_sequence = layout.kind() == SequenceLayout::Kind::packed
+                                         ? double(Q.times()) / double(std::max<Index>(sequences, 1))
+                                         : double(Q.times());
     const double flops = 4.0 * double(feature_dim()) * double(heads_.value_dim) *
-                         double(Q.times()) * double(heads_per_item) / double(std::max<Index>(sequences, 1));
+                         rows_per_sequence * double(heads_per_item);
     detail::parallel_for(sequences * H, executor_, flops, [&](Index item) {
       const Index s = item / H, h = item % H;
       const Index entry = layout.batch_entry(s), first = layout.first_row(s);

@@ -44,7 +44,8 @@ using RowsView = Eigen::Map<RowMatrix<Scalar>, Eigen::Unaligned, Eigen::OuterStr
 /// `Mask::none` and `Mask::causal` are constants of distinct types that convert to a run-time
 /// Mask, so a call that has both forms takes either (or a Mask chosen at run time), while a
 /// call with only the causal form (a write rule other than Additive) accepts `Mask::causal`
-/// alone and rejects the rest at compile time.
+/// alone and rejects the rest at compile time. Being of two types, they do not mix in `?:`;
+/// a mask chosen at run time is `Mask::causal_if(flag)`.
 class Mask {
  public:
   enum class Kind : unsigned char { none, causal };
@@ -62,6 +63,10 @@ class Mask {
   static constexpr Constant<Kind::causal> causal{};
 
   constexpr Mask(Kind kind) noexcept : kind_(kind) {}  // NOLINT(google-explicit-constructor)
+  /// Mask::causal when `causal`, else Mask::none, as a run-time Mask.
+  [[nodiscard]] static constexpr Mask causal_if(bool causal) noexcept {
+    return Mask(causal ? Kind::causal : Kind::none);
+  }
 
   [[nodiscard]] constexpr Kind kind() const noexcept { return kind_; }
   [[nodiscard]] constexpr bool is_causal() const noexcept { return kind_ == Kind::causal; }
