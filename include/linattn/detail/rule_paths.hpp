@@ -143,7 +143,7 @@ void rule_absorb_features(RuleState<Rule, Scalar>& state, const Kf& kf, const Vr
   if constexpr (Rule::kind == WriteKind::decay || Rule::kind == WriteKind::gated) {
     auto& z = StateAccess::z(state);
     const auto g = scratch.gates.row(0);
-    for (Index i = 0; i < S.rows(); ++i) S.row(i) = g(i) * S.row(i) + kf(i) * v;
+    for (Index i = 0; i < S.rows(); ++i) S.row(i) = g(i) * S.row(i) + kf(0, i) * v;
     z = z.cwiseProduct(g.transpose()) + kf.transpose();
   } else {
     auto& u = scratch.prediction;
