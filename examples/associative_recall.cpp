@@ -58,12 +58,13 @@ struct Recall {
   double path_gap = 0;             // max |parallel - recurrent| over the sequence's outputs
 };
 
-// Writes the sequence with `attn` (parallel and recurrent, which must agree), then reads.
+// Writes the sequence with `attn` (the chunked parallel pass through prefill, and the
+// recurrent pass, which must agree), then reads.
 template <class Attn, class... In>
 Recall run(const Attn& attn, const Matrix& keys, const Matrix& seq_k, const Matrix& seq_v,
            const Matrix& newest, Index rewritten, const In&... inputs) {
   auto state = attn.make_state(d, dv);
-  const Matrix y_par = attn.parallel(seq_k, seq_k, seq_v, state, inputs...);
+  const Matrix y_par = attn.prefill(state, seq_k, seq_k, seq_v, inputs...);
   const Matrix y_rec = attn.recurrent(seq_k, seq_k, seq_v, inputs...);
   Recall r;
   r.path_gap = (y_par - y_rec).cwiseAbs().maxCoeff();

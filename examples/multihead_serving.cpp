@@ -5,6 +5,7 @@
 // fixed random stream of q, k, v per conversation.
 
 #include <linattn/linattn.hpp>
+#include <linattn/thread_pool.hpp>
 
 #include <cstdio>
 #include <random>
@@ -13,6 +14,8 @@
 using namespace linattn;
 
 namespace {
+
+using Layer = MultiHeadAttention<LinearAttention<EluPlusOne, float>>;
 
 constexpr Index Hq = 4, Hkv = 2, d = 16;
 
@@ -27,25 +30,27 @@ void token(int c, Index t, float* q, float* k, float* v) {
 
 // One decode step for the conversations in `who` (batch order = state order) at positions
 // `at`; returns the [N, Hq, d] outputs.
-std::vector<float> step(const MultiHeadAttention<EluPlusOne, float>& layer,
-                        BatchState<float>& state, const std::vector<int>& who,
+std::vector<float> step(const Layer& layer, Layer::State& state, const std::vector<int>& who,
                         std::vector<Index>& at) {
   const auto N = static_cast<Index>(who.size());
   std::vector<float> q(N * Hq * d), k(N * Hkv * d), v(N * Hkv * d), out(N * Hq * d);
   for (Index i = 0; i < N; ++i)
     token(who[i], at[i]++, &q[i * Hq * d], &k[i * Hkv * d], &v[i * Hkv * d]);
-  layer.step(TensorView<const float>::batch_first(q.data(), N, 1, Hq, d),
-             TensorView<const float>::batch_first(k.data(), N, 1, Hkv, d),
-             TensorView<const float>::batch_first(v.data(), N, 1, Hkv, d),
-             TensorView<float>::batch_first(out.data(), N, 1, Hq, d), state);
+  layer.step_into(state, TensorView<const float>::batch_first(q.data(), N, 1, Hq, d),
+                  TensorView<const float>::batch_first(k.data(), N, 1, Hkv, d),
+                  TensorView<const float>::batch_first(v.data(), N, 1, Hkv, d),
+                  TensorView<float>::batch_first(out.data(), N, 1, Hq, d));
   return out;
 }
 
 }  // namespace
 
 int main() {
-  MultiHeadAttention<EluPlusOne, float> layer({Hq, Hkv, d, d});
-  layer.set_threads(1);  // small steps: not worth a thread team
+  Layer layer(HeadConfig{Hq, Hkv, d, d});
+  // Two threads (the caller and one worker). Steps this small stay on the calling thread (the
+  // layer hands work to the pool only when it pays); the bits are the same either way.
+  ThreadPool pool(2);
+  layer.set_executor(&pool);
 
   // Conversations 0, 1, 2 decode together for 4 tokens.
   auto state = layer.make_state(3);

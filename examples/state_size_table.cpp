@@ -41,8 +41,8 @@ int main() {
   std::printf("%-24s %14s %18s %22s\n", "heads", "state bytes", "K/V bytes/token",
               "K/V cache larger at");
   for (const Model& m : models) {
-    const linattn::MultiHeadAttention<linattn::EluPlusOne, float> layer(
-        {m.q_heads, m.kv_heads, m.d, m.d});
+    const linattn::MultiHeadAttention<linattn::LinearAttention<linattn::EluPlusOne, float>> layer(
+        linattn::HeadConfig{m.q_heads, m.kv_heads, m.d, m.d});
     const auto f = layer.footprint();
     const auto state = layer.make_state();
     std::printf("%-24s %14zu %18td %22td\n", m.name, state.bytes_per_sequence(),

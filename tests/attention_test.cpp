@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 using namespace linattn;
@@ -82,7 +83,7 @@ TEMPLATE_TEST_CASE("three-token example of the second article", "[article]", flo
   RowMatrix<TestType> expected_causal(3, 2);
   expected_causal << 2, 0, 0, 3, 1.5, 0.5;
   auto state = attn.make_state(2, 2);
-  CHECK(attn.recurrent(Q, K, V, state) == expected_causal);
+  CHECK(attn.recurrent(state, Q, K, V) == expected_causal);
   CHECK(attn.parallel(Q, K, V, Mask::causal) == expected_causal);
   RowMatrix<TestType> S3(2, 2);
   S3 << 3, 1, 0, 3;
@@ -104,24 +105,58 @@ TEST_CASE("state size follows the article: r*dv + r scalars", "[state]") {
   CHECK(attn.make_state(64, 32).scalar_count() == 64 * 32 + 64);
 }
 
-TEST_CASE("the decode block defaults to 16 exactly when S is larger than 32 KiB", "[state]") {
-  // kAutoDecodeBlock: fused steps while S fits a typical L1, deferred ones beyond.
+TEST_CASE("the decode block defaults to 16 exactly when S outgrows an L1 of at least 48 KiB",
+          "[state]") {
+  // kAuto (Options::decode_block): deferred steps (B = 16) only where S (r x dv) is larger than
+  // the L1 data cache and that cache holds at least 48 KiB (the cores where deferring measured
+  // faster), fused steps (0) everywhere else. The rule is checked against the cache size of the
+  // machine that runs, at sizes on both sides of its boundary; the states made carry the B the
+  // attention reports.
+  const Index l1 = detail::cache_sizes().l1d;
+  const bool large_l1 = l1 >= 48 * 1024;
+  const auto expected = [&](Index r, Index dv, Index bytes) -> Index {
+    return large_l1 && r * dv * bytes > l1 ? 16 : 0;
+  };
   const LinearAttention<EluPlusOne, float> f;
-  CHECK(f.make_state(64, 64).decode_block() == 0);     // 16 KiB
-  CHECK(f.make_state(64, 128).decode_block() == 0);    // 32 KiB: not larger
-  CHECK(f.make_state(64, 129).decode_block() == 16);   // 32 KiB + 256 bytes
-  CHECK(f.make_state(128, 128).decode_block() == 16);  // 64 KiB
   const LinearAttention<EluPlusOne, double> d;
-  CHECK(d.make_state(64, 64).decode_block() == 0);     // 32 KiB
-  CHECK(d.make_state(64, 65).decode_block() == 16);
+  const Index fits_f = l1 / (64 * Index{sizeof(float)});  // dv at which 64 x dv floats fill L1
+  const Index fits_d = l1 / (64 * Index{sizeof(double)});
+  for (Index dv : {Index{1}, Index{64}, fits_f, fits_f + 1, 4 * fits_f}) {
+    CAPTURE(dv, l1);
+    CHECK(f.decode_block(64, dv) == expected(64, dv, sizeof(float)));
+    CHECK(f.make_state(64, dv).decode_block() == f.decode_block(64, dv));
+  }
+  for (Index dv : {Index{1}, fits_d, fits_d + 1, 4 * fits_d}) {
+    CAPTURE(dv, l1);
+    CHECK(d.decode_block(64, dv) == expected(64, dv, sizeof(double)));
+    CHECK(d.make_state(64, dv).decode_block() == d.decode_block(64, dv));
+  }
+  // A state as large as 16 L1 caches defers exactly when the L1 is a large one.
+  CHECK(f.make_state(64, 16 * fits_f).decode_block() == (large_l1 ? 16 : 0));
   // An explicit value is taken as it is (1 means fused: no block kept).
   CHECK(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 8}).make_state(4, 4).decode_block() == 8);
   CHECK(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 1}).make_state(128, 128).decode_block() == 0);
-  // Random features keep fused (log-scaled) steps whatever the size.
+  CHECK(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 0}).decode_block(128, 128) == 0);
+  // Random features keep fused (log-scaled) steps whatever the size or option.
   using RandomFeatures = PositiveRandomFeatures<float>;
   const LinearAttention<RandomFeatures> rf(RandomFeatures(128, 256, 3));
   CHECK(rf.make_state(128, 128).decode_block() == 0);
+  const LinearAttention<RandomFeatures> rf8(RandomFeatures(128, 256, 3), Options{{}, 32, 8});
+  CHECK(rf8.make_state(128, 128).decode_block() == 0);
   CHECK_THROWS_AS(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, -2}), std::invalid_argument);
+}
+
+TEST_CASE("the chunk size defaults to 32 where S fits the L1 data cache and 16 where not",
+          "[options]") {
+  // kAuto (Options::chunk_size), against the cache size of the machine that runs.
+  const Index l1 = detail::cache_sizes().l1d;
+  const LinearAttention<EluPlusOne, float> f;
+  const Index fits = l1 / (64 * Index{sizeof(float)});
+  CHECK(f.chunk_size(64, fits) == 32);      // exactly fills L1: fits
+  CHECK(f.chunk_size(64, fits + 1) == 16);  // one row more: does not
+  CHECK(LinearAttention<EluPlusOne, double>().chunk_size(64, fits) == 16);  // twice the bytes
+  CHECK(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 7}).chunk_size(64, fits + 1) == 7);
+  CHECK_THROWS_AS(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, -3}), std::invalid_argument);
 }
 
 TEMPLATE_TEST_CASE("parallel, chunked, recurrent and step agree with a double loop", "[agree]",
@@ -163,15 +198,17 @@ TEMPLATE_TEST_CASE("full attention with Tq != Tk agrees with a double loop", "[a
   const auto V = random_matrix<TestType>(90, 7, 13);
   const LinearAttention<EluPlusOne, TestType> attn;
   const auto ref = naive_attention(Q, K, V, false, linattn_test::elu_plus_one);
-  CHECK(worst_error_ratio<TestType>(attn.parallel(Q, K, V), ref, bound_units(12, 90)) <= 1);
-  CHECK(worst_error_ratio<TestType>(quadratic_attention(EluPlusOne{}, Q, K, V), ref,
+  CHECK(worst_error_ratio<TestType>(attn.parallel(Q, K, V, Mask::none), ref, bound_units(12, 90)) <= 1);
+  CHECK(worst_error_ratio<TestType>(quadratic_attention(EluPlusOne{}, Q, K, V, Mask::none), ref,
                                     bound_units(12, 90)) <= 1);
 }
 
 TEMPLATE_TEST_CASE("unnormalized read with signed features agrees with a double loop", "[agree]",
                    float, double) {
   // Identity features have both signs, so the bound scales with sum |w| |v| (no denominator).
-  const auto [Q, K, V] = random_qkv<TestType>(300, 8, 4, 21);
+  // Not a structured binding: clang 14 lambdas cannot capture those.
+  const auto qkv = random_qkv<TestType>(300, 8, 4, 21);
+  const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
   const LinearAttention<Identity, TestType> attn(Identity{},
                                                  Options{Normalization::unnormalized(), 32});
   const auto ref = naive_attention(Q, K, V, true, linattn_test::identity, false);
@@ -183,23 +220,23 @@ TEMPLATE_TEST_CASE("unnormalized read with signed features agrees with a double 
 TEMPLATE_TEST_CASE("a sequence in pieces equals one call: prefill then decode", "[state]", float,
                    double) {
   const Index T = 203, dk = 16, dv = 8;
-  const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 31);
+  const auto qkv = random_qkv<TestType>(T, dk, dv, 31);
+  const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
   const LinearAttention<EluPlusOne, TestType> attn(EluPlusOne{}, Options{{}, 32});
   const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
   const double units = bound_units(dk, T);
 
   auto one_shot = attn.make_state(dk, dv);
-  const auto whole = attn.parallel(Q, K, V, Mask::causal, one_shot);
+  const auto whole = attn.prefill(one_shot, Q, K, V);
 
   // Prefill 150 tokens in two parallel pieces (not chunk-aligned), 20 recurrent, then decode.
   auto state = attn.make_state(dk, dv);
   RowMatrix<TestType> pieces(T, dv);
-  pieces.topRows(70) = attn.parallel(Q.topRows(70), K.topRows(70), V.topRows(70), Mask::causal,
-                                     state);
-  pieces.middleRows(70, 80) = attn.parallel(Q.middleRows(70, 80), K.middleRows(70, 80),
-                                            V.middleRows(70, 80), Mask::causal, state);
+  pieces.topRows(70) = attn.prefill(state, Q.topRows(70), K.topRows(70), V.topRows(70));
+  pieces.middleRows(70, 80) =
+      attn.prefill(state, Q.middleRows(70, 80), K.middleRows(70, 80), V.middleRows(70, 80));
   pieces.middleRows(150, 20) =
-      attn.recurrent(Q.middleRows(150, 20), K.middleRows(150, 20), V.middleRows(150, 20), state);
+      attn.recurrent(state, Q.middleRows(150, 20), K.middleRows(150, 20), V.middleRows(150, 20));
   for (Index t = 170; t < T; ++t) pieces.row(t) = attn.step(state, Q.row(t), K.row(t), V.row(t));
 
   CHECK(worst_error_ratio<TestType>(whole, ref, units) <= 1);
@@ -240,7 +277,7 @@ TEST_CASE("strided views and column-major inputs read in place give the copy's r
   // Same arithmetic on the same values: identical bits, not just close.
   CHECK(attn.recurrent(Qh, Kcol, V) == attn.recurrent(Qcopy, Krow, V));
   CHECK(attn.parallel(Qh, Kcol, V, Mask::causal) == attn.parallel(Qcopy, Krow, V, Mask::causal));
-  CHECK(attn.parallel(Qh, Kcol, V) == attn.parallel(Qcopy, Krow, V));
+  CHECK(attn.parallel(Qh, Kcol, V, Mask::none) == attn.parallel(Qcopy, Krow, V, Mask::none));
 
   // Output written into a strided view of a [T, H*d] output buffer.
   RowMatrix<float> out_buffer = RowMatrix<float>::Zero(T, H * d);
@@ -261,7 +298,8 @@ TEST_CASE("step reads q, k, v in place or from a copy with the same result, also
   // step() reads contiguous vectors where they lie and copies the others (strided columns,
   // expressions); the arithmetic is the same, so the bits must be too.
   const Index T = 9, d = 8;
-  const auto [Q, K, V] = random_qkv<float>(T, d, d, 51);
+  const auto qkv = random_qkv<float>(T, d, d, 51);
+  const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
   const Eigen::MatrixXf Kcol = K;                    // column-major: rows are strided
   const RowMatrix<float> Vt = V.transpose();         // columns of Vt are strided
   const auto check_layouts = [&](const auto& attn) {
@@ -325,10 +363,11 @@ TEST_CASE("T = 0 gives an empty 0 x dv result", "[shapes]") {
   const Eigen::MatrixXf Q(0, 4), K(0, 4), V(0, 3);
   CHECK(attn.parallel(Q, K, V, Mask::causal).rows() == 0);
   CHECK(attn.parallel(Q, K, V, Mask::causal).cols() == 3);
-  CHECK(attn.parallel(Q, K, V).cols() == 3);
+  CHECK(attn.parallel(Q, K, V, Mask::none).cols() == 3);
   CHECK(attn.recurrent(Q, K, V).cols() == 3);
   auto state = attn.make_state(4, 3);
-  CHECK(attn.parallel(Q, K, V, Mask::causal, state).rows() == 0);
+  CHECK(attn.prefill(state, Q, K, V).rows() == 0);
+  CHECK(attn.recurrent(state, Q, K, V).cols() == 3);
   CHECK(state.tokens() == 0);
 }
 
@@ -338,23 +377,26 @@ TEST_CASE("shape errors are ShapeError (std::invalid_argument) naming the shapes
                         V = Eigen::MatrixXf::Ones(5, 2), V6 = Eigen::MatrixXf::Ones(6, 2),
                         Q6 = Eigen::MatrixXf::Ones(6, 4);
   using Catch::Matchers::Contains;
-  CHECK_THROWS_WITH(attn.parallel(Q, K3, V), Contains("5x4") && Contains("5x3"));
-  CHECK_THROWS_AS(attn.parallel(Q, K3, V), std::invalid_argument);
-  CHECK_THROWS_WITH(attn.parallel(Q, K, V6), Contains("5x4") && Contains("6x2"));
+  CHECK_THROWS_WITH(attn.parallel(Q, K3, V, Mask::none), Contains("5x4") && Contains("5x3"));
+  CHECK_THROWS_AS(attn.parallel(Q, K3, V, Mask::none), std::invalid_argument);
+  CHECK_THROWS_WITH(attn.parallel(Q, K, V6, Mask::none), Contains("5x4") && Contains("6x2"));
   CHECK_THROWS_AS(attn.recurrent(Q, K, V6), ShapeError);
   CHECK_THROWS_WITH(attn.parallel(Q6, K, V, Mask::causal), Contains("6x4") && Contains("5x4"));
   CHECK_THROWS_AS(attn.recurrent(Q6, K, V), ShapeError);
   CHECK_NOTHROW(attn.parallel(Q6, K, V, Mask::none));  // cross-attention may differ in T
 
   auto wrong = attn.make_state(4, 3);
-  CHECK_THROWS_WITH(attn.recurrent(Q, K, V, wrong), Contains("dv=3") && Contains("dv=2"));
-  CHECK_THROWS_AS(attn.parallel(Q, K, V, Mask::causal, wrong), ShapeError);
-  CHECK_THROWS_AS(attn.parallel(Q, K, V, Mask::none, wrong), std::invalid_argument);
+  CHECK_THROWS_WITH(attn.recurrent(wrong, Q, K, V), Contains("dv=3") && Contains("dv=2"));
+  CHECK_THROWS_AS(attn.prefill(wrong, Q, K, V), ShapeError);
+  RowMatrix<float> fits(5, 2);
+  CHECK_THROWS_AS(attn.prefill_into(wrong, Q, K, V, fits), std::invalid_argument);
+  CHECK_THROWS_AS(attn.recurrent_into(wrong, Q, K, V, fits), ShapeError);
+  CHECK(wrong.tokens() == 0);
 
   auto state = attn.make_state(4, 2);
   const Eigen::VectorXf q = Eigen::VectorXf::Ones(4), k3 = Eigen::VectorXf::Ones(3),
                         v = Eigen::VectorXf::Ones(2), v3 = Eigen::VectorXf::Ones(3);
-  CHECK_THROWS_WITH(attn.step(state, q, k3, v), Contains("k") && Contains("length 4"));
+  CHECK_THROWS_WITH(attn.step(state, q, k3, v), Contains("k 3x1") && Contains("dk = 4"));
   CHECK_THROWS_AS(attn.step(state, q, q, v3), ShapeError);
   CHECK_THROWS_AS(attn.step(state, Q.topRows(2), q, v), ShapeError);  // not a vector
   RowMatrix<float> out(4, 2);
@@ -384,7 +426,7 @@ TEMPLATE_TEST_CASE("a non-positive, NaN or Inf denominator is a DenominatorError
     CHECK(e.value() == 0.0);
   }
   // Negative: full attention over all three keys gives 1 - 1 - 1 = -1 for every row.
-  CHECK_THROWS_WITH(attn.parallel(Q, K, V), Contains("row 0") && Contains("-1"));
+  CHECK_THROWS_WITH(attn.parallel(Q, K, V, Mask::none), Contains("row 0") && Contains("-1"));
 
   // Step has the strong guarantee: the failing token leaves the state as it was.
   auto state = attn.make_state(2, 1);
@@ -396,7 +438,7 @@ TEMPLATE_TEST_CASE("a non-positive, NaN or Inf denominator is a DenominatorError
 
   // The recurrent path stops at the failing row with the earlier tokens absorbed.
   auto partial = attn.make_state(2, 1);
-  CHECK_THROWS_AS(attn.recurrent(Q, K, V, partial), DenominatorError);
+  CHECK_THROWS_AS(attn.recurrent(partial, Q, K, V), DenominatorError);
   CHECK(partial.tokens() == 1);
 
   // NaN and Inf inputs are caught, never passed on.
@@ -407,7 +449,7 @@ TEMPLATE_TEST_CASE("a non-positive, NaN or Inf denominator is a DenominatorError
   M Kinf = K;
   Kinf(0, 0) = std::numeric_limits<TestType>::infinity();
   CHECK_THROWS_AS(elu.parallel(Q, Kinf, V, Mask::causal), DenominatorError);
-  CHECK_THROWS_AS(elu.parallel(Q, Kinf, V), DenominatorError);
+  CHECK_THROWS_AS(elu.parallel(Q, Kinf, V, Mask::none), DenominatorError);
 }
 
 TEMPLATE_TEST_CASE("opt-in normalizations do what they say near zero", "[normalization]", float,
@@ -444,6 +486,39 @@ TEMPLATE_TEST_CASE("opt-in normalizations do what they say near zero", "[normali
 
 namespace {
 
+// A read-only view of the rows of a row-major matrix, block or row (rows outerStride() apart,
+// each contiguous): one head of a grouped call, over the caller's memory. No copy.
+template <class X>
+ConstRowsView<typename X::Scalar> rows_view(const X& x) {
+  static_assert(X::IsRowMajor && X::InnerStrideAtCompileTime == 1,
+                "a rows view needs contiguous rows");
+  return ConstRowsView<typename X::Scalar>(x.data(), x.rows(), x.cols(),
+                                           Eigen::OuterStride<>(x.outerStride()));
+}
+// The same, writable (one output head).
+template <class X>
+RowsView<typename std::remove_cvref_t<X>::Scalar> output_view(X&& x) {
+  using Plain = std::remove_cvref_t<X>;
+  static_assert(Plain::IsRowMajor && Plain::InnerStrideAtCompileTime == 1,
+                "a rows view needs contiguous rows");
+  return RowsView<typename Plain::Scalar>(x.data(), x.rows(), x.cols(),
+                                          Eigen::OuterStride<>(x.outerStride()));
+}
+// The views of G query heads, head(g) for g < G (what the lambdas of the old grouped calls
+// returned), and of G outputs.
+template <class HeadAt>
+auto query_views(Index G, const HeadAt& head) {
+  std::vector<decltype(rows_view(head(0)))> views;
+  for (Index g = 0; g < G; ++g) views.push_back(rows_view(head(g)));
+  return views;
+}
+template <class HeadAt>
+auto output_views(Index G, const HeadAt& head) {
+  std::vector<decltype(output_view(head(0)))> views;
+  for (Index g = 0; g < G; ++g) views.push_back(output_view(head(g)));
+  return views;
+}
+
 // The bits of two states: what a later call reads (S with its pending tokens, z, the count).
 template <class Scalar>
 void check_same_state(const AttentionState<Scalar>& actual, const AttentionState<Scalar>& expected) {
@@ -453,8 +528,8 @@ void check_same_state(const AttentionState<Scalar>& actual, const AttentionState
   CHECK(actual.z() == expected.z());
 }
 
-// Runs parallel_group_into for the queries Q from `state`, and checks each head's output and
-// the state against parallel_into on a copy of the state as it was before.
+// Runs the grouped prefill_into for the queries Q from `state`, and checks each head's output
+// and the state against prefill_into on a copy of the state as it was before.
 template <class Attn, class Scalar>
 void check_group_prefill(const Attn& attn, AttentionState<Scalar>& state,
                          const std::vector<RowMatrix<Scalar>>& Q, const RowMatrix<Scalar>& K,
@@ -463,13 +538,12 @@ void check_group_prefill(const Attn& attn, AttentionState<Scalar>& state,
   const auto G = static_cast<Index>(Q.size());
   std::vector<AttentionState<Scalar>> copies(Q.size(), state);
   std::vector<Mat> out(Q.size(), Mat(K.rows(), V.cols()));
-  attn.parallel_group_into(
-      G, [&](Index g) -> const Mat& { return Q[static_cast<std::size_t>(g)]; }, K, V, state,
-      [&](Index g) -> Mat& { return out[static_cast<std::size_t>(g)]; });
+  attn.prefill_into(state, query_views(G, [&](Index g) -> const Mat& { return Q[static_cast<std::size_t>(g)]; }),
+                    K, V, output_views(G, [&](Index g) -> Mat& { return out[static_cast<std::size_t>(g)]; }));
   for (std::size_t g = 0; g < Q.size(); ++g) {
     CAPTURE(g);
     Mat y(K.rows(), V.cols());
-    attn.parallel_into(Q[g], K, V, Mask::causal, copies[g], y);
+    attn.prefill_into(copies[g], Q[g], K, V, y);
     CHECK(out[g] == y);
     check_same_state(state, copies[g]);
   }
@@ -477,7 +551,7 @@ void check_group_prefill(const Attn& attn, AttentionState<Scalar>& state,
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("parallel_group_into gives each head the bits of parallel_into on a copy",
+TEMPLATE_TEST_CASE("grouped prefill_into gives each head the bits of prefill_into on a copy",
                    "[group]", float, double) {
   using Scalar = TestType;
   using Mat = RowMatrix<Scalar>;
@@ -505,24 +579,24 @@ TEMPLATE_TEST_CASE("parallel_group_into gives each head the bits of parallel_int
         }
 }
 
-TEMPLATE_TEST_CASE("stateless parallel_group_into gives each head parallel_into's bits",
+TEMPLATE_TEST_CASE("stateless grouped parallel_into gives each head parallel_into's bits",
                    "[group]", float, double) {
   // Full attention with Tq != Tk (phi(K)^T V once per group) and causal from an empty state,
-  // both kernels (d = 16 and 20).
+  // both kernels (d = 16 and 20); the mask as a run-time Mask.
   using Scalar = TestType;
   using Mat = RowMatrix<Scalar>;
   const Index G = 3;
   for (Index d : {16, 20}) {
-    for (const Mask mask : {Mask::none, Mask::causal}) {
+    for (const Mask mask : {Mask(Mask::none), Mask(Mask::causal)}) {
       CAPTURE(d, mask == Mask::causal);
       const Index Tk = 23, Tq = mask == Mask::causal ? Tk : 9;
       const LinearAttention<EluPlusOne, Scalar> attn(EluPlusOne{}, Options{{}, 8});
       const Mat K = random_matrix<Scalar>(Tk, d, 1200 + d), V = random_matrix<Scalar>(Tk, d, 1201 + d);
       std::vector<Mat> Q, out(static_cast<std::size_t>(G), Mat(Tq, d));
       for (Index g = 0; g < G; ++g) Q.push_back(random_matrix<Scalar>(Tq, d, 1210 + 10 * d + g));
-      attn.parallel_group_into(
-          G, [&](Index g) -> const Mat& { return Q[static_cast<std::size_t>(g)]; }, K, V, mask,
-          [&](Index g) -> Mat& { return out[static_cast<std::size_t>(g)]; });
+      attn.parallel_into(
+          query_views(G, [&](Index g) -> const Mat& { return Q[static_cast<std::size_t>(g)]; }), K, V, mask,
+          output_views(G, [&](Index g) -> Mat& { return out[static_cast<std::size_t>(g)]; }));
       for (std::size_t g = 0; g < Q.size(); ++g) {
         CAPTURE(g);
         Mat y(Tq, d);
@@ -536,17 +610,17 @@ TEMPLATE_TEST_CASE("stateless parallel_group_into gives each head parallel_into'
   const RowMatrix<float> K = random_matrix<float>(5, 4, 1250), V = random_matrix<float>(5, 3, 1251);
   const RowMatrix<float> Q = random_matrix<float>(2, 4, 1252), Q_wide = random_matrix<float>(2, 5, 1253);
   RowMatrix<float> o(2, 3), o_long(3, 3);
-  CHECK_THROWS_AS(attn.parallel_group_into(
-                      2, [&](Index g) -> const RowMatrix<float>& { return g == 0 ? Q : Q_wide; },
-                      K, V, Mask::none, [&](Index) -> RowMatrix<float>& { return o; }),
+  CHECK_THROWS_AS(attn.parallel_into(
+                      query_views(2, [&](Index g) -> const RowMatrix<float>& { return g == 0 ? Q : Q_wide; }),
+                      K, V, Mask::none, output_views(2, [&](Index) -> RowMatrix<float>& { return o; })),
                   ShapeError);
-  CHECK_THROWS_AS(attn.parallel_group_into(
-                      2, [&](Index) -> const RowMatrix<float>& { return Q; }, K, V, Mask::none,
-                      [&](Index g) -> RowMatrix<float>& { return g == 0 ? o : o_long; }),
+  CHECK_THROWS_AS(attn.parallel_into(
+                      query_views(2, [&](Index) -> const RowMatrix<float>& { return Q; }), K, V, Mask::none,
+                      output_views(2, [&](Index g) -> RowMatrix<float>& { return g == 0 ? o : o_long; })),
                   ShapeError);
 }
 
-TEMPLATE_TEST_CASE("parallel_group_into reads and writes heads in place in [T, G*d] buffers",
+TEMPLATE_TEST_CASE("grouped prefill_into reads and writes heads in place in [T, G*d] buffers",
                    "[group]", float, double) {
   using Scalar = TestType;
   using Mat = RowMatrix<Scalar>;
@@ -560,24 +634,33 @@ TEMPLATE_TEST_CASE("parallel_group_into reads and writes heads in place in [T, G
     const auto V = random_matrix<Scalar>(T, d, 702 + d);
     const LinearAttention<EluPlusOne, Scalar> attn(EluPlusOne{}, Options{{}, 16});
     auto state = attn.make_state(d, d);
+    auto tensor_state = state;
     Mat Obuf = Mat::Zero(T, G * d + 1);  // one spare column that no head owns
+    Mat Otensor = Mat::Zero(T, G * d + 1);
     std::vector<AttentionState<Scalar>> copies(static_cast<std::size_t>(G), state);
-    attn.parallel_group_into(
-        G, [&](Index g) { return Qbuf.middleCols(g * d, d); }, K, V, state,
-        [&](Index g) { return Obuf.middleCols(g * d, d); });
+    // The heads as a span of column blocks ...
+    attn.prefill_into(state, query_views(G, [&](Index g) { return Qbuf.middleCols(g * d, d); }), K, V,
+                      output_views(G, [&](Index g) { return Obuf.middleCols(g * d, d); }));
+    // ... and as tensor views [B = 1, T, H = G, d] over the same buffers.
+    const TensorView<const Scalar> Qview(Qbuf.data(), {1, T, G, d}, {T * G * d, G * d, d, 1});
+    const TensorView<Scalar> Oview(Otensor.data(), {1, T, G, d}, {T * (G * d + 1), G * d + 1, d, 1});
+    attn.prefill_into(tensor_state, Qview, K, V, Oview);
     for (Index g = 0; g < G; ++g) {
       CAPTURE(g);
       const Mat Qg = Qbuf.middleCols(g * d, d);
       Mat y(T, d);
-      attn.parallel_into(Qg, K, V, Mask::causal, copies[g], y);
+      attn.prefill_into(copies[g], Qg, K, V, y);
       CHECK(Obuf.middleCols(g * d, d) == y);
+      CHECK(Otensor.middleCols(g * d, d) == y);
       check_same_state(state, copies[g]);
+      check_same_state(tensor_state, copies[g]);
     }
     CHECK(Obuf.col(G * d).isZero(0));
+    CHECK(Otensor.col(G * d).isZero(0));
   }
 }
 
-TEMPLATE_TEST_CASE("parallel_group_into folds a state's pending decode tokens as parallel_into",
+TEMPLATE_TEST_CASE("grouped prefill_into folds a state's pending decode tokens as prefill_into",
                    "[group]", float, double) {
   using Scalar = TestType;
   using Mat = RowMatrix<Scalar>;
@@ -587,7 +670,8 @@ TEMPLATE_TEST_CASE("parallel_group_into folds a state's pending decode tokens as
     const LinearAttention<EluPlusOne, Scalar> attn(EluPlusOne{}, Options{{}, 5, 4});
     auto state = attn.make_state(d, d);
     // Six decode tokens first: one folded block of 4 and 2 tokens pending.
-    const auto [Qd, Kd, Vd] = random_qkv<Scalar>(6, d, d, 800 + d);
+    const auto qkv = random_qkv<Scalar>(6, d, d, 800 + d);
+    const auto &Qd = qkv.Q, &Kd = qkv.K, &Vd = qkv.V;
     for (Index t = 0; t < 6; ++t) (void)attn.step(state, Qd.row(t), Kd.row(t), Vd.row(t));
     REQUIRE(state.pending_tokens() == 2);
     const Mat K = random_matrix<Scalar>(T, d, 810 + d), V = random_matrix<Scalar>(T, d, 811 + d);
@@ -598,7 +682,7 @@ TEMPLATE_TEST_CASE("parallel_group_into folds a state's pending decode tokens as
   }
 }
 
-TEMPLATE_TEST_CASE("step_group_into with a decode block has the bits of step_into per head",
+TEMPLATE_TEST_CASE("grouped step_into with a decode block has the bits of step_into per head",
                    "[group]", float, double) {
   using Scalar = TestType;
   using Mat = RowMatrix<Scalar>;
@@ -610,7 +694,7 @@ TEMPLATE_TEST_CASE("step_group_into with a decode block has the bits of step_int
     REQUIRE(shared.decode_block() == 4);
     std::vector<AttentionState<Scalar>> heads(static_cast<std::size_t>(G), shared);
     auto absorbed = shared;  // absorb() then read_into() per head: the stated definition
-    auto scratch = attn.make_read_scratch(d, d);
+    ReadScratch<Scalar> scratch(absorbed);
     const auto K = random_matrix<Scalar>(T, d, 900 + d), V = random_matrix<Scalar>(T, d, 901 + d);
     std::vector<Mat> Q;
     for (Index g = 0; g < G; ++g) Q.push_back(random_matrix<Scalar>(T, d, 910 + 10 * d + g));
@@ -618,9 +702,8 @@ TEMPLATE_TEST_CASE("step_group_into with a decode block has the bits of step_int
     RowVector<Scalar> y(d), y_read(d);
     for (Index t = 0; t < T; ++t) {
       CAPTURE(t);
-      attn.step_group_into(
-          shared, G, [&](Index g) { return Q[g].row(t); }, K.row(t), V.row(t),
-          [&](Index g) { return Y.row(g); });
+      attn.step_into(shared, query_views(G, [&](Index g) { return Q[g].row(t); }), K.row(t), V.row(t),
+                     output_views(G, [&](Index g) { return Y.row(g); }));
       attn.absorb(absorbed, K.row(t), V.row(t));
       for (Index g = 0; g < G; ++g) {
         CAPTURE(g);
@@ -637,7 +720,7 @@ TEMPLATE_TEST_CASE("step_group_into with a decode block has the bits of step_int
   }
 }
 
-TEMPLATE_TEST_CASE("fused step_group_into agrees with a double loop of the state formula",
+TEMPLATE_TEST_CASE("fused grouped step_into agrees with a double loop of the state formula",
                    "[group]", float, double) {
   using Scalar = TestType;
   using Mat = RowMatrix<Scalar>;
@@ -651,7 +734,7 @@ TEMPLATE_TEST_CASE("fused step_group_into agrees with a double loop of the state
     REQUIRE(shared.decode_block() == 0);
     std::vector<AttentionState<Scalar>> heads(static_cast<std::size_t>(G), shared);
     auto absorbed = shared;
-    auto scratch = attn.make_read_scratch(d, d);
+    ReadScratch<Scalar> scratch(absorbed);
     const auto K = random_matrix<Scalar>(T, d, 950 + d), V = random_matrix<Scalar>(T, d, 951 + d);
     std::vector<Mat> Q;
     for (Index g = 0; g < G; ++g) Q.push_back(random_matrix<Scalar>(T, d, 960 + 10 * d + g));
@@ -666,9 +749,8 @@ TEMPLATE_TEST_CASE("fused step_group_into agrees with a double loop of the state
     double worst_group = 0, worst_step = 0;
     for (Index t = 0; t < T; ++t) {
       CAPTURE(t);
-      attn.step_group_into(
-          shared, G, [&](Index g) { return Q[g].row(t); }, K.row(t), V.row(t),
-          [&](Index g) { return Y.row(g); });
+      attn.step_into(shared, query_views(G, [&](Index g) { return Q[g].row(t); }), K.row(t), V.row(t),
+                     output_views(G, [&](Index g) { return Y.row(g); }));
       attn.absorb(absorbed, K.row(t), V.row(t));
       for (Index n = 0; n < d; ++n) kf(n) = linattn_test::elu_plus_one(double(K(t, n)));
       for (Index n = 0; n < d; ++n)
@@ -723,19 +805,16 @@ TEMPLATE_TEST_CASE("grouped prefill then grouped decode equals per-head prefill 
     std::vector<Mat> Q, group_out(static_cast<std::size_t>(G), Mat(T, d));
     for (Index g = 0; g < G; ++g) Q.push_back(random_matrix<Scalar>(T, d, 1010 + 10 * d + g));
 
-    attn.parallel_group_into(
-        G, [&](Index g) { return Q[g].topRows(T0); }, K.topRows(T0), V.topRows(T0), shared,
-        [&](Index g) { return group_out[g].topRows(T0); });
+    attn.prefill_into(shared, query_views(G, [&](Index g) { return Q[g].topRows(T0); }), K.topRows(T0),
+                      V.topRows(T0), output_views(G, [&](Index g) { return group_out[g].topRows(T0); }));
     for (Index t = T0; t < T; ++t)
-      attn.step_group_into(
-          shared, G, [&](Index g) { return Q[g].row(t); }, K.row(t), V.row(t),
-          [&](Index g) { return group_out[g].row(t); });
+      attn.step_into(shared, query_views(G, [&](Index g) { return Q[g].row(t); }), K.row(t), V.row(t),
+                     output_views(G, [&](Index g) { return group_out[g].row(t); }));
 
     for (Index g = 0; g < G; ++g) {
       CAPTURE(g);
       Mat y(T, d);
-      attn.parallel_into(Q[g].topRows(T0), K.topRows(T0), V.topRows(T0), Mask::causal, heads[g],
-                         y.topRows(T0));
+      attn.prefill_into(heads[g], Q[g].topRows(T0), K.topRows(T0), V.topRows(T0), y.topRows(T0));
       for (Index t = T0; t < T; ++t) attn.step_into(heads[g], Q[g].row(t), K.row(t), V.row(t), y.row(t));
       CHECK(group_out[g] == y);
       check_same_state(shared, heads[g]);
@@ -744,28 +823,30 @@ TEMPLATE_TEST_CASE("grouped prefill then grouped decode equals per-head prefill 
   }
 }
 
-TEST_CASE("step_group_into leaves the state unchanged when any head's denominator fails",
+TEST_CASE("grouped step_into leaves the state unchanged when any head's denominator fails",
           "[group]") {
   // Identity features, dk = 2: after k = (1, 0) the state has z = (1, 0), so head 0's query
   // (1, 0) reads 1 / 1 and head 1's (0, 1) divides by 0.
   RowMatrix<double> Qg(2, 2);
   Qg << 1, 0, 0, 1;
-  const auto query = [&](Index g) { return Qg.row(g); };
+  const auto queries = query_views(2, [&](Index g) { return Qg.row(g); });
+  const auto head0 = query_views(1, [&](Index g) { return Qg.row(g); });
   for (Index block : {1, 4}) {
     CAPTURE(block);
     const LinearAttention<Identity, double> attn(Identity{}, Options{{}, 32, block});
     auto state = attn.make_state(2, 2);
     RowMatrix<double> Y = RowMatrix<double>::Constant(2, 2, -7.0);
-    const auto output = [&](Index g) { return Y.row(g); };
+    const auto outputs = output_views(2, [&](Index g) { return Y.row(g); });
+    const auto output0 = output_views(1, [&](Index g) { return Y.row(g); });
     const Eigen::RowVector2d k_bad(1, 0), v(3, 5);
     try {
-      attn.step_group_into(state, 2, query, k_bad, v, output);
+      attn.step_into(state, queries, k_bad, v, outputs);
       FAIL("expected a DenominatorError");
     } catch (const DenominatorError& e) {
       CHECK(e.row() == 0);
       CHECK(e.value() == 0.0);
     }
-    CHECK_THROWS_AS(attn.step_group_into(state, 2, query, k_bad, v, output), DenominatorError);
+    CHECK_THROWS_AS(attn.step_into(state, queries, k_bad, v, outputs), DenominatorError);
     CHECK(state.tokens() == 0);
     CHECK(state.pending_tokens() == 0);
     CHECK(state.z() == ColVector<double>::Zero(2));
@@ -774,7 +855,7 @@ TEST_CASE("step_group_into leaves the state unchanged when any head's denominato
 
     // A good token afterwards: k = (1, 1) gives z = (1, 1), S = k^T v, both heads read v.
     const Eigen::RowVector2d k_good(1, 1);
-    attn.step_group_into(state, 2, query, k_good, v, output);
+    attn.step_into(state, queries, k_good, v, outputs);
     CHECK(state.tokens() == 1);
     CHECK(state.z() == ColVector<double>::Ones(2));
     CHECK(Y.row(0) == v);
@@ -786,21 +867,20 @@ TEST_CASE("step_group_into leaves the state unchanged when any head's denominato
     const Index pending_before = state.pending_tokens();
     Y.setConstant(-7.0);
     const Eigen::RowVector2d k_cancel(1, -1), v2(1, 2);
-    CHECK_THROWS_AS(attn.step_group_into(state, 2, query, k_cancel, v2, output),
-                    DenominatorError);
+    CHECK_THROWS_AS(attn.step_into(state, queries, k_cancel, v2, outputs), DenominatorError);
     CHECK(state.tokens() == 1);
     CHECK(state.pending_tokens() == pending_before);
     CHECK(state.S() == S_before);
     CHECK(state.z() == z_before);
     CHECK(Y == RowMatrix<double>::Constant(2, 2, -7.0));
     // Head 0 alone reads that token fine: (S + (1, -1)^T v2) at q = (1, 0) is (3 + 1, 5 + 2) / 2.
-    attn.step_group_into(state, 1, query, k_cancel, v2, output);
+    attn.step_into(state, head0, k_cancel, v2, output0);
     CHECK(state.tokens() == 2);
     CHECK(Y.row(0) == Eigen::RowVector2d(2.0, 3.5));
   }
 }
 
-TEST_CASE("parallel_group_into keeps the chunks before a failing denominator", "[group]") {
+TEST_CASE("grouped prefill_into keeps the chunks before a failing denominator", "[group]") {
   // T = 6 in chunks of 2, identity features. Keys: z after row t has second component
   // 1, 1, 1, 0, 0, 0; head 0 queries (1, 0) everywhere (denominators t + 1), head 1 the same
   // but (0, 1) at row 3, whose denominator is 0: the failure is in chunk [2, 4), head 1 only.
@@ -818,10 +898,11 @@ TEST_CASE("parallel_group_into keeps the chunks before a failing denominator", "
       for (Index c = 0; c < dv; ++c) V(t, c) = double(t + 2 * c + 1);  // integers: exact sums
     auto state = attn.make_state(2, dv);
     std::vector<RowMatrix<double>> out(2, RowMatrix<double>::Zero(T, dv));
-    const auto query = [&](Index g) -> const RowMatrix<double>& { return g == 0 ? Q0 : Q1; };
+    const auto queries =
+        query_views(2, [&](Index g) -> const RowMatrix<double>& { return g == 0 ? Q0 : Q1; });
     try {
-      attn.parallel_group_into(2, query, K, V, state,
-                               [&](Index g) -> RowMatrix<double>& { return out[g]; });
+      attn.prefill_into(state, queries, K, V,
+                        output_views(2, [&](Index g) -> RowMatrix<double>& { return out[g]; }));
       FAIL("expected a DenominatorError");
     } catch (const DenominatorError& e) {
       CHECK(e.row() == 3);
@@ -841,81 +922,264 @@ TEST_CASE("parallel_group_into keeps the chunks before a failing denominator", "
 }
 
 TEST_CASE("grouped calls reject bad groups and shapes with ShapeError", "[group]") {
+  // (The old calls also took a head count, which could be negative; a span's size cannot.)
   const Index T = 5, dk = 4, dv = 3;
   const LinearAttention<EluPlusOne> attn;
-  const auto [Q, K, V] = random_qkv<float>(T, dk, dv, 1100);
+  const auto qkv = random_qkv<float>(T, dk, dv, 1100);
+  const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
   const RowMatrix<float> Q_wide = random_matrix<float>(T, dk + 1, 1103);
   auto state = attn.make_state(dk, dv);
   RowMatrix<float> out0(T, dv), out1(T, dv), out_long(T, dv + 1), out_short(T - 1, dv);
-  const auto queries = [&](Index) -> const RowMatrix<float>& { return Q; };
-  const auto outputs = [&](Index g) -> RowMatrix<float>& { return g == 0 ? out0 : out1; };
+  const auto queries = query_views(2, [&](Index) -> const RowMatrix<float>& { return Q; });
+  const auto outputs =
+      output_views(2, [&](Index g) -> RowMatrix<float>& { return g == 0 ? out0 : out1; });
+  const std::vector<ConstRowsView<float>> no_queries;
+  const std::vector<RowsView<float>> no_outputs;
 
   // Prefill.
-  CHECK_THROWS_AS(attn.parallel_group_into(0, queries, K, V, state, outputs), ShapeError);
-  CHECK_THROWS_AS(attn.parallel_group_into(-1, queries, K, V, state, outputs), ShapeError);
-  CHECK_THROWS_AS(attn.parallel_group_into(0, queries, K, V, state, outputs),
-                  std::invalid_argument);
+  CHECK_THROWS_AS(attn.prefill_into(state, no_queries, K, V, no_outputs), ShapeError);
+  CHECK_THROWS_AS(attn.prefill_into(state, no_queries, K, V, no_outputs), std::invalid_argument);
+  CHECK_THROWS_AS(attn.prefill_into(state, queries, K, V, output_views(1, [&](Index) { return out0.topRows(T); })),
+                  ShapeError);  // fewer outputs than queries
   CHECK_THROWS_AS(
-      attn.parallel_group_into(
-          2, queries, K, V, state,
-          [&](Index g) -> RowMatrix<float>& { return g == 0 ? out0 : out_long; }),
+      attn.prefill_into(state, queries, K, V,
+                        output_views(2, [&](Index g) -> RowMatrix<float>& { return g == 0 ? out0 : out_long; })),
       ShapeError);
   CHECK_THROWS_AS(
-      attn.parallel_group_into(
-          2, queries, K, V, state,
-          [&](Index g) -> RowMatrix<float>& { return g == 0 ? out0 : out_short; }),
+      attn.prefill_into(state, queries, K, V,
+                        output_views(2, [&](Index g) -> RowMatrix<float>& { return g == 0 ? out0 : out_short; })),
       ShapeError);
   CHECK_THROWS_AS(
-      attn.parallel_group_into(
-          2, [&](Index g) -> const RowMatrix<float>& { return g == 0 ? Q : Q_wide; }, K, V,
-          state, outputs),
+      attn.prefill_into(state,
+                        query_views(2, [&](Index g) -> const RowMatrix<float>& { return g == 0 ? Q : Q_wide; }),
+                        K, V, outputs),
       ShapeError);
+  CHECK_THROWS_AS(attn.prefill_into(state, queries, K.topRows(T - 1), V.topRows(T - 1), outputs),
+                  ShapeError);  // queries longer than the keys
   CHECK(state.tokens() == 0);
 
   // Decode.
   RowMatrix<float> Y(2, dv), Y_long(2, dv + 1);
-  const auto q_at = [&](Index) { return Q.row(0); };
-  const auto y_at = [&](Index g) { return Y.row(g); };
-  CHECK_THROWS_AS(attn.step_group_into(state, 0, q_at, K.row(0), V.row(0), y_at), ShapeError);
-  CHECK_THROWS_AS(attn.step_group_into(state, -2, q_at, K.row(0), V.row(0), y_at), ShapeError);
-  CHECK_THROWS_AS(attn.step_group_into(state, 2, q_at, K.row(0), V.row(0),
-                                       [&](Index g) { return Y_long.row(g); }),
+  const auto q_at = query_views(2, [&](Index) { return Q.row(0); });
+  const auto y_at = output_views(2, [&](Index g) { return Y.row(g); });
+  CHECK_THROWS_AS(attn.step_into(state, no_queries, K.row(0), V.row(0), no_outputs), ShapeError);
+  CHECK_THROWS_AS(attn.step_into(state, q_at, K.row(0), V.row(0), output_views(1, [&](Index g) { return Y.row(g); })),
+                  ShapeError);
+  CHECK_THROWS_AS(attn.step_into(state, q_at, K.row(0), V.row(0),
+                                 output_views(2, [&](Index g) { return Y_long.row(g); })),
                   ShapeError);
   RowVector<float> y_short(dv - 1);
-  CHECK_THROWS_AS(attn.step_group_into(
-                      state, 2, q_at, K.row(0), V.row(0),
-                      [&](Index g) -> Eigen::Ref<RowVector<float>> {
-                        if (g == 0) return Y.row(0);
-                        return y_short;
-                      }),
-                  ShapeError);
-  CHECK_THROWS_AS(attn.step_group_into(
-                      state, 2,
-                      [&](Index g) -> Eigen::Ref<const RowVector<float>> {
-                        if (g == 0) return Q.row(0);
-                        return Q_wide.row(0);
-                      },
-                      K.row(0), V.row(0), y_at),
-                  ShapeError);
+  const std::vector<RowsView<float>> one_short{output_view(Y.row(0)), output_view(y_short)};
+  CHECK_THROWS_AS(attn.step_into(state, q_at, K.row(0), V.row(0), one_short), ShapeError);
+  const std::vector<ConstRowsView<float>> one_wide{rows_view(Q.row(0)), rows_view(Q_wide.row(0))};
+  CHECK_THROWS_AS(attn.step_into(state, one_wide, K.row(0), V.row(0), y_at), ShapeError);
   CHECK(state.tokens() == 0);
   // A wrong query shape is caught before the token is absorbed under every normalization,
   // including one that checks no denominator.
   const LinearAttention<EluPlusOne> raw(EluPlusOne{}, Options{Normalization::unnormalized()});
   auto raw_state = raw.make_state(dk, dv);
   Y.setConstant(-3.0f);
-  CHECK_THROWS_AS(raw.step_group_into(
-                      raw_state, 2,
-                      [&](Index g) -> Eigen::Ref<const RowVector<float>> {
-                        if (g == 0) return Q.row(0);
-                        return Q_wide.row(0);
-                      },
-                      K.row(0), V.row(0), y_at),
-                  ShapeError);
+  CHECK_THROWS_AS(raw.step_into(raw_state, one_wide, K.row(0), V.row(0), y_at), ShapeError);
   CHECK(raw_state.tokens() == 0);
   CHECK(raw_state.z().isZero(0));
   CHECK((Y.array() == -3.0f).all());
+  // A state made by another attention is refused before anything changes.
+  const LinearAttention<Identity> other;
+  auto other_state = other.make_state(dk, dv);
+  CHECK_THROWS_AS(attn.step_into(other_state, q_at, K.row(0), V.row(0), y_at), StateMismatchError);
+  CHECK_THROWS_AS(attn.prefill_into(other_state, queries, K, V, outputs), StateMismatchError);
+  CHECK(other_state.tokens() == 0);
   // And the calls work once the shapes fit.
-  CHECK_NOTHROW(attn.parallel_group_into(2, queries, K, V, state, outputs));
-  CHECK_NOTHROW(attn.step_group_into(state, 2, q_at, K.row(0), V.row(0), y_at));
+  CHECK_NOTHROW(attn.prefill_into(state, queries, K, V, outputs));
+  CHECK_NOTHROW(attn.step_into(state, q_at, K.row(0), V.row(0), y_at));
   CHECK(state.tokens() == T + 1);
+}
+
+// ---- grouped calls read the caller's query heads in place -----------------------------------
+
+namespace {
+
+// Where one input handed to a feature map lay: its first element, rows, columns and the
+// distance between its rows.
+struct MapInput {
+  const void* data;
+  Index rows, cols, outer_stride;
+};
+
+// ELU + 1 that records every input it is given (the library's grouped calls hand the map each
+// query head's rows; read in place, those lie inside the caller's query buffer).
+struct RecordingEluPlusOne {
+  static constexpr bool strictly_positive = true;
+  std::vector<MapInput>* inputs = nullptr;
+  [[nodiscard]] Index feature_dim(Index d) const noexcept { return d; }
+  template <class In, class Out>
+  void apply(const In& x, Out& out) const {
+    if constexpr ((In::Flags & Eigen::DirectAccessBit) != 0)
+      inputs->push_back({x.data(), x.rows(), x.cols(), x.rows() > 1 ? Index(x.outerStride()) : x.cols()});
+    else
+      inputs->push_back({nullptr, x.rows(), x.cols(), 0});
+    EluPlusOne{}.apply(x, out);
+  }
+};
+static_assert(FeatureMap<RecordingEluPlusOne>);
+
+// For a [T, G*d] row-major query buffer: which (head, row) pairs the recorded inputs took from
+// inside the buffer. An input inside the buffer must be rows of exactly one head (d columns,
+// the buffer's row stride), or it was not that head read in place.
+std::vector<std::vector<bool>> rows_read_in_place(const std::vector<MapInput>& inputs,
+                                                  const RowMatrix<float>& buffer, Index G, Index d) {
+  const Index T = buffer.rows();
+  std::vector<std::vector<bool>> seen(static_cast<std::size_t>(G),
+                                      std::vector<bool>(static_cast<std::size_t>(T), false));
+  const auto begin = reinterpret_cast<std::uintptr_t>(buffer.data());
+  const auto end = begin + sizeof(float) * static_cast<std::size_t>(buffer.size());
+  for (const MapInput& in : inputs) {
+    const auto p = reinterpret_cast<std::uintptr_t>(in.data);
+    if (in.data == nullptr || p < begin || p >= end) continue;
+    const auto offset = static_cast<Index>((p - begin) / sizeof(float));
+    const Index row = offset / (G * d), col = offset % (G * d);
+    CAPTURE(row, col, in.rows, in.cols, in.outer_stride);
+    CHECK(col % d == 0);
+    CHECK(in.cols == d);
+    CHECK((in.rows == 1 || in.outer_stride == G * d));
+    REQUIRE(row + in.rows <= T);
+    for (Index i = row; i < row + in.rows; ++i)
+      seen[static_cast<std::size_t>(col / d)][static_cast<std::size_t>(i)] = true;
+  }
+  return seen;
+}
+
+bool all_read(const std::vector<std::vector<bool>>& seen) {
+  for (const auto& head : seen)
+    for (bool row : head)
+      if (!row) return false;
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("grouped calls hand the feature map each query head in place", "[group][views]") {
+  // G = 3 heads of d = 8 side by side in one [T, G*d] buffer, as a model stores them. Every
+  // grouped entry point, with the heads given as a vector of row views and as a tensor view,
+  // must give the map each head's rows where they lie: every (head, row) of the buffer seen
+  // by the map inside that head's columns. The outputs are those of ELU + 1 itself.
+  const Index T = 21, G = 3, d = 8;
+  const auto Qbuf = random_matrix<float>(T, G * d, 1300);
+  const auto K = random_matrix<float>(T, d, 1301), V = random_matrix<float>(T, d, 1302);
+  std::vector<MapInput> inputs;
+  const RecordingEluPlusOne spy{&inputs};
+  const LinearAttention<RecordingEluPlusOne> attn(spy, Options{{}, 8});
+  const LinearAttention<EluPlusOne> plain(EluPlusOne{}, Options{{}, 8});
+  const RuleAttention<RecordingEluPlusOne, Decay> decay(spy, Decay(0.9), Options{{}, 8});
+  const RuleAttention<EluPlusOne, Decay> plain_decay(EluPlusOne{}, Decay(0.9), Options{{}, 8});
+  const auto span_of = [&](const RowMatrix<float>& buffer) {
+    return query_views(G, [&](Index g) { return buffer.middleCols(g * d, d); });
+  };
+  const auto tensor_of = [&](const RowMatrix<float>& buffer) {
+    return TensorView<const float>::batch_first(buffer.data(), 1, buffer.rows(), G, d);
+  };
+  RowMatrix<float> Obuf(T, G * d);
+  const auto outputs = output_views(G, [&](Index g) { return Obuf.middleCols(g * d, d); });
+  const auto check_outputs = [&](const auto& reference, auto&& per_head) {
+    for (Index g = 0; g < G; ++g) {
+      CAPTURE(g);
+      const RowMatrix<float> Qg = Qbuf.middleCols(g * d, d);
+      CHECK(Obuf.middleCols(g * d, d) == per_head(reference, Qg));
+    }
+  };
+
+  for (bool as_tensor : {false, true}) {
+    CAPTURE(as_tensor);
+    {  // stateless, full and causal
+      for (const Mask mask : {Mask(Mask::none), Mask(Mask::causal)}) {
+        CAPTURE(mask == Mask::causal);
+        inputs.clear();
+        if (as_tensor)
+          attn.parallel_into(tensor_of(Qbuf), K, V, mask, outputs);
+        else
+          attn.parallel_into(span_of(Qbuf), K, V, mask, outputs);
+        CHECK(all_read(rows_read_in_place(inputs, Qbuf, G, d)));
+        check_outputs(plain, [&](const auto& a, const RowMatrix<float>& Qg) { return a.parallel(Qg, K, V, mask); });
+      }
+      inputs.clear();
+      if (as_tensor)
+        decay.parallel_into(tensor_of(Qbuf), K, V, Mask::causal, outputs);
+      else
+        decay.parallel_into(span_of(Qbuf), K, V, Mask::causal, outputs);
+      CHECK(all_read(rows_read_in_place(inputs, Qbuf, G, d)));
+      check_outputs(plain_decay, [&](const auto& a, const RowMatrix<float>& Qg) { return a.parallel(Qg, K, V, Mask::causal); });
+    }
+    {  // prefill, then one decode token
+      auto state = attn.make_state(d, d);
+      auto decay_state = decay.make_state(d, d);
+      inputs.clear();
+      if (as_tensor)
+        attn.prefill_into(state, tensor_of(Qbuf), K, V, outputs);
+      else
+        attn.prefill_into(state, span_of(Qbuf), K, V, outputs);
+      CHECK(all_read(rows_read_in_place(inputs, Qbuf, G, d)));
+      check_outputs(plain, [&](const auto& a, const RowMatrix<float>& Qg) { return a.parallel(Qg, K, V, Mask::causal); });
+      inputs.clear();
+      if (as_tensor)
+        decay.prefill_into(decay_state, tensor_of(Qbuf), K, V, outputs);
+      else
+        decay.prefill_into(decay_state, span_of(Qbuf), K, V, outputs);
+      CHECK(all_read(rows_read_in_place(inputs, Qbuf, G, d)));
+      check_outputs(plain_decay, [&](const auto& a, const RowMatrix<float>& Qg) { return a.parallel(Qg, K, V, Mask::causal); });
+
+      // One decode token: the G queries side by side in one [1, G*d] row.
+      const auto q = random_matrix<float>(1, G * d, 1303);
+      const auto k = random_matrix<float>(1, d, 1304), v = random_matrix<float>(1, d, 1305);
+      RowMatrix<float> Y(1, G * d);
+      const auto y_heads = output_views(G, [&](Index g) { return Y.middleCols(g * d, d); });
+      for (int rule = 0; rule < 2; ++rule) {
+        CAPTURE(rule);
+        inputs.clear();
+        if (rule == 0 && as_tensor) attn.step_into(state, tensor_of(q), k, v, y_heads);
+        if (rule == 0 && !as_tensor) attn.step_into(state, span_of(q), k, v, y_heads);
+        if (rule == 1 && as_tensor) decay.step_into(decay_state, tensor_of(q), k, v, y_heads);
+        if (rule == 1 && !as_tensor) decay.step_into(decay_state, span_of(q), k, v, y_heads);
+        CHECK(all_read(rows_read_in_place(inputs, q, G, d)));
+      }
+      CHECK(state.tokens() == T + 1);
+      CHECK(decay_state.tokens() == T + 1);
+    }
+  }
+}
+
+// ---- the one attention class --------------------------------------------------------------
+
+TEMPLATE_TEST_CASE("RuleAttention<Phi, Additive> is LinearAttention and Mask::none is the full read",
+                   "[rules]", float, double) {
+  // The old trap: RuleAttention::parallel(Q, K, V) without a mask was causal while
+  // LinearAttention's was full. Now both are one type and the mask is always spelled out.
+  static_assert(std::is_same_v<RuleAttention<EluPlusOne, Additive, float>, LinearAttention<EluPlusOne, float>>);
+  static_assert(std::is_same_v<RuleAttention<EluPlusOne, Additive, TestType>,
+                               LinearAttention<EluPlusOne, TestType>>);
+  static_assert(std::is_same_v<RuleAttention<Identity>, LinearAttention<Identity>>);
+  const Index T = 90, dk = 12, dv = 7;
+  const auto qkv = random_qkv<TestType>(T, dk, dv, 1400);
+  const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
+  const RuleAttention<EluPlusOne, Additive, TestType> rule(EluPlusOne{}, Additive{}, Options{});
+  const LinearAttention<EluPlusOne, TestType> linear;
+  const auto full_ref = naive_attention(Q, K, V, false, linattn_test::elu_plus_one);
+  const auto causal_ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
+  const double units = bound_units(dk, T);
+
+  const RowMatrix<TestType> full = rule.parallel(Q, K, V, Mask::none);
+  CHECK(full == linear.parallel(Q, K, V, Mask::none));
+  CHECK(worst_error_ratio<TestType>(full, full_ref, units) <= 1);
+  // The causal read is a different answer: it does not pass for the full one.
+  const RowMatrix<TestType> causal = rule.parallel(Q, K, V, Mask::causal);
+  CHECK(causal == linear.parallel(Q, K, V, Mask::causal));
+  CHECK(worst_error_ratio<TestType>(causal, causal_ref, units) <= 1);
+  CHECK(worst_error_ratio<TestType>(causal, full_ref, units) > 1);
+  // A run-time Mask picks the same paths.
+  CHECK(rule.parallel(Q, K, V, Mask(Mask::none)) == full);
+  CHECK(rule.parallel(Q, K, V, Mask(Mask::causal)) == causal);
+  // And the states are one type: a state of either serves the other.
+  auto state = rule.make_state(dk, dv);
+  static_assert(std::is_same_v<decltype(state), AttentionState<TestType>>);
+  CHECK(linear.prefill(state, Q, K, V) == causal);
+  CHECK(state.tokens() == T);
 }

@@ -1,9 +1,11 @@
-// The tuned kernels behind the causal paths: the chunked form (detail/chunked.hpp) over chunk
-// sizes that do and do not divide T, T < C, T = 1, carried state and errors mid-sequence; the
-// fused recurrent sweep (detail/recurrent_sweep.hpp) over value widths that exercise its full
-// and remainder column blocks in both sweep directions; and a length whose T x T matrix could
-// not be allocated. References: the double loop of test_support.hpp, quadratic_attention and
-// the recurrent path.
+// The detail kernels behind attention.hpp's additive paths: the chunked form
+// (detail/chunked.hpp) over chunk sizes that do and do not divide T, T < C, T = 1, carried
+// state and errors mid-sequence; its register kernel (detail/small_gemm.hpp); the fused
+// recurrent sweep (detail/recurrent_sweep.hpp) over value widths that exercise its full and
+// remainder column blocks in both sweep directions; the deferred decode (detail/deferred.hpp)
+// and the shared reads absorb()/read_into(); and a length whose T x T matrix could not be
+// allocated. References: the double loop of test_support.hpp, quadratic_attention and the
+// recurrent path.
 
 #include <linattn/attention.hpp>
 #include <linattn/detail/recurrent_sweep.hpp>
@@ -54,8 +56,8 @@ linattn::RowMatrix<Scalar> parallel_in_pieces(const Attention& attn, const M& Q,
   linattn::RowMatrix<Scalar> out(Q.rows(), V.cols());
   Index first = 0;
   for (Index n : {1, 40, 16, 77, 16}) {
-    out.middleRows(first, n) = attn.parallel(Q.middleRows(first, n), K.middleRows(first, n),
-                                             V.middleRows(first, n), Mask::causal, state);
+    out.middleRows(first, n) =
+        attn.prefill(state, Q.middleRows(first, n), K.middleRows(first, n), V.middleRows(first, n));
     first += n;
   }
   REQUIRE(first == Q.rows());
@@ -85,7 +87,7 @@ TEMPLATE_TEST_CASE("chunked causal path agrees with a double loop for every chun
     for (Index chunk : {1, 2, 3, 7, 16, 31, 32, 33, 64, 1000}) {
       CAPTURE(s.T, s.dk, s.dv, chunk);
       auto state = with_chunk<TestType>(chunk).make_state(s.dk, s.dv);
-      const auto out = with_chunk<TestType>(chunk).parallel(Q, K, V, Mask::causal, state);
+      const auto out = with_chunk<TestType>(chunk).prefill(state, Q, K, V);
       CHECK(worst_error_ratio<TestType>(out, ref, units) <= 1);
       CHECK(state.tokens() == s.T);
       // Agreement with the other two forms follows (each is within the bound of the exact
@@ -104,7 +106,9 @@ TEMPLATE_TEST_CASE("chunked causal path agrees with a double loop for every chun
 TEMPLATE_TEST_CASE("chunked state equals the recurrent state and carries across calls",
                    "[chunked][state]", float, double) {
   const Index T = 150, dk = 10, dv = 6;
-  const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 11);
+  // Not a structured binding: clang 14 lambdas cannot capture those.
+  const auto qkv = random_qkv<TestType>(T, dk, dv, 11);
+  const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
   const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
   const double units = bound_units(dk, T);
 
@@ -133,7 +137,7 @@ TEMPLATE_TEST_CASE("chunked state equals the recurrent state and carries across 
   check_state(state);
 
   auto recurrent_state = attn.make_state(dk, dv);
-  (void)attn.recurrent(Q, K, V, recurrent_state);
+  (void)attn.recurrent(recurrent_state, Q, K, V);
   check_state(recurrent_state);
 }
 
@@ -150,7 +154,7 @@ TEST_CASE("a DenominatorError mid-sequence leaves the state holding the earlier 
   const LinearAttention<Identity, double> attn(Identity{}, Options{{}, 12});
   auto state = attn.make_state(2, 3);
   try {
-    (void)attn.parallel(Q, K, V, Mask::causal, state);
+    (void)attn.prefill(state, Q, K, V);
     FAIL("expected a DenominatorError");
   } catch (const DenominatorError& e) {
     CHECK(e.row() == 45);
@@ -212,7 +216,8 @@ TEMPLATE_TEST_CASE("step and recurrent agree with a double loop for wide and odd
   for (Index dv : {Index{3}, W, W + 6, 2 * W + 1}) {
     const Index T = 41, dk = 65;
     CAPTURE(dv);
-    const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 51);
+    const auto qkv = random_qkv<TestType>(T, dk, dv, 51);
+    const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
     const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
     const double units = bound_units(dk, T);
     const Attn<TestType> attn;
@@ -234,7 +239,8 @@ TEST_CASE("a length whose T x T score matrix could not be allocated runs in O(T)
           "[chunked]") {
   // T = 300,000: a T x T float matrix would take 360 GB. The chunked path holds a few chunks.
   const Index T = 300000, d = 4;
-  const auto [Q, K, V] = random_qkv<float>(T, d, d, 61);
+  const auto qkv = random_qkv<float>(T, d, d, 61);
+  const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
   const Attn<float> attn;
   const auto out = attn.parallel(Q, K, V, Mask::causal);
   REQUIRE(out.rows() == T);
@@ -361,7 +367,7 @@ TEMPLATE_TEST_CASE("the register-kernel chunked path agrees with a double loop",
           const Eigen::Matrix<TestType, Eigen::Dynamic, Eigen::Dynamic> Vcol = V;
           linattn::RowMatrix<TestType> wide = linattn::RowMatrix<TestType>::Zero(T, dv + 3);
           auto state = attn.make_state(dk, dv);
-          attn.parallel_into(Q, K, Vcol, Mask::causal, state, wide.leftCols(dv));
+          attn.prefill_into(state, Q, K, Vcol, wide.leftCols(dv));
           CHECK(worst_error_ratio<TestType>(wide.leftCols(dv), ref, units) <= 1);
           CHECK(wide.rightCols(3).isZero(0));
           CHECK(state.tokens() == T);
@@ -375,7 +381,8 @@ TEMPLATE_TEST_CASE("the register-kernel chunked path carries state across uneven
                    "[chunked][kernel][state]", float, double) {
   const Index L = detail::GemmTile<TestType>::lanes;
   const Index T = 150, dk = 10, dv = 2 * L;
-  const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 21);
+  const auto qkv = random_qkv<TestType>(T, dk, dv, 21);
+  const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
   const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
   const auto attn = with_chunk<TestType>(16);
   auto state = attn.make_state(dk, dv);
@@ -385,7 +392,7 @@ TEMPLATE_TEST_CASE("the register-kernel chunked path carries state across uneven
   // same T terms, so each entry is within 2 gamma_T of the exact sum (relative to the sum of
   // magnitudes, which is the sum itself for z).
   auto recurrent_state = attn.make_state(dk, dv);
-  (void)attn.recurrent(Q, K, V, recurrent_state);
+  (void)attn.recurrent(recurrent_state, Q, K, V);
   const double u = unit_roundoff<TestType>(), units = 4.0 * double(T + 4);
   CHECK(state.tokens() == T);
   for (Index i = 0; i < dk; ++i) {
@@ -414,7 +421,7 @@ TEST_CASE("a DenominatorError in the register-kernel path leaves the earlier chu
   const LinearAttention<Identity, double> attn(Identity{}, Options{{}, 12});
   auto state = attn.make_state(2, dv);
   try {
-    (void)attn.parallel(Q, K, V, Mask::causal, state);
+    (void)attn.prefill(state, Q, K, V);
     FAIL("expected a DenominatorError");
   } catch (const DenominatorError& e) {
     CHECK(e.row() == 45);
@@ -501,7 +508,7 @@ TEMPLATE_TEST_CASE("recurrent() equals the fused step() bit for bit and both agr
         const double units = bound_units(dk, T);
 
         auto whole_state = attn.make_state(dk, dv);
-        const linattn::RowMatrix<TestType> whole = attn.recurrent(Q, K, V, whole_state);
+        const linattn::RowMatrix<TestType> whole = attn.recurrent(whole_state, Q, K, V);
         CHECK(worst_error_ratio<TestType>(whole, ref, units) <= 1);
 
         auto step_state = attn.make_state(dk, dv);
@@ -521,8 +528,8 @@ TEMPLATE_TEST_CASE("recurrent() equals the fused step() bit for bit and both agr
         for (Index n = 3; first < T; n = n == 3 ? 1 : n + 4) {
           const Index len = std::min(n, T - first);
           pieces.middleRows(first, len) =
-              attn.recurrent(Q.middleRows(first, len), K.middleRows(first, len),
-                             Vcol.middleRows(first, len), piece_state);
+              attn.recurrent(piece_state, Q.middleRows(first, len), K.middleRows(first, len),
+                             Vcol.middleRows(first, len));
           first += len;
         }
         CHECK(pieces == whole);
@@ -547,7 +554,8 @@ TEMPLATE_TEST_CASE("the deferred step agrees with a double loop across blocks an
       for (Index dk : {9, 33}) {
         for (Index T : {1, 7, 40, 41}) {
           CAPTURE(B, dv, dk, T);
-          const auto [Q, K, V] = random_qkv<TestType>(T, dk, dv, 700 + T + dv);
+          const auto qkv = random_qkv<TestType>(T, dk, dv, 700 + T + dv);
+          const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
           const auto ref = naive_attention(Q, K, V, true, linattn_test::elu_plus_one);
           const double units = bound_units(dk, T);
 
@@ -560,7 +568,7 @@ TEMPLATE_TEST_CASE("the deferred step agrees with a double loop across blocks an
           CHECK(state.tokens() == T);
           CHECK(state.pending_tokens() == (T - 1) % B + 1);  // a full block folds on the next token
           auto whole_state = attn.make_state(dk, dv);
-          static_cast<void>(attn.recurrent(Q, K, V, whole_state));
+          static_cast<void>(attn.recurrent(whole_state, Q, K, V));
           CHECK(state.z() == whole_state.z());
 
           // S() includes the pending tokens: against sum_t phi(k_t) v_t^T in double, within
@@ -594,11 +602,10 @@ TEMPLATE_TEST_CASE("the deferred step agrees with a double loop across blocks an
               for (Index t = first; t < first + len; ++t)
                 out.row(t) = attn.step(mixed, Q.row(t), K.row(t), V.row(t));
             } else if (turn % 3 == 1) {
-              out.middleRows(first, len) = attn.recurrent(rows(Q), rows(K), rows(V), mixed);
+              out.middleRows(first, len) = attn.recurrent(mixed, rows(Q), rows(K), rows(V));
               CHECK(mixed.pending_tokens() == 0);
             } else {
-              out.middleRows(first, len) =
-                  attn.parallel(rows(Q), rows(K), rows(V), Mask::causal, mixed);
+              out.middleRows(first, len) = attn.prefill(mixed, rows(Q), rows(K), rows(V));
               CHECK(mixed.pending_tokens() == 0);
             }
             first += len;
@@ -646,14 +653,15 @@ TEMPLATE_TEST_CASE("query heads share one state through absorb() and read_into()
   // and read_into() are step() cut in two), and within the double loop's bound (a
   // re-association of the same T terms) with fused steps. Reads must leave the state as it was.
   const Index G = 3, T = 37, dk = 9, dv = 70;
-  const auto [Q0, K, V] = random_qkv<TestType>(T, dk, dv, 801);
+  const auto qkv = random_qkv<TestType>(T, dk, dv, 801);
+  const auto &Q0 = qkv.Q, &K = qkv.K, &V = qkv.V;
   const auto Q1 = random_matrix<TestType>(T, dk, 802), Q2 = random_matrix<TestType>(T, dk, 803);
   const linattn::RowMatrix<TestType>* Qs[G] = {&Q0, &Q1, &Q2};
   for (Index B : {1, 3, 16}) {
     CAPTURE(B);
     const Attn<TestType> attn(EluPlusOne{}, Options{{}, 32, B});
     auto shared = attn.make_state(dk, dv);
-    auto scratch = attn.make_read_scratch(dk, dv);
+    ReadScratch<TestType> scratch(shared);
     std::vector<AttentionState<TestType>> own(G, attn.make_state(dk, dv));
     std::vector<linattn::RowMatrix<TestType>> read(G, linattn::RowMatrix<TestType>(T, dv));
     std::vector<linattn::RowMatrix<TestType>> stepped = read;
@@ -681,11 +689,11 @@ TEMPLATE_TEST_CASE("query heads share one state through absorb() and read_into()
   // Misuse: a scratch for other dims, a wrong output length, and a read of an empty state.
   const Attn<TestType> attn;
   auto state = attn.make_state(dk, dv);
-  auto other = attn.make_read_scratch(dk + 1, dv);
+  ReadScratch<TestType> other(attn.make_state(dk + 1, dv));
   RowVector<TestType> y(dv), short_y(dv - 1);
   const auto q = random_matrix<TestType>(1, dk, 804);
   CHECK_THROWS_AS(attn.read_into(state, q, y, other), ShapeError);
-  auto scratch = attn.make_read_scratch(dk, dv);
+  ReadScratch<TestType> scratch(state);
   CHECK_THROWS_AS(attn.read_into(state, q, short_y, scratch), ShapeError);
   CHECK_THROWS_AS(attn.read_into(state, q, y, scratch), DenominatorError);  // z = 0
 }
@@ -716,7 +724,7 @@ TEMPLATE_TEST_CASE("a rejected denominator inside a token pair absorbs exactly t
       (void)attn.step(reference, one, one, v0);
     }
     linattn::RowMatrix<TestType> out = linattn::RowMatrix<TestType>::Zero(T, 3);
-    CHECK_THROWS_WITH(attn.recurrent_into(Q, K, V, state, out),
+    CHECK_THROWS_WITH(attn.recurrent_into(state, Q, K, V, out),
                       Contains("row " + std::to_string(bad_row)) && Contains("= 0"));
     CHECK(state.tokens() == carried + absorbed);
     // The absorbed tokens match step() on the same tokens, bits and outputs.

@@ -478,10 +478,9 @@ void check_all_paths(Kind kind, const Phi& phi, const RowMatrix<Scalar>& Q,
   auto carried = attn.make_state(d, V.cols());
   const Index half = T / 2 + 3;
   RowMatrix<Scalar> pieces(T, V.cols());
-  attn.parallel_into(Q.topRows(half), K.topRows(half), V.topRows(half), Mask::causal, carried,
-                     pieces.topRows(half));
-  attn.parallel_into(Q.bottomRows(T - half), K.bottomRows(T - half), V.bottomRows(T - half),
-                     Mask::causal, carried, pieces.bottomRows(T - half));
+  attn.prefill_into(carried, Q.topRows(half), K.topRows(half), V.topRows(half), pieces.topRows(half));
+  attn.prefill_into(carried, Q.bottomRows(T - half), K.bottomRows(T - half), V.bottomRows(T - half),
+                    pieces.bottomRows(T - half));
   CHECK(linattn_test::worst_error_ratio<Scalar>(pieces, ref, units) <= 1.0);
   CHECK(carried.tokens() == T);
   // Both states hold the same sums: same M, and S, z equal to rounding relative to their size.
@@ -492,7 +491,8 @@ void check_all_paths(Kind kind, const Phi& phi, const RowMatrix<Scalar>& Q,
 
   // Non-causal read against the reference without the mask.
   const auto full_ref = reference_attention(kind, W, phi.scale(), Q, K, V, false);
-  CHECK(linattn_test::worst_error_ratio<Scalar>(attn.parallel(Q, K, V), full_ref, units) <= 1.0);
+  CHECK(linattn_test::worst_error_ratio<Scalar>(attn.parallel(Q, K, V, Mask::none), full_ref, units) <=
+        1.0);
 }
 
 TEMPLATE_TEST_CASE("every causal path matches a long-double reference of the drawn kernel",
@@ -661,7 +661,8 @@ TEMPLATE_TEST_CASE("clamped, shifted and unnormalized reads see the true denomin
     CHECK((attn.parallel(Q, K, V, Mask::causal).template cast<double>() - expect).cwiseAbs().maxCoeff() <= tol);
     CHECK((attn.recurrent(Q, K, V).template cast<double>() - expect).cwiseAbs().maxCoeff() <= tol);
     const RowMatrix<double> expect_full = quadratic_attention(phi, Q, K, V, Mask::none, norm).template cast<double>();
-    CHECK((attn.parallel(Q, K, V).template cast<double>() - expect_full).cwiseAbs().maxCoeff() <= tol);
+    CHECK((attn.parallel(Q, K, V, Mask::none).template cast<double>() - expect_full).cwiseAbs().maxCoeff() <=
+          tol);
   }
 }
 
@@ -683,7 +684,7 @@ TEST_CASE("trig features: a negative denominator raises DenominatorError", "[tri
   REQUIRE(found);
   const LinearAttention<TrigRandomFeatures<double>, double> attn(phi);
   CHECK_THROWS_AS(attn.parallel(q, k, v, Mask::causal), DenominatorError);
-  CHECK_THROWS_AS(attn.parallel(q, k, v), DenominatorError);
+  CHECK_THROWS_AS(attn.parallel(q, k, v, Mask::none), DenominatorError);
   CHECK_THROWS_AS(attn.recurrent(q, k, v), DenominatorError);
   try {
     static_cast<void>(attn.parallel(q, k, v, Mask::causal));
@@ -706,14 +707,41 @@ TEST_CASE("trig features: a negative denominator raises DenominatorError", "[tri
 
 }  // namespace
 
-TEST_CASE("a state made for an ordinary map is refused by a log-scaled one", "[random][errors]") {
+namespace {
+// An ordinary (not log-scaled) map with r = 2 d, so that its states have the dims of the
+// random-feature states below: phi(x) = [x^2, 1 + x^2].
+struct SquaredTwice {
+  static constexpr bool strictly_positive = true;
+  [[nodiscard]] Index feature_dim(Index d) const noexcept { return 2 * d; }
+  template <class In, class Out>
+  void apply(const In& x, Out& out) const {
+    out.leftCols(x.cols()) = x.array().square().matrix();
+    out.rightCols(x.cols()) = (x.array().square() + 1).matrix();
+  }
+};
+}  // namespace
+
+TEST_CASE("a state made for an ordinary map or another draw is refused", "[random][errors]") {
+  // A state records what made it; one with the right dims made by an ordinary map (M = 0 where
+  // a log-scaled state keeps -inf, plain sums) or by another draw of the projections (another
+  // kernel) would mix two kernels in one sum, so every call refuses it before changing it.
   const PositiveRandomFeatures<double> phi(4, 8, 3);
   const LinearAttention<PositiveRandomFeatures<double>, double> attn(phi);
-  AttentionState<double> plain(8, 4, 2);  // right dims, but M = 0 instead of -inf
+  auto plain = LinearAttention<SquaredTwice, double>().make_state(4, 2);
+  REQUIRE(plain.feature_dim() == 8);  // right dims
+  auto other_draw =
+      LinearAttention<PositiveRandomFeatures<double>, double>(PositiveRandomFeatures<double>(4, 8, 4))
+          .make_state(4, 2);
   const Eigen::MatrixXd Q = Eigen::MatrixXd::Ones(3, 4), V = Eigen::MatrixXd::Ones(3, 2);
-  CHECK_THROWS_WITH(attn.recurrent(Q, Q, V, plain), Catch::Matchers::Contains("make_state"));
-  CHECK_THROWS_AS(attn.parallel(Q, Q, V, Mask::causal, plain), ShapeError);
-  CHECK_THROWS_AS(attn.step(plain, Q.row(0), Q.row(0), V.row(0)), ShapeError);
+  for (auto* state : {&plain, &other_draw}) {
+    CHECK_THROWS_WITH(attn.recurrent(*state, Q, Q, V), Catch::Matchers::Contains("make_state"));
+    CHECK_THROWS_AS(attn.prefill(*state, Q, Q, V), StateMismatchError);
+    CHECK_THROWS_AS(attn.step(*state, Q.row(0), Q.row(0), V.row(0)), StateMismatchError);
+    CHECK_THROWS_AS(attn.step(*state, Q.row(0), Q.row(0), V.row(0)), std::invalid_argument);
+    CHECK(state->tokens() == 0);
+  }
   auto good = attn.make_state(4, 2);
   CHECK_NOTHROW(attn.step(good, Q.row(0), Q.row(0), V.row(0)));
+  auto same_draw = LinearAttention<PositiveRandomFeatures<double>, double>(phi).make_state(4, 2);
+  CHECK_NOTHROW(attn.step(same_draw, Q.row(0), Q.row(0), V.row(0)));
 }
