@@ -41,11 +41,15 @@ struct Options {
 
 namespace detail {
 
+/// Whether r x dv scalars fit in `capacity` scalars (by division: r dv may not fit an Index).
+inline bool state_fits(Index r, Index dv, Index capacity) {
+  return r <= 0 || dv <= 0 || r <= capacity / dv;
+}
+
 /// Options::chunk_size resolved for feature dim r and value dim dv.
 inline Index resolve_chunk_size(const Options& options, Index r, Index dv, Index scalar_bytes) {
   if (options.chunk_size != kAuto) return options.chunk_size;
-  const bool fits_l1 = r * dv <= cache_sizes().l1d / scalar_bytes;
-  return fits_l1 ? 32 : 16;
+  return state_fits(r, dv, cache_sizes().l1d / scalar_bytes) ? 32 : 16;
 }
 
 /// Options::decode_block resolved for feature dim r and value dim dv.
@@ -53,8 +57,7 @@ inline Index resolve_decode_block(const Options& options, Index r, Index dv, Ind
   if (options.decode_block != kAuto) return options.decode_block;
   constexpr Index large_l1 = 48 * 1024;
   const Index l1 = cache_sizes().l1d;
-  const bool exceeds_l1 = r * dv > l1 / scalar_bytes;
-  return exceeds_l1 && l1 >= large_l1 ? 16 : 0;
+  return !state_fits(r, dv, l1 / scalar_bytes) && l1 >= large_l1 ? 16 : 0;
 }
 
 /// Throws std::invalid_argument for option values no call could use.

@@ -10,6 +10,7 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 namespace linattn::detail {
@@ -152,7 +153,9 @@ void causal_chunked(const Phi& phi, Index group, const QueryAt& query, const DK&
                       scores = RowMatrix<Scalar>::Zero(C, padded),
                       v_buffer(has_row_major_storage<DV>() ? 0 : C, dv);
     RowVector<Scalar> running_z(r);
-    ColVector<Scalar> inverse(C);
+    // Row scales of the read: 1 / divisor, or 1 where that reciprocal overflows (a subnormal
+    // divisor); those rows are divided after the product instead (late_divisor, 0 elsewhere).
+    ColVector<Scalar> inverse(C), late_divisor(C);
     for (Index first = 0; first < T; first += C) {
       const Index n = std::min(C, T - first);
       const Index n_padded = (n + lanes - 1) / lanes * lanes;
@@ -170,11 +173,16 @@ void causal_chunked(const Phi& phi, Index group, const QueryAt& query, const DK&
         // Each query head runs the same sum (a few r adds per row), so every head's
         // denominators have the bits of a single-head call.
         running_z = z.transpose();
+        bool any_late = false;
         for (Index i = 0; i < n; ++i) {
           running_z += kf.row(i);
           if (norm.divides()) {
-            const Scalar den = qf.row(i).dot(running_z);
-            inverse(i) = Scalar(1) / norm.divisor(den, first + i);
+            const Scalar divisor = norm.divisor(qf.row(i).dot(running_z), first + i);
+            const Scalar inv = Scalar(1) / divisor;
+            const bool late = !std::isfinite(inv);
+            inverse(i) = late ? Scalar(1) : inv;
+            late_divisor(i) = late ? divisor : Scalar(0);
+            any_late = any_late || late;
           }
         }
         small_gemm<Scalar, false>(n, n_padded, r, qf.data(), r, kf_t.data(), padded,
@@ -189,6 +197,10 @@ void causal_chunked(const Phi& phi, Index group, const QueryAt& query, const DK&
         small_gemm<Scalar, false>(n, dv, r, qf.data(), r, S.data(), dv, o, ld_out);
         small_gemm<Scalar, true>(n, dv, n, scores.data(), padded, v_chunk, ld_v, o, ld_out,
                                  Triangle::lower_lhs, norm.divides() ? inverse.data() : nullptr);
+        if (any_late)
+          for (Index i = 0; i < n; ++i)
+            if (late_divisor(i) != Scalar(0))
+              for (Index c = 0; c < dv; ++c) o[i * ld_out + c] /= late_divisor(i);
       }
       small_gemm<Scalar, true>(r, dv, n, kf_t.data(), padded, v_chunk, ld_v, S.data(), dv);
       z = running_z.transpose();

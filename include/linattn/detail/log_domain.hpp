@@ -38,21 +38,50 @@ Scalar running_max(Scalar m, Scalar l) {
   return l <= m ? m : l;
 }
 
-/// The multiplier that turns a scaled numerator into the output row. The true numerator and
-/// denominator are num exp(L) and den exp(L), L = log-scale of the query plus M, so:
-///   strict        1 / den                     (den must be > 0 and finite; the shift cancels)
-///   clamped(eps)  1 / max(den, eps exp(-L))   = exp(L) / max(den exp(L), eps)
-///   shifted(eps)  1 / (den + eps exp(-L))
-///   unnormalized  exp(L)                      (the true phi(q)^T S; may overflow to Inf)
-/// Throws DenominatorError as the policy would for the true denominator.
+/// How a scaled numerator becomes the output row. The true numerator and denominator are
+/// num exp(L) and den exp(L), L = log-scale of the query plus M, so:
+///   strict        y = num / den                 (den must be > 0 and finite; the shift cancels)
+///   clamped(eps)  y = num / max(den, eps exp(-L))
+///   shifted(eps)  y = num / (den + eps exp(-L))
+///   unnormalized  y = num * exp(L)              (the true phi(q)^T S; may overflow to Inf)
+/// The output is divided, never multiplied by a reciprocal: a tiny or subnormal den whose
+/// reciprocal would overflow gives the finite quotient, as on every other path. A divisor
+/// outside Scalar's range (eps exp(-L) in float) is applied in double.
 template <class Scalar>
-Scalar log_domain_reciprocal(const Normalization& norm, Scalar den, Scalar log_scale, Index row) {
+struct LogDomainRead {
+  double divisor = 1;
+  Scalar multiplier = 1;
+  bool divides = true;
+
+  template <class Row>
+  void apply(Row&& y) const {
+    if (!divides) {
+      y *= multiplier;
+      return;
+    }
+    const auto narrow = static_cast<Scalar>(divisor);
+    if (std::isfinite(narrow) && narrow > 0 && static_cast<double>(narrow) == divisor)
+      y /= narrow;
+    else
+      for (Index c = 0; c < y.size(); ++c) y(c) = static_cast<Scalar>(static_cast<double>(y(c)) / divisor);
+  }
+};
+
+/// The read of a row with scaled denominator `den` and log-scale L = `log_scale`; throws
+/// DenominatorError as the policy would for the true denominator.
+template <class Scalar>
+LogDomainRead<Scalar> log_domain_read(const Normalization& norm, Scalar den, Scalar log_scale,
+                                      Index row) {
   using Kind = Normalization::Kind;
+  LogDomainRead<Scalar> read;
   switch (norm.kind()) {
     case Kind::unnormalized:
-      return std::exp(log_scale);
+      read.divides = false;
+      read.multiplier = std::exp(log_scale);
+      return read;
     case Kind::strict:
-      return Scalar(1) / norm.divisor(den, row);
+      read.divisor = static_cast<double>(norm.divisor(den, row));
+      return read;
     case Kind::clamped:
     case Kind::shifted:
       break;
@@ -68,12 +97,13 @@ Scalar log_domain_reciprocal(const Normalization& norm, Scalar den, Scalar log_s
        << ") at query row " << row << " plus epsilon is not strictly positive";
     throw DenominatorError(os.str(), row, d * std::exp(static_cast<double>(log_scale)));
   }
-  return static_cast<Scalar>(1.0 / divisor);  // divisor = Inf (true den << eps) gives 0
+  read.divisor = divisor;  // Inf (true den << eps) gives 0
+  return read;
 }
 
 /// One recurrent token on scaled features: qf, kf are 1 x r with log-scales lq, lk.
 ///   M' = max(M, lk),  S = exp(M - M') S + exp(lk - M') kf^T v,  z likewise,
-///   y = (qf S) * log_domain_reciprocal(qf z, lq + M').
+///   y = log_domain_read(qf z, lq + M') applied to qf S.
 /// The denominator is checked before S, z or M change (a throw leaves the state as it was).
 /// Cost: as the plain recurrent token (detail::recurrent_token_fused) plus r dv multiplies when M grows, and two exp.
 template <class Scalar, class Qf, class Kf, class V, class Y>
@@ -84,8 +114,8 @@ void log_domain_token(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scal
   const Scalar alpha = rescale_factor(M, M_new);
   const Scalar beta = rescale_factor(lk, M_new);
   z_next = alpha * z + beta * kf.transpose();
-  const Scalar factor = log_domain_reciprocal(
-      norm, static_cast<Scalar>(qf.dot(z_next.transpose())), lq + M_new, row);
+  const auto read = log_domain_read(norm, static_cast<Scalar>(qf.dot(z_next.transpose())),
+                                    lq + M_new, row);
   y.setZero();
   if (alpha == Scalar(1)) {
     for (Index i = 0; i < S.rows(); ++i) {
@@ -102,14 +132,14 @@ void log_domain_token(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scal
   }
   z.swap(z_next);
   M = M_new;
-  y *= factor;
+  read.apply(y);
 }
 
 /// Causal attention of one chunk of n scaled tokens against the incoming state (S, z, M), then
 /// the state absorbs the chunk. With m_i = max(M, lk_0..lk_i) (the recurrent path's M after
 /// token i):
 ///   out_i = exp(M - m_i) qf_i S + sum_{j <= i} exp(lk_j - m_i) (qf_i . kf_j) v_j,
-///   den_i likewise with z and 1, output row = out_i * log_domain_reciprocal(den_i, lq_i + m_i);
+///   den_i likewise with z and 1, output row = log_domain_read(den_i, lq_i + m_i) applied to out_i;
 ///   then M' = m_{n-1}, S = exp(M - M') S + kf^T diag(exp(lk - M')) v, z likewise.
 /// exp(lk_j - m_i) is applied as exp(lk_j - m_j) (per column, <= 1) times exp(m_j - m_i) (only
 /// where the running maximum grew between j and i, usually a few entries per chunk).
@@ -147,7 +177,7 @@ void log_domain_causal_chunk(RowMatrix<Scalar>& S, ColVector<Scalar>& z, Scalar&
   d.noalias() = qf * z;
   for (Index i = 0; i < n; ++i) {
     d(i) = (empty ? Scalar(0) : std::exp(M - m(i)) * d(i)) + s.row(i).sum();
-    out.row(i) *= log_domain_reciprocal(norm, d(i), lq(i) + m(i), first_row + i);
+    log_domain_read(norm, d(i), lq(i) + m(i), first_row + i).apply(out.row(i));
   }
 
   const Scalar M_new = m(n - 1);
@@ -176,7 +206,7 @@ void log_domain_full(const Qf& qf, const LQ& lq, Kf&& kf, const LK& lk, const V&
   out.noalias() = qf * S;
   const ColVector<Scalar> den = qf * z;
   for (Index i = 0; i < out.rows(); ++i)
-    out.row(i) *= log_domain_reciprocal(norm, den(i), lq(i) + M, i);
+    log_domain_read(norm, den(i), lq(i) + M, i).apply(out.row(i));
 }
 
 /// Full (non-causal) attention through a LogScaledFeatureMap: features and log-scales of all
