@@ -826,11 +826,6 @@ TEMPLATE_TEST_CASE("every rule and entry point takes its per-token inputs in any
     check_same_results(every_entry_point(attn, Q, Q2, K, V, std::forward_as_tuple(gate_s),
                                          [&](Index t) { return std::make_tuple(gate_s(t)); }),
                        a);
-    // A row (1 x T) is taken as the same vector.
-    const RowVector<Scalar> gate_row = gate.transpose();
-    check_same_results(every_entry_point(attn, Q, Q2, K, V, std::forward_as_tuple(gate_row),
-                                         [&](Index t) { return std::make_tuple(gate_row(t)); }),
-                       a);
   }
   SECTION("Gated, one gate per channel") {
     const RuleAttention<EluPlusOne, Gated, Scalar> attn(EluPlusOne{}, options);
@@ -869,6 +864,12 @@ TEMPLATE_TEST_CASE("every rule and entry point takes its per-token inputs in any
                        a);
     check_same_results(every_entry_point(attn, Q, Q2, K, V, std::forward_as_tuple(beta_s),
                                          [&](Index t) { return std::make_tuple(beta_s(t)); }),
+                       a);
+    // beta is a length-T vector: a row (1 x T, here a strided row of a column-major matrix)
+    // is the same input.
+    const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> beta_rows = wide.transpose();
+    check_same_results(every_entry_point(attn, Q, Q2, K, V, std::forward_as_tuple(beta_rows.row(0)),
+                                         [&](Index t) { return std::make_tuple(beta_rows(0, t)); }),
                        a);
   }
   SECTION("GatedDelta") {

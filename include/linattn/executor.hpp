@@ -74,9 +74,10 @@ void parallel_for(Index n, Executor* executor, double flops_per_item, F&& f) {
       }
     }
   };
-  const int threads = executor == nullptr ? 1 : executor->concurrency();
-  const int parts = static_cast<int>(std::min<Index>(n, threads));
-  if (parts <= 1 || static_cast<double>(n) * flops_per_item < kParallelGrainFlops)
+  const int parts =
+      executor == nullptr ? 1 : static_cast<int>(std::min<Index>(n, executor->concurrency()));
+  if (executor == nullptr || parts <= 1 ||
+      static_cast<double>(n) * flops_per_item < kParallelGrainFlops)
     range(0, n);
   else
     executor->run(n, parts, TaskRange(range));

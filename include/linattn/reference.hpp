@@ -39,7 +39,7 @@ void check_reference_shapes(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixB
 template <class DQ, class DK, class DV>
 [[nodiscard]] RowMatrix<typename DQ::Scalar> softmax_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, Mask mask = Mask::none,
+    const Eigen::MatrixBase<DV>& V, Mask mask,
     double scale = std::numeric_limits<double>::quiet_NaN()) {
   using Scalar = typename DQ::Scalar;
   detail::check_reference_shapes(Q, K, V, mask);
@@ -63,7 +63,7 @@ template <class DQ, class DK, class DV>
 template <class Phi, class DQ, class DK, class DV>
 [[nodiscard]] RowMatrix<typename DQ::Scalar> quadratic_attention(
     const Phi& phi, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, Mask mask = Mask::none, Normalization norm = {}) {
+    const Eigen::MatrixBase<DV>& V, Mask mask, Normalization norm = {}) {
   using Scalar = typename DQ::Scalar;
   detail::check_reference_shapes(Q, K, V, mask);
   const Index r = phi.feature_dim(Q.cols());

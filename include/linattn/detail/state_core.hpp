@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <sstream>
 #include <string>
 
 namespace linattn::detail {
@@ -32,10 +33,11 @@ struct StateIdentity {
 
   /// "feature map elu_plus_one (fingerprint 0), rule decay(0.9)", for messages.
   [[nodiscard]] std::string describe() const {
-    std::string s = std::string("feature map ") + map_name + " (fingerprint " +
-                    std::to_string(map_fingerprint) + "), rule " + rule_name;
-    if (rule_parameter != 0) s += "(" + std::to_string(rule_parameter) + ")";
-    return s;
+    std::ostringstream os;
+    os << "feature map " << map_name << " (fingerprint " << map_fingerprint << "), rule "
+       << rule_name;
+    if (rule_parameter != 0) os << "(" << rule_parameter << ")";
+    return os.str();
   }
 };
 
