@@ -233,9 +233,14 @@ State read_head(ByteReader& rd, const State& target, const HeadFields& fields) {
   if (tokens > static_cast<std::uint64_t>(kMaxTokens))
     format_error(R::bad_value, "a token count of " + std::to_string(tokens) +
                                    " is beyond what a state holds (" + std::to_string(kMaxTokens) + ")");
-  if (block > kMaxDecodeBlock)
-    format_error(R::bad_value, "a decode block of " + std::to_string(block) + " is beyond " +
-                                   std::to_string(kMaxDecodeBlock));
+  // A state writes 0 (folds every token) or a block of 2 or more, and none for a log-scaled
+  // map: anything else would restore as another block and save to other bytes.
+  bool target_log_domain = false;
+  if constexpr (additive) target_log_domain = target.log_domain();
+  if (block > kMaxDecodeBlock || block == 1 || (block != 0 && target_log_domain))
+    format_error(R::bad_value, "a decode block of " + std::to_string(block) +
+                                   " is not one this state holds (0, or 2 to " +
+                                   std::to_string(kMaxDecodeBlock) + " for ordinary maps)");
   State s = [&] {
     if constexpr (additive) {
       const Index B = fields.has_block ? static_cast<Index>(block) : target.decode_block();
