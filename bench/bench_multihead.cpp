@@ -16,13 +16,14 @@
 //            build-bench/bench/bench_multihead
 // (--benchmark_filter=decode for the decode part only.)
 
+#include <linattn/detail/random.hpp>
 #include <linattn/multihead.hpp>
+#include <linattn/thread_pool.hpp>
 
 #include <benchmark/benchmark.h>
 
 #include <chrono>
 #include <map>
-#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -30,17 +31,16 @@
 namespace {
 
 using linattn::Index;
-using Layer = linattn::MultiHeadAttention<linattn::EluPlusOne, float>;
+using Layer = linattn::MultiHeadAttention<linattn::LinearAttention<linattn::EluPlusOne>>;
 using CView = linattn::TensorView<const float>;
 using View = linattn::TensorView<float>;
 
 constexpr Index kHeads = 8;
 
 std::vector<float> random_buffer(Index n, unsigned seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
+  linattn::detail::GaussianStream normal(seed);
   std::vector<float> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = normal(gen);
+  for (auto& x : v) x = static_cast<float>(normal.next());
   return v;
 }
 
@@ -75,14 +75,15 @@ void BM_prefill(benchmark::State& state) {
              v = random_buffer(B * T * kv * d, 3);
   std::vector<float> out(q.size());
   Layer layer({kHeads, kv, d, d});
-  layer.set_threads(threads);
+  linattn::ThreadPool pool(threads);
+  layer.set_executor(&pool);
   auto st = layer.make_state(B);
   timed_loop(state, {0, B, d, T, kv}, threads, [&] {
     for (Index s = 0; s < B; ++s) st.sequence(s).reset();
-    layer.prefill(CView::batch_first(q.data(), B, T, kHeads, d),
-                  CView::batch_first(k.data(), B, T, kv, d),
-                  CView::batch_first(v.data(), B, T, kv, d),
-                  View::batch_first(out.data(), B, T, kHeads, d), st);
+    layer.prefill_into(st, CView::batch_first(q.data(), B, T, kHeads, d),
+                       CView::batch_first(k.data(), B, T, kv, d),
+                       CView::batch_first(v.data(), B, T, kv, d),
+                       View::batch_first(out.data(), B, T, kHeads, d));
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   });
@@ -101,13 +102,14 @@ void BM_decode(benchmark::State& state) {
              v = random_buffer(B * kv * d, 6);
   std::vector<float> out(q.size());
   Layer layer({kHeads, kv, d, d});
-  layer.set_threads(threads);
+  linattn::ThreadPool pool(threads);
+  layer.set_executor(&pool);
   auto st = layer.make_state(B);
   timed_loop(state, {1, B, d, 1, kv}, threads, [&] {
-    layer.step(CView::batch_first(q.data(), B, 1, kHeads, d),
-               CView::batch_first(k.data(), B, 1, kv, d),
-               CView::batch_first(v.data(), B, 1, kv, d),
-               View::batch_first(out.data(), B, 1, kHeads, d), st);
+    layer.step_into(st, CView::batch_first(q.data(), B, 1, kHeads, d),
+                    CView::batch_first(k.data(), B, 1, kv, d),
+                    CView::batch_first(v.data(), B, 1, kv, d),
+                    View::batch_first(out.data(), B, 1, kHeads, d));
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   });

@@ -259,10 +259,11 @@ void over_heads_from_empty(benchmark::State& state, const Attention& attn, Path&
 }
 
 void BM_chunked(benchmark::State& state) {
-  const Index chunk = state.range(3) > 0 ? state.range(3) : Attention().options().chunk_size;
+  const Index d = state.range(1);
+  const Index chunk = state.range(3) > 0 ? state.range(3) : Attention().chunk_size(d, d);
   const Attention attn(linattn::EluPlusOne{}, linattn::Options{{}, chunk});
   over_heads_from_empty(state, attn, [&](const Problem& p, Attention::State& s, HeadMap out) {
-    attn.parallel_into(p.Q, p.K, p.V, linattn::Mask::causal, s, out);
+    attn.prefill_into(s, p.Q, p.K, p.V, out);
   });
   state.counters["chunk"] = static_cast<double>(chunk);
 }
@@ -270,7 +271,7 @@ void BM_chunked(benchmark::State& state) {
 void BM_recurrent(benchmark::State& state) {
   const Attention attn;
   over_heads_from_empty(state, attn, [&](const Problem& p, Attention::State& s, HeadMap out) {
-    attn.recurrent_into(p.Q, p.K, p.V, s, out);
+    attn.recurrent_into(s, p.Q, p.K, p.V, out);
   });
 }
 
@@ -470,7 +471,11 @@ int main(int argc, char** argv) {
   register_all();
   benchmark::AddCustomContext("simd_isa", simd_isa());
   benchmark::AddCustomContext("heads", std::to_string(kHeads));
-  benchmark::AddCustomContext("default_chunk_size", std::to_string(Attention().options().chunk_size));
+  benchmark::AddCustomContext("default_chunk_size_d64", std::to_string(Attention().chunk_size(64, 64)));
+  benchmark::AddCustomContext("default_chunk_size_d128", std::to_string(Attention().chunk_size(128, 128)));
+  benchmark::AddCustomContext("default_decode_block_d64", std::to_string(Attention().decode_block(64, 64)));
+  benchmark::AddCustomContext("default_decode_block_d128", std::to_string(Attention().decode_block(128, 128)));
+  benchmark::AddCustomContext("l1d_bytes", std::to_string(linattn::detail::cache_sizes().l1d));
   benchmark::AddCustomContext("sweep", full_sweep() ? "full" : "default");
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -18,5 +18,5 @@ for target in fuzz_state_blob fuzz_api; do
   [ "$target" = fuzz_state_blob ] && corpus="$dir/corpus/blob"
   echo "fuzz.sh: $target for ${seconds}s"
   "$dir/tests/fuzz/$target" -max_total_time="$seconds" -rss_limit_mb=4096 -print_final_stats=1 \
-    "$corpus" 2>&1 | tail -n 12
+    -artifact_prefix="$dir/" "$corpus" 2>&1 | tail -n 12
 done

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Builds linattn's tests and examples and runs every test through ctest.
-#   bash scripts/test.sh              Release build in build/test
-#   bash scripts/test.sh --sanitize   Debug build with AddressSanitizer + UBSan in build/asan
+#   bash scripts/test.sh              g++, Release, in build/test
+#   bash scripts/test.sh --sanitize   clang, Debug with AddressSanitizer + UBSan, in build/asan
+#                                     (CI runs both: every test under both compilers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
 ensure_packages cmake make g++ libeigen3-dev catch2
 
 if [ "${1:-}" = "--sanitize" ]; then
+  ensure_packages clang libclang-rt-14-dev
+  export CXX=clang++
   dir=build/asan
   flags=(-DCMAKE_BUILD_TYPE=Debug -DLINATTN_SANITIZE=ON)
 else
