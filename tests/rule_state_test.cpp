@@ -46,3 +46,17 @@ TEST_CASE("reset() empties a rule state and keeps its allocation", "[rule_state]
   std::vector<RuleState<Decay, float>> states(3, decay.make_state(3, 3));
   for (const auto& st : states) CHECK(reinterpret_cast<std::uintptr_t>(&st) % kStateAlignment == 0);
 }
+
+TEST_CASE("assign() for rule states, with and without z", "[rule_state]") {
+  const RuleAttention<L2Normalize, Delta, double> delta;
+  auto d = delta.make_state(2, 2);
+  const RowMatrix<double> S = RowMatrix<double>::Identity(2, 2);
+  d.assign(S, 3);
+  CHECK(d.S() == S);
+  CHECK(d.tokens() == 3);
+  const RuleAttention<EluPlusOne, Decay, double> decay(EluPlusOne{}, Decay(0.5));
+  auto g = decay.make_state(2, 2);
+  g.assign(S, ColVector<double>::Ones(2));
+  CHECK(g.z() == ColVector<double>::Ones(2));
+  CHECK_THROWS_AS(g.assign(S, ColVector<double>::Ones(3)), ShapeError);
+}

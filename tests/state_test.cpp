@@ -104,3 +104,25 @@ TEST_CASE("states in a vector do not share cache lines, and a ReadScratch fits i
   ReadScratch<float> small(attn.make_state(4, 3));  // room for no pending token
   CHECK_THROWS_AS(blocked.read_into(state, k, y, small), ShapeError);
 }
+
+TEST_CASE("assign() sets a carried or learned state, checked", "[state]") {
+  const LinearAttention<EluPlusOne, double> attn;
+  auto state = attn.make_state(2, 3);
+  RowMatrix<double> S(2, 3);
+  S << 1, 2, 3, 4, 5, 6;
+  ColVector<double> z(2);
+  z << 2, 3;
+  state.assign(S, z, 5);
+  CHECK(state.S() == S);
+  CHECK(state.z() == z);
+  CHECK(state.tokens() == 5);
+  // The next step continues from it: y = (phi(q)^T S + phi(q)^T phi(k) v) / phi(q)^T (z + phi(k)).
+  const RowVector<double> q = RowVector<double>::Zero(2), v = RowVector<double>::Ones(3);
+  const RowVector<double> y = attn.step(state, q, q, v);  // phi(0) = (1, 1)
+  CHECK(y(0) == (1 + 4 + 2.0 * 1) / (2 + 3 + 2.0));
+  CHECK_THROWS_AS(state.assign(S.leftCols(2), z), ShapeError);
+  CHECK_THROWS_AS(state.assign(S, z, -1), ShapeError);
+  S(0, 0) = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_AS(state.assign(S, z), std::invalid_argument);
+  CHECK(state.tokens() == 6);  // unchanged by the refusals
+}

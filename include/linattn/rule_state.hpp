@@ -49,6 +49,21 @@ class alignas(kStateAlignment) RuleState : public detail::StateCore<Scalar> {
     return this->z_;
   }
 
+  /// Sets the state to S (r x dv) and, for rules that keep one, z (length r): true values (a
+  /// carried or learned initial state) with `tokens` absorbed tokens. Throws as
+  /// AttentionState::assign(). O(r dv).
+  template <class DS, class DZ>
+  void assign(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DZ>& z, Index tokens = 0) {
+    this->assign_sums(S, z, tokens);
+  }
+  /// assign() for the delta rules, which keep no z.
+  template <class DS>
+  void assign(const Eigen::MatrixBase<DS>& S, Index tokens = 0)
+    requires(!Rule::keeps_normalizer)
+  {
+    this->assign_sums(S, ColVector<Scalar>(), tokens);
+  }
+
   /// Back to the empty state; keeps the allocation.
   void reset() noexcept { this->reset_sums(); }
 

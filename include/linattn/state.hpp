@@ -91,6 +91,16 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
   /// Whether this state keeps S and z log-scaled (made for a LogScaledFeatureMap).
   [[nodiscard]] bool log_domain() const noexcept { return log_domain_; }
 
+  /// Sets the state to S (r x dv) and z (length r), true values (a carried or learned initial
+  /// state), with `tokens` absorbed tokens: no pending token, log-scale 0. Throws ShapeError for
+  /// other shapes or a count outside [0, 2^62], std::invalid_argument for NaN or Inf. O(r dv).
+  template <class DS, class DZ>
+  void assign(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DZ>& z, Index tokens = 0) {
+    this->assign_sums(S, z, tokens);
+    pending_.count = 0;
+    log_scale_ = 0;
+  }
+
   /// Back to the empty state; keeps the allocation and the decode block.
   void reset() noexcept {
     this->reset_sums();

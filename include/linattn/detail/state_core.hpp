@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 
 namespace linattn::detail {
@@ -134,6 +135,23 @@ class StateCore {
         key_dim_(dk),
         identity_(identity),
         scratch_(r, dk, dv) {}
+
+  /// Checks and copies a caller's S (r x dv), z (r, for states that keep one) and token count.
+  template <class DS, class DZ>
+  void assign_sums(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DZ>& z, Index tokens) {
+    if (S.rows() != S_.rows() || S.cols() != S_.cols() ||
+        (z_.size() > 0 && !((z.rows() == 1 || z.cols() == 1) && z.size() == z_.size())) ||
+        (z_.size() == 0 && z.size() != 0))
+      throw_shape_error("assign() needs S ", S_.rows(), "x", S_.cols(), " and z of length ",
+                        z_.size(), ", got S ", shape_of(S), " and z ", shape_of(z));
+    if (tokens < 0 || tokens > kMaxTokens)
+      throw_shape_error("assign() needs a token count in [0, ", kMaxTokens, "], got ", tokens);
+    if (!S.allFinite() || !z.allFinite())
+      throw std::invalid_argument("linattn: assign() needs finite S and z");
+    S_ = S.template cast<Scalar>();
+    if (z_.size() > 0) z_ = z.reshaped().template cast<Scalar>();
+    tokens_ = tokens;
+  }
 
   /// S, z and the token count back to zero; keeps the allocations.
   void reset_sums() noexcept {
