@@ -132,6 +132,17 @@ void BM_gemm_reference(benchmark::State& state) {
                                                  benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// What handing work to the pool costs: parallel_for over two items of no work, forced through
+// the executor (flops far above the grain), back to back as decode steps arrive.
+void BM_pool_overhead(benchmark::State& state) {
+  linattn::ThreadPool pool(static_cast<int>(state.range(0)));
+  std::vector<int> sink(2);
+  for (auto _ : state) {
+    linattn::detail::parallel_for(2, &pool, 1e9, [&](Index i) { ++sink[static_cast<std::size_t>(i)]; });
+    benchmark::DoNotOptimize(sink.data());
+  }
+}
+
 void prefill_args(benchmark::internal::Benchmark* b) {
   for (Index B : {1, 4})
     for (Index d : {64, 128})
@@ -156,4 +167,5 @@ void decode_args(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_gemm_reference)->Name("gemm_reference")->Args({4096, 128})->ArgNames({"T", "d"});
 BENCHMARK(BM_prefill)->Name("prefill")->Apply(prefill_args);
 BENCHMARK(BM_decode)->Name("decode")->Apply(decode_args);
+BENCHMARK(BM_pool_overhead)->Name("pool_overhead")->Arg(1)->Arg(2)->ArgName("threads")->UseRealTime();
 BENCHMARK_MAIN();
