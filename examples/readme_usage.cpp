@@ -50,6 +50,7 @@ int main() {
             << "the causal row to " << (y - causal.row(100)).cwiseAbs().maxCoeff()
             << "; recurrent vs parallel " << (same - causal).cwiseAbs().maxCoeff()
             << "; prefix rows " << prefix.rows() << "; grouped heads "
-            << (outs.leftCols(dv) - causal).cwiseAbs().maxCoeff() << "; unnormalized " << raw_out.rows()
-            << "; performer " << approx.rows() << "; delta " << y_delta.rows() << "\n";
+            << (outs.leftCols(dv) - causal).cwiseAbs().maxCoeff() << "; unnormalized "
+            << raw_out.rows() << "; performer " << approx.rows() << "; delta " << y_delta.rows()
+            << "\n";
 }

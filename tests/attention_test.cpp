@@ -134,8 +134,12 @@ TEST_CASE("the decode block defaults to 16 exactly when S outgrows an L1 of at l
   // A state as large as 16 L1 caches defers exactly when the L1 is a large one.
   CHECK(f.make_state(64, 16 * fits_f).decode_block() == (large_l1 ? 16 : 0));
   // An explicit value is taken as it is (1 means fused: no block kept).
-  CHECK(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 8}).make_state(4, 4).decode_block() == 8);
-  CHECK(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 1}).make_state(128, 128).decode_block() == 0);
+  CHECK(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 8})
+            .make_state(4, 4)
+            .decode_block() == 8);
+  CHECK(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 1})
+            .make_state(128, 128)
+            .decode_block() == 0);
   CHECK(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, 0}).decode_block(128, 128) == 0);
   // Random features keep fused (log-scaled) steps whatever the size or option.
   using RandomFeatures = PositiveRandomFeatures<float>;
@@ -143,7 +147,8 @@ TEST_CASE("the decode block defaults to 16 exactly when S outgrows an L1 of at l
   CHECK(rf.make_state(128, 128).decode_block() == 0);
   const LinearAttention<RandomFeatures> rf8(RandomFeatures(128, 256, 3), Options{{}, 32, 8});
   CHECK(rf8.make_state(128, 128).decode_block() == 0);
-  CHECK_THROWS_AS(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, -2}), std::invalid_argument);
+  CHECK_THROWS_AS(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 32, -2}),
+                  std::invalid_argument);
 }
 
 TEST_CASE("the chunk size defaults to 32 where S fits the L1 data cache and 16 where not",
@@ -156,7 +161,8 @@ TEST_CASE("the chunk size defaults to 32 where S fits the L1 data cache and 16 w
   CHECK(f.chunk_size(64, fits + 1) == 16);  // one row more: does not
   CHECK(LinearAttention<EluPlusOne, double>().chunk_size(64, fits) == 16);  // twice the bytes
   CHECK(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, 7}).chunk_size(64, fits + 1) == 7);
-  CHECK_THROWS_AS(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, -3}), std::invalid_argument);
+  CHECK_THROWS_AS(LinearAttention<EluPlusOne>(EluPlusOne{}, Options{{}, -3}),
+                  std::invalid_argument);
 }
 
 TEMPLATE_TEST_CASE("parallel, chunked, recurrent and step agree with a double loop", "[agree]",
@@ -521,7 +527,8 @@ auto output_views(Index G, const HeadAt& head) {
 
 // The bits of two states: what a later call reads (S with its pending tokens, z, the count).
 template <class Scalar>
-void check_same_state(const AttentionState<Scalar>& actual, const AttentionState<Scalar>& expected) {
+void check_same_state(const AttentionState<Scalar>& actual,
+                      const AttentionState<Scalar>& expected) {
   CHECK(actual.tokens() == expected.tokens());
   CHECK(actual.pending_tokens() == expected.pending_tokens());
   CHECK(actual.S() == expected.S());
@@ -538,8 +545,9 @@ void check_group_prefill(const Attn& attn, AttentionState<Scalar>& state,
   const auto G = static_cast<Index>(Q.size());
   std::vector<AttentionState<Scalar>> copies(Q.size(), state);
   std::vector<Mat> out(Q.size(), Mat(K.rows(), V.cols()));
-  attn.prefill_into(state, query_views(G, [&](Index g) -> const Mat& { return Q[static_cast<std::size_t>(g)]; }),
-                    K, V, output_views(G, [&](Index g) -> Mat& { return out[static_cast<std::size_t>(g)]; }));
+  attn.prefill_into(
+      state, query_views(G, [&](Index g) -> const Mat& { return Q[static_cast<std::size_t>(g)]; }),
+      K, V, output_views(G, [&](Index g) -> Mat& { return out[static_cast<std::size_t>(g)]; }));
   for (std::size_t g = 0; g < Q.size(); ++g) {
     CAPTURE(g);
     Mat y(K.rows(), V.cols());
@@ -591,11 +599,13 @@ TEMPLATE_TEST_CASE("stateless grouped parallel_into gives each head parallel_int
       CAPTURE(d, mask == Mask::causal);
       const Index Tk = 23, Tq = mask == Mask::causal ? Tk : 9;
       const LinearAttention<EluPlusOne, Scalar> attn(EluPlusOne{}, Options{{}, 8});
-      const Mat K = random_matrix<Scalar>(Tk, d, 1200 + d), V = random_matrix<Scalar>(Tk, d, 1201 + d);
+      const Mat K = random_matrix<Scalar>(Tk, d, 1200 + d),
+                V = random_matrix<Scalar>(Tk, d, 1201 + d);
       std::vector<Mat> Q, out(static_cast<std::size_t>(G), Mat(Tq, d));
       for (Index g = 0; g < G; ++g) Q.push_back(random_matrix<Scalar>(Tq, d, 1210 + 10 * d + g));
       attn.parallel_into(
-          query_views(G, [&](Index g) -> const Mat& { return Q[static_cast<std::size_t>(g)]; }), K, V, mask,
+          query_views(G, [&](Index g) -> const Mat& { return Q[static_cast<std::size_t>(g)]; }), K,
+          V, mask,
           output_views(G, [&](Index g) -> Mat& { return out[static_cast<std::size_t>(g)]; }));
       for (std::size_t g = 0; g < Q.size(); ++g) {
         CAPTURE(g);
@@ -608,16 +618,19 @@ TEMPLATE_TEST_CASE("stateless grouped parallel_into gives each head parallel_int
   // Shapes are checked per head: a query of another width, an output of the wrong length.
   const LinearAttention<EluPlusOne, float> attn;
   const RowMatrix<float> K = random_matrix<float>(5, 4, 1250), V = random_matrix<float>(5, 3, 1251);
-  const RowMatrix<float> Q = random_matrix<float>(2, 4, 1252), Q_wide = random_matrix<float>(2, 5, 1253);
+  const RowMatrix<float> Q = random_matrix<float>(2, 4, 1252),
+                         Q_wide = random_matrix<float>(2, 5, 1253);
   RowMatrix<float> o(2, 3), o_long(3, 3);
-  CHECK_THROWS_AS(attn.parallel_into(
-                      query_views(2, [&](Index g) -> const RowMatrix<float>& { return g == 0 ? Q : Q_wide; }),
-                      K, V, Mask::none, output_views(2, [&](Index) -> RowMatrix<float>& { return o; })),
-                  ShapeError);
-  CHECK_THROWS_AS(attn.parallel_into(
-                      query_views(2, [&](Index) -> const RowMatrix<float>& { return Q; }), K, V, Mask::none,
-                      output_views(2, [&](Index g) -> RowMatrix<float>& { return g == 0 ? o : o_long; })),
-                  ShapeError);
+  CHECK_THROWS_AS(
+      attn.parallel_into(
+          query_views(2, [&](Index g) -> const RowMatrix<float>& { return g == 0 ? Q : Q_wide; }),
+          K, V, Mask::none, output_views(2, [&](Index) -> RowMatrix<float>& { return o; })),
+      ShapeError);
+  CHECK_THROWS_AS(
+      attn.parallel_into(
+          query_views(2, [&](Index) -> const RowMatrix<float>& { return Q; }), K, V, Mask::none,
+          output_views(2, [&](Index g) -> RowMatrix<float>& { return g == 0 ? o : o_long; })),
+      ShapeError);
 }
 
 TEMPLATE_TEST_CASE("grouped prefill_into reads and writes heads in place in [T, G*d] buffers",
@@ -639,11 +652,12 @@ TEMPLATE_TEST_CASE("grouped prefill_into reads and writes heads in place in [T, 
     Mat Otensor = Mat::Zero(T, G * d + 1);
     std::vector<AttentionState<Scalar>> copies(static_cast<std::size_t>(G), state);
     // The heads as a span of column blocks ...
-    attn.prefill_into(state, query_views(G, [&](Index g) { return Qbuf.middleCols(g * d, d); }), K, V,
-                      output_views(G, [&](Index g) { return Obuf.middleCols(g * d, d); }));
+    attn.prefill_into(state, query_views(G, [&](Index g) { return Qbuf.middleCols(g * d, d); }), K,
+                      V, output_views(G, [&](Index g) { return Obuf.middleCols(g * d, d); }));
     // ... and as tensor views [B = 1, T, H = G, d] over the same buffers.
     const TensorView<const Scalar> Qview(Qbuf.data(), {1, T, G, d}, {T * G * d, G * d, d, 1});
-    const TensorView<Scalar> Oview(Otensor.data(), {1, T, G, d}, {T * (G * d + 1), G * d + 1, d, 1});
+    const TensorView<Scalar> Oview(Otensor.data(), {1, T, G, d},
+                                   {T * (G * d + 1), G * d + 1, d, 1});
     attn.prefill_into(tensor_state, Qview, K, V, Oview);
     for (Index g = 0; g < G; ++g) {
       CAPTURE(g);
@@ -702,8 +716,8 @@ TEMPLATE_TEST_CASE("grouped step_into with a decode block has the bits of step_i
     RowVector<Scalar> y(d), y_read(d);
     for (Index t = 0; t < T; ++t) {
       CAPTURE(t);
-      attn.step_into(shared, query_views(G, [&](Index g) { return Q[g].row(t); }), K.row(t), V.row(t),
-                     output_views(G, [&](Index g) { return Y.row(g); }));
+      attn.step_into(shared, query_views(G, [&](Index g) { return Q[g].row(t); }), K.row(t),
+                     V.row(t), output_views(G, [&](Index g) { return Y.row(g); }));
       attn.absorb(absorbed, K.row(t), V.row(t));
       for (Index g = 0; g < G; ++g) {
         CAPTURE(g);
@@ -749,8 +763,8 @@ TEMPLATE_TEST_CASE("fused grouped step_into agrees with a double loop of the sta
     double worst_group = 0, worst_step = 0;
     for (Index t = 0; t < T; ++t) {
       CAPTURE(t);
-      attn.step_into(shared, query_views(G, [&](Index g) { return Q[g].row(t); }), K.row(t), V.row(t),
-                     output_views(G, [&](Index g) { return Y.row(g); }));
+      attn.step_into(shared, query_views(G, [&](Index g) { return Q[g].row(t); }), K.row(t),
+                     V.row(t), output_views(G, [&](Index g) { return Y.row(g); }));
       attn.absorb(absorbed, K.row(t), V.row(t));
       for (Index n = 0; n < d; ++n) kf(n) = linattn_test::elu_plus_one(double(K(t, n)));
       for (Index n = 0; n < d; ++n)
@@ -805,17 +819,19 @@ TEMPLATE_TEST_CASE("grouped prefill then grouped decode equals per-head prefill 
     std::vector<Mat> Q, group_out(static_cast<std::size_t>(G), Mat(T, d));
     for (Index g = 0; g < G; ++g) Q.push_back(random_matrix<Scalar>(T, d, 1010 + 10 * d + g));
 
-    attn.prefill_into(shared, query_views(G, [&](Index g) { return Q[g].topRows(T0); }), K.topRows(T0),
-                      V.topRows(T0), output_views(G, [&](Index g) { return group_out[g].topRows(T0); }));
+    attn.prefill_into(shared, query_views(G, [&](Index g) { return Q[g].topRows(T0); }),
+                      K.topRows(T0), V.topRows(T0),
+                      output_views(G, [&](Index g) { return group_out[g].topRows(T0); }));
     for (Index t = T0; t < T; ++t)
-      attn.step_into(shared, query_views(G, [&](Index g) { return Q[g].row(t); }), K.row(t), V.row(t),
-                     output_views(G, [&](Index g) { return group_out[g].row(t); }));
+      attn.step_into(shared, query_views(G, [&](Index g) { return Q[g].row(t); }), K.row(t),
+                     V.row(t), output_views(G, [&](Index g) { return group_out[g].row(t); }));
 
     for (Index g = 0; g < G; ++g) {
       CAPTURE(g);
       Mat y(T, d);
       attn.prefill_into(heads[g], Q[g].topRows(T0), K.topRows(T0), V.topRows(T0), y.topRows(T0));
-      for (Index t = T0; t < T; ++t) attn.step_into(heads[g], Q[g].row(t), K.row(t), V.row(t), y.row(t));
+      for (Index t = T0; t < T; ++t)
+        attn.step_into(heads[g], Q[g].row(t), K.row(t), V.row(t), y.row(t));
       CHECK(group_out[g] == y);
       check_same_state(shared, heads[g]);
     }
@@ -939,20 +955,24 @@ TEST_CASE("grouped calls reject bad groups and shapes with ShapeError", "[group]
   // Prefill.
   CHECK_THROWS_AS(attn.prefill_into(state, no_queries, K, V, no_outputs), ShapeError);
   CHECK_THROWS_AS(attn.prefill_into(state, no_queries, K, V, no_outputs), std::invalid_argument);
-  CHECK_THROWS_AS(attn.prefill_into(state, queries, K, V, output_views(1, [&](Index) { return out0.topRows(T); })),
+  CHECK_THROWS_AS(attn.prefill_into(state, queries, K, V,
+                                    output_views(1, [&](Index) { return out0.topRows(T); })),
                   ShapeError);  // fewer outputs than queries
   CHECK_THROWS_AS(
-      attn.prefill_into(state, queries, K, V,
-                        output_views(2, [&](Index g) -> RowMatrix<float>& { return g == 0 ? out0 : out_long; })),
+      attn.prefill_into(
+          state, queries, K, V,
+          output_views(2, [&](Index g) -> RowMatrix<float>& { return g == 0 ? out0 : out_long; })),
       ShapeError);
   CHECK_THROWS_AS(
-      attn.prefill_into(state, queries, K, V,
-                        output_views(2, [&](Index g) -> RowMatrix<float>& { return g == 0 ? out0 : out_short; })),
+      attn.prefill_into(
+          state, queries, K, V,
+          output_views(2, [&](Index g) -> RowMatrix<float>& { return g == 0 ? out0 : out_short; })),
       ShapeError);
   CHECK_THROWS_AS(
-      attn.prefill_into(state,
-                        query_views(2, [&](Index g) -> const RowMatrix<float>& { return g == 0 ? Q : Q_wide; }),
-                        K, V, outputs),
+      attn.prefill_into(
+          state,
+          query_views(2, [&](Index g) -> const RowMatrix<float>& { return g == 0 ? Q : Q_wide; }),
+          K, V, outputs),
       ShapeError);
   CHECK_THROWS_AS(attn.prefill_into(state, queries, K.topRows(T - 1), V.topRows(T - 1), outputs),
                   ShapeError);  // queries longer than the keys
@@ -963,7 +983,8 @@ TEST_CASE("grouped calls reject bad groups and shapes with ShapeError", "[group]
   const auto q_at = query_views(2, [&](Index) { return Q.row(0); });
   const auto y_at = output_views(2, [&](Index g) { return Y.row(g); });
   CHECK_THROWS_AS(attn.step_into(state, no_queries, K.row(0), V.row(0), no_outputs), ShapeError);
-  CHECK_THROWS_AS(attn.step_into(state, q_at, K.row(0), V.row(0), output_views(1, [&](Index g) { return Y.row(g); })),
+  CHECK_THROWS_AS(attn.step_into(state, q_at, K.row(0), V.row(0),
+                                 output_views(1, [&](Index g) { return Y.row(g); })),
                   ShapeError);
   CHECK_THROWS_AS(attn.step_into(state, q_at, K.row(0), V.row(0),
                                  output_views(2, [&](Index g) { return Y_long.row(g); })),
@@ -1015,7 +1036,8 @@ struct RecordingEluPlusOne {
   template <class In, class Out>
   void apply(const In& x, Out& out) const {
     if constexpr ((In::Flags & Eigen::DirectAccessBit) != 0)
-      inputs->push_back({x.data(), x.rows(), x.cols(), x.rows() > 1 ? Index(x.outerStride()) : x.cols()});
+      inputs->push_back(
+          {x.data(), x.rows(), x.cols(), x.rows() > 1 ? Index(x.outerStride()) : x.cols()});
     else
       inputs->push_back({nullptr, x.rows(), x.cols(), 0});
     EluPlusOne{}.apply(x, out);
@@ -1027,7 +1049,8 @@ static_assert(FeatureMap<RecordingEluPlusOne>);
 // inside the buffer. An input inside the buffer must be rows of exactly one head (d columns,
 // the buffer's row stride), or it was not that head read in place.
 std::vector<std::vector<bool>> rows_read_in_place(const std::vector<MapInput>& inputs,
-                                                  const RowMatrix<float>& buffer, Index G, Index d) {
+                                                  const RowMatrix<float>& buffer, Index G,
+                                                  Index d) {
   const Index T = buffer.rows();
   std::vector<std::vector<bool>> seen(static_cast<std::size_t>(G),
                                       std::vector<bool>(static_cast<std::size_t>(T), false));
@@ -1099,7 +1122,9 @@ TEST_CASE("grouped calls hand the feature map each query head in place", "[group
         else
           attn.parallel_into(span_of(Qbuf), K, V, mask, outputs);
         CHECK(all_read(rows_read_in_place(inputs, Qbuf, G, d)));
-        check_outputs(plain, [&](const auto& a, const RowMatrix<float>& Qg) { return a.parallel(Qg, K, V, mask); });
+        check_outputs(plain, [&](const auto& a, const RowMatrix<float>& Qg) {
+          return a.parallel(Qg, K, V, mask);
+        });
       }
       inputs.clear();
       if (as_tensor)
@@ -1107,7 +1132,9 @@ TEST_CASE("grouped calls hand the feature map each query head in place", "[group
       else
         decay.parallel_into(span_of(Qbuf), K, V, Mask::causal, outputs);
       CHECK(all_read(rows_read_in_place(inputs, Qbuf, G, d)));
-      check_outputs(plain_decay, [&](const auto& a, const RowMatrix<float>& Qg) { return a.parallel(Qg, K, V, Mask::causal); });
+      check_outputs(plain_decay, [&](const auto& a, const RowMatrix<float>& Qg) {
+        return a.parallel(Qg, K, V, Mask::causal);
+      });
     }
     {  // prefill, then one decode token
       auto state = attn.make_state(d, d);
@@ -1118,14 +1145,18 @@ TEST_CASE("grouped calls hand the feature map each query head in place", "[group
       else
         attn.prefill_into(state, span_of(Qbuf), K, V, outputs);
       CHECK(all_read(rows_read_in_place(inputs, Qbuf, G, d)));
-      check_outputs(plain, [&](const auto& a, const RowMatrix<float>& Qg) { return a.parallel(Qg, K, V, Mask::causal); });
+      check_outputs(plain, [&](const auto& a, const RowMatrix<float>& Qg) {
+        return a.parallel(Qg, K, V, Mask::causal);
+      });
       inputs.clear();
       if (as_tensor)
         decay.prefill_into(decay_state, tensor_of(Qbuf), K, V, outputs);
       else
         decay.prefill_into(decay_state, span_of(Qbuf), K, V, outputs);
       CHECK(all_read(rows_read_in_place(inputs, Qbuf, G, d)));
-      check_outputs(plain_decay, [&](const auto& a, const RowMatrix<float>& Qg) { return a.parallel(Qg, K, V, Mask::causal); });
+      check_outputs(plain_decay, [&](const auto& a, const RowMatrix<float>& Qg) {
+        return a.parallel(Qg, K, V, Mask::causal);
+      });
 
       // One decode token: the G queries side by side in one [1, G*d] row.
       const auto q = random_matrix<float>(1, G * d, 1303);
@@ -1149,11 +1180,13 @@ TEST_CASE("grouped calls hand the feature map each query head in place", "[group
 
 // ---- the one attention class --------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("RuleAttention<Phi, Additive> is LinearAttention and Mask::none is the full read",
-                   "[rules]", float, double) {
+TEMPLATE_TEST_CASE(
+    "RuleAttention<Phi, Additive> is LinearAttention and Mask::none is the full read", "[rules]",
+    float, double) {
   // The old trap: RuleAttention::parallel(Q, K, V) without a mask was causal while
   // LinearAttention's was full. Now both are one type and the mask is always spelled out.
-  static_assert(std::is_same_v<RuleAttention<EluPlusOne, Additive, float>, LinearAttention<EluPlusOne, float>>);
+  static_assert(std::is_same_v<RuleAttention<EluPlusOne, Additive, float>,
+                               LinearAttention<EluPlusOne, float>>);
   static_assert(std::is_same_v<RuleAttention<EluPlusOne, Additive, TestType>,
                                LinearAttention<EluPlusOne, TestType>>);
   static_assert(std::is_same_v<RuleAttention<Identity>, LinearAttention<Identity>>);

@@ -478,21 +478,23 @@ void check_all_paths(Kind kind, const Phi& phi, const RowMatrix<Scalar>& Q,
   auto carried = attn.make_state(d, V.cols());
   const Index half = T / 2 + 3;
   RowMatrix<Scalar> pieces(T, V.cols());
-  attn.prefill_into(carried, Q.topRows(half), K.topRows(half), V.topRows(half), pieces.topRows(half));
+  attn.prefill_into(carried, Q.topRows(half), K.topRows(half), V.topRows(half),
+                    pieces.topRows(half));
   attn.prefill_into(carried, Q.bottomRows(T - half), K.bottomRows(T - half), V.bottomRows(T - half),
                     pieces.bottomRows(T - half));
   CHECK(linattn_test::worst_error_ratio<Scalar>(pieces, ref, units) <= 1.0);
   CHECK(carried.tokens() == T);
   // Both states hold the same sums: same M, and S, z equal to rounding relative to their size.
   const double u = unit_roundoff<Scalar>();
-  CHECK(std::abs(double(carried.log_scale()) - double(state.log_scale())) <= units * u * (1 + std::abs(double(state.log_scale()))));
+  CHECK(std::abs(double(carried.log_scale()) - double(state.log_scale())) <=
+        units * u * (1 + std::abs(double(state.log_scale()))));
   CHECK((carried.S() - state.S()).norm() <= units * u * state.S().cwiseAbs().sum() + 1e-30);
   CHECK((carried.z() - state.z()).norm() <= units * u * state.z().cwiseAbs().sum() + 1e-30);
 
   // Non-causal read against the reference without the mask.
   const auto full_ref = reference_attention(kind, W, phi.scale(), Q, K, V, false);
-  CHECK(linattn_test::worst_error_ratio<Scalar>(attn.parallel(Q, K, V, Mask::none), full_ref, units) <=
-        1.0);
+  CHECK(linattn_test::worst_error_ratio<Scalar>(attn.parallel(Q, K, V, Mask::none), full_ref,
+                                                units) <= 1.0);
 }
 
 TEMPLATE_TEST_CASE("every causal path matches a long-double reference of the drawn kernel",
@@ -661,8 +663,9 @@ TEMPLATE_TEST_CASE("clamped, shifted and unnormalized reads see the true denomin
     CHECK((attn.parallel(Q, K, V, Mask::causal).template cast<double>() - expect).cwiseAbs().maxCoeff() <= tol);
     CHECK((attn.recurrent(Q, K, V).template cast<double>() - expect).cwiseAbs().maxCoeff() <= tol);
     const RowMatrix<double> expect_full = quadratic_attention(phi, Q, K, V, Mask::none, norm).template cast<double>();
-    CHECK((attn.parallel(Q, K, V, Mask::none).template cast<double>() - expect_full).cwiseAbs().maxCoeff() <=
-          tol);
+    CHECK((attn.parallel(Q, K, V, Mask::none).template cast<double>() - expect_full)
+              .cwiseAbs()
+              .maxCoeff() <= tol);
   }
 }
 
@@ -729,9 +732,9 @@ TEST_CASE("a state made for an ordinary map or another draw is refused", "[rando
   const LinearAttention<PositiveRandomFeatures<double>, double> attn(phi);
   auto plain = LinearAttention<SquaredTwice, double>().make_state(4, 2);
   REQUIRE(plain.feature_dim() == 8);  // right dims
-  auto other_draw =
-      LinearAttention<PositiveRandomFeatures<double>, double>(PositiveRandomFeatures<double>(4, 8, 4))
-          .make_state(4, 2);
+  auto other_draw = LinearAttention<PositiveRandomFeatures<double>, double>(
+                        PositiveRandomFeatures<double>(4, 8, 4))
+                        .make_state(4, 2);
   const Eigen::MatrixXd Q = Eigen::MatrixXd::Ones(3, 4), V = Eigen::MatrixXd::Ones(3, 2);
   for (auto* state : {&plain, &other_draw}) {
     CHECK_THROWS_WITH(attn.recurrent(*state, Q, Q, V), Catch::Matchers::Contains("make_state"));

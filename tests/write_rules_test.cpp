@@ -4,23 +4,21 @@
 // the formulas; carried state; reductions to Additive; beta = 0; the delta rule's exact
 // overwrite; per-token inputs in every layout through every entry point; every error path.
 
-#include <linattn/attention.hpp>
-#include <linattn/feature_maps.hpp>
-#include <linattn/write_rules.hpp>
-
 #include <Eigen/QR>
 #include <catch2/catch.hpp>
-
-#include "rule_reference.hpp"
-#include "test_support.hpp"
-
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <linattn/attention.hpp>
+#include <linattn/feature_maps.hpp>
+#include <linattn/write_rules.hpp>
 #include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
+
+#include "rule_reference.hpp"
+#include "test_support.hpp"
 
 using namespace linattn;
 using linattn_test::naive_delta;
@@ -67,8 +65,8 @@ static_assert(!L2Normalize::strictly_positive);
 // Additive is LinearAttention, with its state type.
 static_assert(std::is_same_v<RuleAttention<EluPlusOne, Additive>, LinearAttention<EluPlusOne>>);
 static_assert(std::is_same_v<RuleAttention<EluPlusOne, Additive>::State, AttentionState<float>>);
-static_assert(std::is_same_v<RuleAttention<L2Normalize, Delta, double>::State,
-                             RuleState<Delta, double>>);
+static_assert(
+    std::is_same_v<RuleAttention<L2Normalize, Delta, double>::State, RuleState<Delta, double>>);
 static_assert(!std::is_default_constructible_v<RuleAttention<EluPlusOne, Decay>>);  // needs gamma
 
 TEST_CASE("Decay validates gamma: 0 < gamma <= 1", "[rules]") {
@@ -656,10 +654,16 @@ TEMPLATE_TEST_CASE("Decay reads through the Normalization policy", "[decay][erro
 TEST_CASE("T = 0 gives an empty result for every rule", "[shapes]") {
   const Eigen::MatrixXf Q(0, 4), K(0, 4), V(0, 3);
   const Eigen::VectorXf none(0);
-  CHECK(RuleAttention<EluPlusOne, Decay>(EluPlusOne{}, Decay(0.9)).parallel(Q, K, V, Mask::causal).cols() == 3);
-  CHECK(RuleAttention<EluPlusOne, Gated>().parallel(Q, K, V, Eigen::MatrixXf(0, 1), Mask::causal).rows() == 0);
+  CHECK(RuleAttention<EluPlusOne, Decay>(EluPlusOne{}, Decay(0.9))
+            .parallel(Q, K, V, Mask::causal)
+            .cols() == 3);
+  CHECK(RuleAttention<EluPlusOne, Gated>()
+            .parallel(Q, K, V, Eigen::MatrixXf(0, 1), Mask::causal)
+            .rows() == 0);
   CHECK(RuleAttention<L2Normalize, Delta>().recurrent(Q, K, V, none).cols() == 3);
-  CHECK(RuleAttention<L2Normalize, GatedDelta>().parallel(Q, K, V, none, none, Mask::causal).rows() == 0);
+  CHECK(
+      RuleAttention<L2Normalize, GatedDelta>().parallel(Q, K, V, none, none, Mask::causal).rows() ==
+      0);
   const RuleAttention<L2Normalize, Delta> delta;
   auto state = delta.make_state(4, 3);
   CHECK(delta.prefill(state, Q, K, V, none).rows() == 0);
@@ -703,13 +707,15 @@ std::vector<RowMatrix<typename Attn::scalar_type>> every_entry_point(
   std::vector<Mat> results;
 
   // Stateless and carried chunked passes from an empty state: one path, the same bits.
-  const Mat parallel = std::apply([&](const auto&... x) { return attn.parallel(Q, K, V, x..., Mask::causal); }, in);
+  const Mat parallel =
+      std::apply([&](const auto&... x) { return attn.parallel(Q, K, V, x..., Mask::causal); }, in);
   results.push_back(parallel);
   Mat out(T, dv);
   std::apply([&](const auto&... x) { attn.parallel_into(Q, K, V, x..., Mask::causal, out); }, in);
   CHECK(out == parallel);
   auto prefilled = attn.make_state(dk, dv);
-  CHECK(std::apply([&](const auto&... x) { return attn.prefill(prefilled, Q, K, V, x...); }, in) == parallel);
+  CHECK(std::apply([&](const auto&... x) { return attn.prefill(prefilled, Q, K, V, x...); }, in) ==
+        parallel);
   results.push_back(prefilled.S());
   auto prefilled_into = attn.make_state(dk, dv);
   std::apply([&](const auto&... x) { attn.prefill_into(prefilled_into, Q, K, V, x..., out); }, in);
@@ -717,10 +723,12 @@ std::vector<RowMatrix<typename Attn::scalar_type>> every_entry_point(
   CHECK(prefilled_into.S() == prefilled.S());
 
   // Token by token.
-  const Mat recurrent = std::apply([&](const auto&... x) { return attn.recurrent(Q, K, V, x...); }, in);
+  const Mat recurrent =
+      std::apply([&](const auto&... x) { return attn.recurrent(Q, K, V, x...); }, in);
   results.push_back(recurrent);
   auto carried = attn.make_state(dk, dv);
-  CHECK(std::apply([&](const auto&... x) { return attn.recurrent(carried, Q, K, V, x...); }, in) == recurrent);
+  CHECK(std::apply([&](const auto&... x) { return attn.recurrent(carried, Q, K, V, x...); }, in) ==
+        recurrent);
   results.push_back(carried.S());
   auto carried_into = attn.make_state(dk, dv);
   std::apply([&](const auto&... x) { attn.recurrent_into(carried_into, Q, K, V, x..., out); }, in);
@@ -731,7 +739,8 @@ std::vector<RowMatrix<typename Attn::scalar_type>> every_entry_point(
   Mat out0(T, dv), out1(T, dv);
   const std::vector<ConstRowsView<Scalar>> heads{rows(Q), rows(Q2)};
   const std::vector<RowsView<Scalar>> outs{out_rows(out0), out_rows(out1)};
-  std::apply([&](const auto&... x) { attn.parallel_into(heads, K, V, x..., Mask::causal, outs); }, in);
+  std::apply([&](const auto&... x) { attn.parallel_into(heads, K, V, x..., Mask::causal, outs); },
+             in);
   CHECK(out0 == parallel);
   results.push_back(out1);
   auto grouped = attn.make_state(dk, dv);
@@ -747,17 +756,24 @@ std::vector<RowMatrix<typename Attn::scalar_type>> every_entry_point(
   for (Index t = 0; t < T; ++t) {
     const auto step_in = step_at(t);
     y.row(t) = std::apply(
-        [&](const auto&... x) { return attn.step(stepped, Q.row(t), K.row(t), V.row(t), x...); }, step_in);
-    std::apply([&](const auto&... x) { attn.step_into(stepped_into, Q.row(t), K.row(t), V.row(t), x..., y_into.row(t)); },
-               step_in);
+        [&](const auto&... x) { return attn.step(stepped, Q.row(t), K.row(t), V.row(t), x...); },
+        step_in);
+    std::apply(
+        [&](const auto&... x) {
+          attn.step_into(stepped_into, Q.row(t), K.row(t), V.row(t), x..., y_into.row(t));
+        },
+        step_in);
     const std::vector<ConstRowsView<Scalar>> queries{
         ConstRowsView<Scalar>(Q.row(t).data(), 1, dk, Eigen::OuterStride<>(dk)),
         ConstRowsView<Scalar>(Q2.row(t).data(), 1, dk, Eigen::OuterStride<>(dk))};
     const std::vector<RowsView<Scalar>> ys{
         RowsView<Scalar>(y_group.row(t).data(), 1, dv, Eigen::OuterStride<>(dv)),
         RowsView<Scalar>(y_group2.row(t).data(), 1, dv, Eigen::OuterStride<>(dv))};
-    std::apply([&](const auto&... x) { attn.step_into(stepped_group, queries, K.row(t), V.row(t), x..., ys); },
-               step_in);
+    std::apply(
+        [&](const auto&... x) {
+          attn.step_into(stepped_group, queries, K.row(t), V.row(t), x..., ys);
+        },
+        step_in);
   }
   CHECK(y_into == y);
   CHECK(stepped_into.S() == stepped.S());
@@ -831,13 +847,13 @@ TEMPLATE_TEST_CASE("every rule and entry point takes its per-token inputs in any
     const RuleAttention<EluPlusOne, Gated, Scalar> attn(EluPlusOne{}, options);
     RowMatrix<float> base_r = linattn_test::uniform_matrix<float>(T, r, 2006, 0.0, 1.0);
     base_r *= -0.5f;
-    const Mat G = base_r.cast<Scalar>();                                          // in place
-    const RowMatrix<Other> G_o = base_r.cast<Other>();                            // copied
-    const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> G_col = G;        // strided rows
+    const Mat G = base_r.cast<Scalar>();                                    // in place
+    const RowMatrix<Other> G_o = base_r.cast<Other>();                      // copied
+    const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> G_col = G;  // strided rows
     Mat padded = Mat::Zero(T, r + 3);
     padded.middleCols(1, r) = G;
     const Eigen::Map<const Mat, Eigen::Unaligned, Eigen::OuterStride<>> G_s(
-        padded.data() + 1, T, r, Eigen::OuterStride<>(r + 3));                     // strided
+        padded.data() + 1, T, r, Eigen::OuterStride<>(r + 3));  // strided
     const auto a = every_entry_point(attn, Q, Q2, K, V, std::forward_as_tuple(G),
                                      [&](Index t) { return std::make_tuple(G.row(t)); });
     check_same_results(every_entry_point(attn, Q, Q2, K, V, std::forward_as_tuple(G_o),
@@ -850,10 +866,11 @@ TEMPLATE_TEST_CASE("every rule and entry point takes its per-token inputs in any
                                          [&](Index t) { return std::make_tuple(G_s.row(t)); }),
                        a);
     // A step's per-channel gates may also be a column.
-    check_same_results(every_entry_point(attn, Q, Q2, K, V, std::forward_as_tuple(G), [&](Index t) {
-                         return std::make_tuple(ColVector<Scalar>(G.row(t).transpose()));
-                       }),
-                       a);
+    check_same_results(
+        every_entry_point(
+            attn, Q, Q2, K, V, std::forward_as_tuple(G),
+            [&](Index t) { return std::make_tuple(ColVector<Scalar>(G.row(t).transpose())); }),
+        a);
   }
   SECTION("Delta") {
     const RuleAttention<L2Normalize, Delta, Scalar> attn(L2Normalize{}, Delta{}, raw);
@@ -956,7 +973,8 @@ TEMPLATE_TEST_CASE("per-token inputs holding Scalar are bound in place, others c
     // GatedDelta: each of its two inputs bound on its own (one in place, one copied).
     const ColVector<Other> log_alpha = (-beta).template cast<Other>();
     detail::TokenInputs<Scalar> in;
-    detail::bind_token_inputs<Scalar>(GatedDelta{}, std::forward_as_tuple(beta, log_alpha), T, r, in);
+    detail::bind_token_inputs<Scalar>(GatedDelta{}, std::forward_as_tuple(beta, log_alpha), T, r,
+                                      in);
     CHECK(in.beta.data == beta.data());
     CHECK(in.log_alpha.data == in.copies[1].data());
   }

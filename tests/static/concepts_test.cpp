@@ -52,8 +52,9 @@ static_assert(std::is_base_of_v<std::domain_error, linattn::DenominatorError>);
 static_assert(std::is_default_constructible_v<linattn::LinearAttention<linattn::EluPlusOne>>);
 // One attention class: LinearAttention is RuleAttention under the additive rule (the same type,
 // so the same bits), and each rule's state type.
-static_assert(std::is_same_v<linattn::LinearAttention<linattn::EluPlusOne>,
-                             linattn::RuleAttention<linattn::EluPlusOne, linattn::Additive, float>>);
+static_assert(
+    std::is_same_v<linattn::LinearAttention<linattn::EluPlusOne>,
+                   linattn::RuleAttention<linattn::EluPlusOne, linattn::Additive, float>>);
 static_assert(std::is_same_v<linattn::RuleAttention<linattn::EluPlusOne>::State,
                              linattn::AttentionState<float>>);
 static_assert(std::is_same_v<linattn::state_t<linattn::Gated, double>,
