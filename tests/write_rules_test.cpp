@@ -979,3 +979,12 @@ TEMPLATE_TEST_CASE("per-token inputs holding Scalar are bound in place, others c
     CHECK(in.log_alpha.data == in.copies[1].data());
   }
 }
+
+TEST_CASE("one log-gate per token may be a column or a row", "[gated][inputs]") {
+  const auto X = linattn_test::random_matrix<float>(6, 3, 77);
+  const RowMatrix<float> col = RowMatrix<float>::Constant(6, 1, -0.3f);
+  const RowMatrix<float> row = col.transpose();
+  const RuleAttention<EluPlusOne, Gated> gated;
+  CHECK(gated.parallel(X, X, X, col, Mask::causal) == gated.parallel(X, X, X, row, Mask::causal));
+  CHECK_THROWS_AS(gated.parallel(X, X, X, RowMatrix<float>::Constant(2, 3, -0.3f), Mask::causal), ShapeError);
+}

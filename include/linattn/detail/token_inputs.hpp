@@ -126,10 +126,12 @@ void bind_token_inputs(const Rule& rule, const Tuple& inputs, Index T, Index r,
     out.constant_log_gate = static_cast<Scalar>(std::log(rule.gamma()));
   } else if constexpr (Rule::kind == WriteKind::gated) {
     const auto& g = std::get<0>(inputs);
-    if (g.rows() != T || !(g.cols() == 1 || g.cols() == r))
-      throw_shape_error("log-gates must be T x 1 or T x r = ", T, "x1 or ", T, "x", r, ", got ",
-                        shape_of(g));
-    out.log_gate = bind_array<Scalar>(g, T, g.cols(), out.copies[0]);
+    // One gate per token may also come as a row (1 x T, T > 1): per-channel gates have T rows.
+    const bool row_of_gates = T > 1 && g.rows() == 1 && g.cols() == T;
+    if (!row_of_gates && (g.rows() != T || !(g.cols() == 1 || g.cols() == r)))
+      throw_shape_error("log-gates must be T x 1 (or 1 x T) or T x r = ", T, "x1 or ", T, "x", r,
+                        ", got ", shape_of(g));
+    out.log_gate = bind_array<Scalar>(g, T, row_of_gates ? 1 : g.cols(), out.copies[0]);
     check_log_gates(out.log_gate, "a log-gate");
   } else if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta) {
     bind_vector(std::get<0>(inputs), T, "beta", out.beta, out.copies[0]);
