@@ -31,7 +31,9 @@
 
 #include <linattn/attention.hpp>
 #include <linattn/detail/eigen_utils.hpp>
-#include <linattn/detail/rule_kernels.hpp>
+#include <linattn/detail/chunked.hpp>
+#include <linattn/detail/delta_kernels.hpp>
+#include <linattn/detail/gated_kernels.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/feature_maps.hpp>
 #include <linattn/normalization.hpp>
@@ -335,42 +337,78 @@ class RuleAttention {
     loop_delta<Recurrent>(Q, K, V, state, out, beta, log_alpha);
   }
 
+  // Row t of V as a contiguous row: V's own storage when its rows are contiguous, else a copy
+  // in row j of `buffer`.
+  template <class DV>
+  static const Scalar* value_row(const DV& V, Index t, RowMatrix<Scalar>& buffer, Index j) {
+    if constexpr (detail::has_row_major_storage<DV>()) {
+      return V.data() + t * V.outerStride();
+    } else {
+      buffer.row(j) = V.row(t);
+      return buffer.row(j).data();
+    }
+  }
+
   template <bool Recurrent, class DQ, class DK, class DV>
   void loop_gated(const DQ& Q, const DK& K, const DV& V, State& state, OutputRef out,
                   const RowMatrix<Scalar>& log_gate) const {
     const Index T = Q.rows(), r = state.feature_dim(), dv = state.value_dim();
     const Normalization& norm = options().normalization;
+    const bool per_channel = log_gate.cols() != 1;
+    const bool fixed = Rule::kind == WriteKind::decay;  // one gate for every token
+    const Index ld_out = out.outerStride();
     if constexpr (Recurrent) {
-      Eigen::Ref<RowMatrix<Scalar>> qf(state.query_features_), kf(state.key_features_);
-      auto& g = state.gate_row_;
-      for (Index t = 0; t < T; ++t) {
-        feature_map().apply(Q.row(t), qf);
-        feature_map().apply(K.row(t), kf);
-        if (log_gate.cols() == 1)
-          g.setConstant(std::exp(log_gate(t, 0)));
-        else
-          g = log_gate.row(t).array().exp().matrix();
-        detail::gated_token<Scalar>(state.S_, state.z_, state.scratch_, qf.row(0), kf.row(0),
-                                    g.row(0), V.row(t), out.row(t), norm, t);
-        ++state.tokens_;
+      // Two tokens per sweep of S (detail::gated_token_pair), the last of an odd count alone.
+      RowMatrix<Scalar> qf(2, r), kf(2, r), g(2, r), v_buffer(2, dv);
+      ColVector<Scalar> z_mid(r), z_next(r);
+      const Scalar fixed_gate = std::exp(log_gate(0, 0));
+      const auto token = [&](Index t, Index j) {
+        Eigen::Ref<RowMatrix<Scalar>> q(qf.row(j)), k(kf.row(j));
+        feature_map().apply(Q.row(t), q);
+        feature_map().apply(K.row(t), k);
+        detail::GatedToken<Scalar> tk;
+        tk.qf = qf.row(j).data();
+        tk.kf = kf.row(j).data();
+        tk.v = value_row(V, t, v_buffer, j);
+        if (per_channel) {
+          g.row(j) = log_gate.row(t).array().exp().matrix();
+          tk.gates = g.row(j).data();
+        } else {
+          tk.gate = fixed ? fixed_gate : std::exp(log_gate(t, 0));
+        }
+        tk.y = out.row(t).data();
+        return tk;
+      };
+      Index t = 0;
+      for (; t + 1 < T; t += 2) {
+        detail::GatedToken<Scalar> pair[2] = {token(t, 0), token(t + 1, 1)};
+        detail::gated_token_pair(state.S_, state.z_, z_mid, z_next, pair, norm, t,
+                                 state.tokens_);
       }
+      if (t < T) detail::gated_token(state.S_, state.z_, z_next, token(t, 0), norm, t,
+                                     state.tokens_);
     } else {
       const Index C = std::min(options().chunk_size, std::max<Index>(T, 1));
-      RowMatrix<Scalar> qf(C, r), kf(C, r);
-      detail::RuleScratch<Scalar> scratch(C, r, dv);
-      for (Index first = 0; first < T; first += C) {
-        const Index n = std::min(C, T - first);
-        if (log_gate.cols() == 1)
-          detail::scalar_gated_chunk(state.S_, state.z_, features(Q, first, n, qf),
-                                     features(K, first, n, kf), V.middleRows(first, n),
-                                     log_gate.col(0).segment(first, n), out.middleRows(first, n),
-                                     scratch, norm, first);
-        else
-          detail::channel_gated_chunk(state.S_, state.z_, features(Q, first, n, qf),
-                                      features(K, first, n, kf), V.middleRows(first, n),
-                                      log_gate.middleRows(first, n), out.middleRows(first, n),
-                                      scratch, norm, first);
-        state.tokens_ += n;
+      RowMatrix<Scalar> qf(C, r), kf(C, r), v_buffer(C, dv);
+      const auto chunks = [&](auto& kernel, auto gates) {
+        for (Index first = 0; first < T; first += C) {
+          const Index n = std::min(C, T - first);
+          features(Q, first, n, qf);
+          features(K, first, n, kf);
+          const auto v = detail::row_major_rows(V, first, n, v_buffer);
+          kernel.prepare(n, kf.data(), r, v.first, v.second, gates.from(first));
+          kernel.read(qf.data(), r, state.S_, state.z_, out.data() + first * ld_out, ld_out, norm,
+                      first);
+          kernel.absorb(state.S_, state.z_);
+          state.tokens_ += n;
+        }
+      };
+      if (per_channel) {
+        detail::ChannelGatedChunk<Scalar> kernel(C, r, dv);
+        chunks(kernel, detail::TokenRows<Scalar>{log_gate.data(), r});
+      } else {
+        detail::ScalarGatedChunk<Scalar> kernel(C, r, dv);
+        chunks(kernel, detail::TokenValues<Scalar>{log_gate.data(), fixed ? 0 : 1});
       }
     }
   }
@@ -380,26 +418,56 @@ class RuleAttention {
                   const ColVector<Scalar>& beta, const ColVector<Scalar>& log_alpha) const {
     const Index T = Q.rows(), r = state.feature_dim(), dv = state.value_dim();
     const bool gated = log_alpha.size() > 0;
+    const Index ld_out = out.outerStride();
     if constexpr (Recurrent) {
-      Eigen::Ref<RowMatrix<Scalar>> qf(state.query_features_), kf(state.key_features_);
-      for (Index t = 0; t < T; ++t) {
-        feature_map().apply(Q.row(t), qf);
-        feature_map().apply(K.row(t), kf);
-        const Scalar alpha = gated ? std::exp(log_alpha(t)) : Scalar(1);
-        detail::delta_token<Scalar>(state.S_, state.prediction_, qf.row(0), kf.row(0), V.row(t),
-                                    beta(t), alpha, out.row(t));
+      // Two tokens per sweep of S, the update carried into the next sweep; finish() applies
+      // the last one however the loop ends.
+      RowMatrix<Scalar> qf(2, r), kf(2, r), v_buffer(2, dv);
+      detail::DeltaRecurrence<Scalar> recurrence(r, dv);
+      struct Finish {
+        detail::DeltaRecurrence<Scalar>& recurrence;
+        RowMatrix<Scalar>& S;
+        ~Finish() { recurrence.finish(S, false); }
+      } finish{recurrence, state.S_};
+      const auto load = [&](Index t, Index j) {
+        Eigen::Ref<RowMatrix<Scalar>> q(qf.row(j)), k(kf.row(j));
+        feature_map().apply(Q.row(t), q);
+        feature_map().apply(K.row(t), k);
+        return value_row(V, t, v_buffer, j);
+      };
+      const auto alpha = [&](Index t) { return gated ? std::exp(log_alpha(t)) : Scalar(1); };
+      Index t = 0;
+      for (; t + 1 < T; t += 2) {
+        const Scalar* const v[2] = {load(t, 0), load(t + 1, 1)};
+        const Scalar* const q[2] = {qf.row(0).data(), qf.row(1).data()};
+        const Scalar* const k[2] = {kf.row(0).data(), kf.row(1).data()};
+        const Scalar b[2] = {beta(t), beta(t + 1)}, a[2] = {alpha(t), alpha(t + 1)};
+        Scalar* const y[2] = {out.row(t).data(), out.row(t + 1).data()};
+        recurrence.pair(state.S_, q, k, v, b, a, y, (t / 2) % 2 != 0);
+        state.tokens_ += 2;
+      }
+      if (t < T) {
+        const Scalar* v = load(t, 0);
+        recurrence.single(state.S_, qf.row(0).data(), kf.row(0).data(), v, beta(t), alpha(t),
+                          out.row(t).data(), (t / 2) % 2 != 0);
         ++state.tokens_;
       }
     } else {
       const Index C = std::min(options().chunk_size, std::max<Index>(T, 1));
-      RowMatrix<Scalar> qf(C, r), kf(C, r);
-      detail::RuleScratch<Scalar> scratch(C, r, dv);
+      RowMatrix<Scalar> qf(C, r), kf(C, r), v_buffer(C, dv);
+      detail::DeltaChunk<Scalar> kernel(C, r, dv);
       for (Index first = 0; first < T; first += C) {
         const Index n = std::min(C, T - first);
-        detail::delta_chunk(state.S_, features(Q, first, n, qf), features(K, first, n, kf),
-                            V.middleRows(first, n), beta.segment(first, n),
-                            gated ? log_alpha.segment(first, n) : log_alpha.segment(0, 0),
-                            out.middleRows(first, n), scratch);
+        features(Q, first, n, qf);
+        features(K, first, n, kf);
+        const auto v = detail::row_major_rows(V, first, n, v_buffer);
+        kernel.prepare(n, kf.data(), r, v.first, v.second,
+                       detail::TokenValues<Scalar>{beta.data() + first, 1},
+                       gated ? detail::TokenValues<Scalar>{log_alpha.data() + first, 1}
+                             : detail::TokenValues<Scalar>{},
+                       state.S_);
+        kernel.read(qf.data(), r, state.S_, out.data() + first * ld_out, ld_out);
+        kernel.absorb(state.S_);
         state.tokens_ += n;
       }
     }
@@ -414,28 +482,38 @@ class RuleAttention {
     const Index r = state.feature_dim();
     if constexpr (Rule::kind == WriteKind::decay || Rule::kind == WriteKind::gated) {
       auto& g = state.gate_row_;
+      detail::GatedToken<Scalar> token;
+      token.qf = qf.data();
+      token.kf = kf.data();
+      token.v = state.value_row_.data();
+      token.y = y.data();
       if constexpr (Rule::kind == WriteKind::decay) {
-        g.setConstant(static_cast<Scalar>(rule_.gamma()));
+        token.gate = static_cast<Scalar>(rule_.gamma());
+      } else if (set_step_gates(g, r, inputs...)) {
+        token.gates = g.data();
       } else {
-        set_step_gates(g, r, inputs...);
+        token.gate = g(0, 0);
       }
-      detail::gated_token<Scalar>(state.S_, state.z_, state.scratch_, qf.row(0), kf.row(0),
-                                  g.row(0), state.value_row_, y, options().normalization,
-                                  state.tokens_);
+      detail::gated_token(state.S_, state.z_, state.scratch_, token, options().normalization,
+                          state.tokens_, state.tokens_);
     } else {
       const auto [beta, alpha] = step_delta_inputs(inputs...);
-      detail::delta_token<Scalar>(state.S_, state.prediction_, qf.row(0), kf.row(0),
-                                  state.value_row_, beta, alpha, y);
+      detail::delta_token<Scalar>(state.S_, state.prediction_.data(), qf.data(), kf.data(),
+                                  state.value_row_.data(), beta, alpha, y.data(),
+                                  state.tokens_ % 2 != 0);
+      ++state.tokens_;
     }
-    ++state.tokens_;
   }
 
+  // The gates of one step into g (1 x r); true if they are per channel (a vector of length r),
+  // false for one gate (g(0, 0)).
   template <class G>
-  static void set_step_gates(RowMatrix<Scalar>& g, Index r, const G& log_gate) {
+  static bool set_step_gates(RowMatrix<Scalar>& g, Index r, const G& log_gate) {
     if constexpr (std::is_arithmetic_v<G>) {
       detail::check_log_gates(Eigen::Matrix<double, 1, 1>::Constant(double(log_gate)),
                               "a log-gate");
-      g.setConstant(static_cast<Scalar>(std::exp(static_cast<double>(log_gate))));
+      g(0, 0) = static_cast<Scalar>(std::exp(static_cast<double>(log_gate)));
+      return false;
     } else {
       if (!(log_gate.rows() == 1 || log_gate.cols() == 1) ||
           !(log_gate.size() == 1 || log_gate.size() == r))
@@ -447,7 +525,7 @@ class RuleAttention {
         detail::check_log_gates(Eigen::Matrix<double, 1, 1>::Constant(double(lg)), "a log-gate");
         g(0, n) = std::exp(lg);
       }
-      if (log_gate.size() == 1) g.setConstant(g(0, 0));
+      return log_gate.size() != 1;
     }
   }
 

@@ -1,0 +1,417 @@
+#pragma once
+// Kernels of the delta write rules (Delta: alpha = 1; GatedDelta), on the additive path's
+// register kernel and packet sweep. In the S (r x dv) orientation, with p_t = kf_t S_{t-1}:
+//
+//   u_t = beta_t (v_t - alpha_t p_t),   S_t = alpha_t S_{t-1} + kf_t^T u_t,   y_t = qf_t S_t
+//       = alpha_t (qf_t S_{t-1}) + (qf_t . kf_t) u_t
+//
+// Chunked (DeltaChunk): the WY / UT form, prepare() (the corrected values of a chunk by a
+// blocked unit-lower-triangular solve, which needs S), read() per query head, absorb().
+// Recurrent: DeltaRecurrence sweeps S once per two tokens: each sweep applies the previous
+// pair's update as it loads a row (S = a S + kf_0^T w_0 + kf_1^T w_1) and reads kf S and qf S for
+// both tokens of the next pair, whose corrected values follow from those reads and the pair's
+// dot products. delta_token (decode) reads kf S and qf S in one read-only sweep, then updates in
+// one read-modify-write sweep; delta_absorb does the same without qf for grouped decode, whose
+// heads read with the additive read-only sweep (recurrent_sweep.hpp).
+//
+// Cost per token, r features, dv values, chunk C (flops; "S traffic" = bytes of S moved):
+//   Additive chunked     4 r dv + about C (r + dv)
+//   delta chunk          6 r dv (kf S, qf S, the update) + about C (r + dv) (scores, the WY
+//                        system kf kf^T) + about C dv (the solve) + 2 C (decays, GatedDelta)
+//   Additive recurrent   4 r dv; S loaded and stored once per two tokens
+//   delta recurrent      7 r dv (a multiply and two FMAs of the carried update, four reads, per
+//                        element per two tokens); the same S traffic as Additive's
+//   delta_token (step)   6 r dv; S loaded twice and stored once per token
+//
+// Numerics: alpha = exp(log_alpha) <= 1 and the decays D(i, j) = alpha_{j+1} ... alpha_i are
+// products multiplied one by one, as in gated_kernels.hpp; with unit keys and beta in [0, 1]
+// every step map has 2-norm <= 1, so errors made at earlier steps do not grow.
+
+#include <linattn/detail/recurrent_sweep.hpp>
+#include <linattn/detail/rule_common.hpp>
+#include <linattn/detail/small_gemm.hpp>
+#include <linattn/types.hpp>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+
+namespace linattn::detail {
+
+/// Rows per block of the chunk's blocked triangular solve: the rows of a block against all
+/// earlier blocks are one register-kernel product, the block itself a row-by-row substitution.
+inline constexpr Index delta_solve_block = 16;
+
+// ---- recurrent -------------------------------------------------------------------------------
+
+/// One sweep of a delta kernel: each row of S first takes `Updates` rank-one terms,
+///   S_i = scale S_i + k_0i w_0 + k_1i w_1      (scale only when the sweep is Scaled),
+/// then `Reads` vectors read the updated row: out_m += x_mi S_i. k (length r), w (length dv),
+/// x (length r), out (length dv).
+template <class Scalar>
+struct DeltaSweep {
+  Scalar scale = 1;
+  const Scalar* k[2] = {nullptr, nullptr};
+  const Scalar* w[2] = {nullptr, nullptr};
+  const Scalar* x[4] = {nullptr, nullptr, nullptr, nullptr};
+  Scalar* out[4] = {nullptr, nullptr, nullptr, nullptr};
+};
+
+/// One column pass of delta_sweep.
+template <int Updates, int Reads, bool Scaled, class Scalar>
+struct DeltaPass {
+  Scalar* S;
+  Index ld, r;
+  const DeltaSweep<Scalar>* sweep;
+  bool chunks_reversed;
+
+  template <class Packet, int Packets>
+  void operator()(Index c0) const noexcept {
+    namespace ei = Eigen::internal;
+    constexpr int N = packet_size<Packet>;
+    constexpr int U = Updates > 0 ? Updates : 1, R = Reads > 0 ? Reads : 1;
+    const Scalar* k[U];
+    const Scalar* x[R];
+    Packet w[U][Packets], acc[R][Packets], chunk_sum[sweep_chunks][R][Packets];
+    const Packet scale = ei::pset1<Packet>(sweep->scale);
+#pragma GCC unroll 4
+    for (int u = 0; u < Updates; ++u) {
+      k[u] = sweep->k[u];
+#pragma GCC unroll 8
+      for (int p = 0; p < Packets; ++p) w[u][p] = ei::ploadu<Packet>(sweep->w[u] + c0 + p * N);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < Reads; ++m) x[m] = sweep->x[m];
+    const auto rows = [&](Index begin, Index end) {
+#pragma GCC unroll 4
+      for (int m = 0; m < Reads; ++m)
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) acc[m][p] = ei::pset1<Packet>(Scalar(0));
+      for (Index i = begin; i < end; ++i) {
+        Scalar* s_row = S + i * ld + c0;
+        Packet s[Packets];
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) {
+          s[p] = ei::ploadu<Packet>(s_row + p * N);
+          if constexpr (Scaled) s[p] = ei::pmul(scale, s[p]);
+        }
+#pragma GCC unroll 4
+        for (int u = 0; u < Updates; ++u) {
+          const Packet ku = ei::pset1<Packet>(k[u][i]);
+#pragma GCC unroll 8
+          for (int p = 0; p < Packets; ++p) s[p] = ei::pmadd(ku, w[u][p], s[p]);
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < Reads; ++m) {
+          const Packet xm = ei::pset1<Packet>(x[m][i]);
+#pragma GCC unroll 8
+          for (int p = 0; p < Packets; ++p) acc[m][p] = ei::pmadd(xm, s[p], acc[m][p]);
+        }
+        if constexpr (Updates > 0 || Scaled) {
+#pragma GCC unroll 8
+          for (int p = 0; p < Packets; ++p) ei::pstoreu(s_row + p * N, s[p]);
+        }
+      }
+    };
+    for (int n = 0; n < sweep_chunks; ++n) {
+      const int c = chunks_reversed ? sweep_chunks - 1 - n : n;
+      rows(sweep_chunk_begin(r, c), sweep_chunk_begin(r, c + 1));
+#pragma GCC unroll 4
+      for (int m = 0; m < Reads; ++m)
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) chunk_sum[c][m][p] = acc[m][p];
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < Reads; ++m)
+#pragma GCC unroll 8
+      for (int p = 0; p < Packets; ++p) {
+        Packet sum = chunk_sum[0][m][p];
+        for (int c = 1; c < sweep_chunks; ++c) sum = ei::padd(sum, chunk_sum[c][m][p]);
+        ei::pstoreu(sweep->out[m] + c0 + p * N, sum);
+      }
+  }
+};
+
+/// One sweep over S (r x dv, row stride ld) as DeltaSweep describes: each element loaded once,
+/// stored once if anything updates it; reads summed by row chunks in chunk order, so the
+/// direction (`reverse`) changes no bit. (Updates + Reads) 2 r dv flops, plus r dv if Scaled.
+template <int Updates, int Reads, bool Scaled, class Scalar>
+void delta_sweep(Scalar* S, Index ld, Index r, Index dv, const DeltaSweep<Scalar>& sweep,
+                 bool reverse) noexcept {
+  // Per packet of columns a pass holds the row, Updates values and Reads accumulators: 7
+  // packets for the pair sweep, so 2 packets fit 16 registers and 4 fit 32.
+  constexpr int P = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 2;
+  column_passes<P, Scalar>(
+      dv, reverse, DeltaPass<Updates, Reads, Scaled, Scalar>{S, ld, r, &sweep, reverse});
+}
+
+/// delta_sweep with the number of updates and the scaling chosen at run time.
+template <int Reads, class Scalar>
+void delta_sweep_dispatch(int updates, Scalar* S, Index ld, Index r, Index dv,
+                          const DeltaSweep<Scalar>& sweep, bool reverse) noexcept {
+  const bool scaled = sweep.scale != Scalar(1);
+  if (updates == 0)
+    delta_sweep<0, Reads, false>(S, ld, r, dv, sweep, reverse);
+  else if (updates == 1)
+    scaled ? delta_sweep<1, Reads, true>(S, ld, r, dv, sweep, reverse)
+           : delta_sweep<1, Reads, false>(S, ld, r, dv, sweep, reverse);
+  else
+    scaled ? delta_sweep<2, Reads, true>(S, ld, r, dv, sweep, reverse)
+           : delta_sweep<2, Reads, false>(S, ld, r, dv, sweep, reverse);
+}
+
+/// One decode token of the (gated) delta rule: one read-only sweep gives p = kf S and
+/// w = qf S (into `prediction` and y), then u = beta (v - alpha p) (in `prediction`),
+/// y = alpha w + (qf . kf) u, and one read-modify-write sweep S = alpha S + kf^T u. qf, kf
+/// (length r), v, y, prediction (length dv) contiguous; y must not overlap the others. 6 r dv
+/// flops (7 with alpha < 1). No allocation.
+template <class Scalar>
+void delta_token(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar* qf, const Scalar* kf,
+                 const Scalar* v, Scalar beta, Scalar alpha, Scalar* y, bool reverse) noexcept {
+  const Index r = S.rows(), dv = S.cols();
+  DeltaSweep<Scalar> read;
+  read.x[0] = kf;
+  read.x[1] = qf;
+  read.out[0] = prediction;
+  read.out[1] = y;
+  delta_sweep<0, 2, false>(S.data(), dv, r, dv, read, reverse);
+  using Vec = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+  using ConstVec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+  Vec u(prediction, dv), out(y, dv);
+  u = beta * (ConstVec(v, dv) - alpha * u);
+  out = alpha * out + ordered_dot(qf, kf, r) * u;
+  DeltaSweep<Scalar> update;
+  update.scale = alpha;
+  update.k[0] = kf;
+  update.w[0] = prediction;
+  delta_sweep_dispatch<0>(1, S.data(), dv, r, dv, update, !reverse);
+}
+
+/// Absorb one token without a read (grouped decode: then every query head reads S with the
+/// read-only sweep): p = kf S, u = beta (v - alpha p), S = alpha S + kf^T u. `prediction` is dv
+/// scratch. 4 r dv flops. No allocation.
+template <class Scalar>
+void delta_absorb(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar* kf, const Scalar* v,
+                  Scalar beta, Scalar alpha, bool reverse) noexcept {
+  const Index r = S.rows(), dv = S.cols();
+  DeltaSweep<Scalar> read;
+  read.x[0] = kf;
+  read.out[0] = prediction;
+  delta_sweep<0, 1, false>(S.data(), dv, r, dv, read, reverse);
+  Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> u(prediction, dv);
+  u = beta * (Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(v, dv) - alpha * u);
+  DeltaSweep<Scalar> update;
+  update.scale = alpha;
+  update.k[0] = kf;
+  update.w[0] = prediction;
+  delta_sweep_dispatch<0>(1, S.data(), dv, r, dv, update, !reverse);
+}
+
+/// The recurrent delta rule over a sequence, two tokens per sweep of S. The update of the
+/// tokens already seen is carried (pending) into the next sweep, which applies it to each row
+/// as it loads it, so S in memory lags behind until finish(). For tokens t, t+1 after S' =
+/// S_{t-1} (pending applied), one sweep gives kf_t S', kf_{t+1} S', qf_t S', qf_{t+1} S', and
+///   u_t     = beta_t (v_t - alpha_t kf_t S')
+///   y_t     = alpha_t qf_t S' + (qf_t . kf_t) u_t
+///   u_{t+1} = beta_{t+1} (v_{t+1} - alpha_{t+1} (alpha_t kf_{t+1} S' + (kf_{t+1} . kf_t) u_t))
+///   y_{t+1} = alpha_{t+1} (alpha_t qf_{t+1} S' + (qf_{t+1} . kf_t) u_t) + (qf_{t+1} . kf_{t+1}) u_{t+1}
+///   pending: S_{t+1} = alpha_t alpha_{t+1} S' + kf_t^T (alpha_{t+1} u_t) + kf_{t+1}^T u_{t+1}.
+/// Per pair: 14 r dv flops (7 per token), S loaded and stored once. Allocates at construction
+/// only.
+template <class Scalar>
+class DeltaRecurrence {
+ public:
+  DeltaRecurrence(Index r, Index dv) : keys_(2, r), values_(2, dv), reads_(4, dv) {}
+
+  /// Tokens t, t+1 (features qf, kf of length r, values v of length dv, outputs y of length
+  /// dv, contiguous; y must not overlap the inputs). `reverse` sets the sweep's direction.
+  void pair(RowMatrix<Scalar>& S, const Scalar* const qf[2], const Scalar* const kf[2],
+            const Scalar* const v[2], const Scalar beta[2], const Scalar alpha[2],
+            Scalar* const y[2], bool reverse) {
+    const Index r = S.rows(), dv = S.cols();
+    DeltaSweep<Scalar> sweep = pending_sweep();
+    const Scalar* reads[4] = {kf[0], kf[1], qf[0], qf[1]};
+    for (int m = 0; m < 4; ++m) {
+      sweep.x[m] = reads[m];
+      sweep.out[m] = reads_.row(m).data();
+    }
+    delta_sweep_dispatch<4>(pending_, S.data(), dv, r, dv, sweep, reverse);
+    using Vec = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+    using ConstVec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+    const Scalar q0k0 = ordered_dot(qf[0], kf[0], r), k1k0 = ordered_dot(kf[1], kf[0], r);
+    const Scalar q1k0 = ordered_dot(qf[1], kf[0], r), q1k1 = ordered_dot(qf[1], kf[1], r);
+    Vec u0(values_.row(0).data(), dv), u1(values_.row(1).data(), dv);
+    Vec p0(reads_.row(0).data(), dv), p1(reads_.row(1).data(), dv);
+    Vec w0(reads_.row(2).data(), dv), w1(reads_.row(3).data(), dv);
+    Vec y0(y[0], dv), y1(y[1], dv);
+    u0 = beta[0] * (ConstVec(v[0], dv) - alpha[0] * p0);
+    y0 = alpha[0] * w0 + q0k0 * u0;
+    p1 = alpha[0] * p1 + k1k0 * u0;
+    u1 = beta[1] * (ConstVec(v[1], dv) - alpha[1] * p1);
+    y1 = alpha[1] * (alpha[0] * w1 + q1k0 * u0) + q1k1 * u1;
+    u0 *= alpha[1];
+    std::copy_n(kf[0], r, keys_.row(0).data());
+    std::copy_n(kf[1], r, keys_.row(1).data());
+    scale_ = alpha[0] * alpha[1];
+    pending_ = 2;
+  }
+
+  /// One token (the last of an odd count), as pair() for one token.
+  void single(RowMatrix<Scalar>& S, const Scalar* qf, const Scalar* kf, const Scalar* v,
+              Scalar beta, Scalar alpha, Scalar* y, bool reverse) {
+    const Index r = S.rows(), dv = S.cols();
+    DeltaSweep<Scalar> sweep = pending_sweep();
+    sweep.x[0] = kf;
+    sweep.x[1] = qf;
+    sweep.out[0] = reads_.row(0).data();
+    sweep.out[1] = reads_.row(1).data();
+    delta_sweep_dispatch<2>(pending_, S.data(), dv, r, dv, sweep, reverse);
+    using Vec = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+    Vec u(values_.row(0).data(), dv), p(reads_.row(0).data(), dv), w(reads_.row(1).data(), dv);
+    u = beta * (Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(v, dv) - alpha * p);
+    Vec(y, dv) = alpha * w + ordered_dot(qf, kf, r) * u;
+    std::copy_n(kf, r, keys_.row(0).data());
+    scale_ = alpha;
+    pending_ = 1;
+  }
+
+  /// Applies the pending update, so that S holds every token seen. One sweep if any is pending.
+  void finish(RowMatrix<Scalar>& S, bool reverse) {
+    if (pending_ == 0) return;
+    const Index r = S.rows(), dv = S.cols();
+    delta_sweep_dispatch<0>(pending_, S.data(), dv, r, dv, pending_sweep(), reverse);
+    pending_ = 0;
+    scale_ = 1;
+  }
+
+ private:
+  DeltaSweep<Scalar> pending_sweep() const {
+    DeltaSweep<Scalar> sweep;
+    sweep.scale = scale_;
+    for (int u = 0; u < 2; ++u) {
+      sweep.k[u] = keys_.row(u).data();
+      sweep.w[u] = values_.row(u).data();
+    }
+    return sweep;
+  }
+
+  RowMatrix<Scalar> keys_, values_, reads_;
+  int pending_ = 0;
+  Scalar scale_ = 1;
+};
+
+// ---- chunked ---------------------------------------------------------------------------------
+
+/// A causal chunk of the (gated) delta rule by the WY / UT form (Yang et al. 2024). With
+/// D(i, j) = alpha_{j+1} ... alpha_i, D(i, -1) = alpha_0 ... alpha_i (all 1 for Delta), the
+/// corrected values u_i = beta_i (v_i - alpha_i kf_i S_{i-1}) solve the unit lower-triangular
+/// system
+///   u_i + beta_i sum_{j<i} D(i, j) (kf_i . kf_j) u_j = beta_i v_i - beta_i D(i, -1) kf_i S,
+/// solved by blocks of delta_solve_block rows (a block against all earlier rows is one product
+/// on the register kernel; inside a block, row by row). Then
+///   out_i = D(i, -1) qf_i S + sum_{j<=i} D(i, j) (qf_i . kf_j) u_j,
+///   S <- D(n-1, -1) S + sum_j D(n-1, j) kf_j^T u_j.
+/// Per token: 6 r dv flops against S plus about C (r + dv) (scores and kf kf^T, masked halves
+/// skipped) and about C dv (the solve); 1 exp (GatedDelta).
+///
+/// Use: construct once per call; per chunk prepare() (needs the state before the chunk), then
+/// read() per query head (each gets a single-head call's bits), then absorb(). Pointers given to
+/// prepare() must stay valid until absorb(). No allocation after construction.
+template <class Scalar>
+class DeltaChunk {
+ public:
+  DeltaChunk(Index C, Index r, Index dv)
+      : r_(r), dv_(dv), ld_(padded_columns<Scalar>(C)),
+        kf_t_(RowMatrix<Scalar>::Zero(r, ld_)), kw_t_(r, ld_),
+        decay_(RowMatrix<Scalar>::Zero(C, ld_)), system_(RowMatrix<Scalar>::Zero(C, ld_)),
+        scores_(RowMatrix<Scalar>::Zero(C, ld_)), corrected_(C, dv), gate_(C), decay_in_(C),
+        weight_out_(C), coefficient_(C) {}
+
+  /// The key side of n tokens from state S: kf (n x r, row stride ld_kf), v (n x dv, row stride
+  /// ld_v), beta[t] and, for GatedDelta, log_alpha[t] (t < n; log_alpha.data null for Delta).
+  void prepare(Index n, const Scalar* kf, Index ld_kf, const Scalar* v, Index ld_v,
+               TokenValues<Scalar> beta, TokenValues<Scalar> log_alpha,
+               const RowMatrix<Scalar>& S) {
+    n_ = n;
+    gated_ = log_alpha.data != nullptr;
+    if (n == 0) return;
+    const Index r = r_, dv = dv_, n_padded = padded_columns<Scalar>(n);
+    if (gated_) {
+      for (Index t = 0; t < n; ++t) gate_(t) = log_alpha[t];
+      gate_.head(n) = gate_.head(n).array().exp();
+      decay_in_(0) = gate_(0);
+      for (Index i = 1; i < n; ++i) decay_in_(i) = decay_in_(i - 1) * gate_(i);
+      weight_out_(n - 1) = 1;
+      for (Index j = n - 2; j >= 0; --j) weight_out_(j) = weight_out_(j + 1) * gate_(j + 1);
+      decay_(0, 0) = 1;
+      for (Index i = 1; i < n; ++i) {
+        decay_.row(i).head(i) = decay_.row(i - 1).head(i) * gate_(i);
+        decay_(i, i) = 1;
+      }
+    }
+    transpose_into(n, r, kf, ld_kf, kf_t_.data(), ld_);
+    // The system's strictly lower part, negated: system(i, j) = -beta_i D(i, j) (kf_i . kf_j).
+    rule_gemm<Scalar, false>(n, n_padded, r, kf, ld_kf, kf_t_.data(), ld_, system_.data(), ld_,
+                             Triangle::lower_result);
+    for (Index i = 1; i < n; ++i) {
+      auto row = system_.row(i).head(i).array();
+      if (gated_) row *= decay_.row(i).head(i).array();
+      row *= -beta[i];
+    }
+    // Right-hand side: -beta_i D(i, -1) kf_i S (a row-scaled product), plus beta_i v_i.
+    for (Index i = 0; i < n; ++i) coefficient_(i) = -beta[i] * (gated_ ? decay_in_(i) : Scalar(1));
+    rule_gemm<Scalar, false>(n, dv, r, kf, ld_kf, S.data(), dv, corrected_.data(), dv,
+                             Triangle::none, coefficient_.data());
+    using Row = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
+    for (Index i = 0; i < n; ++i) corrected_.row(i).array() += beta[i] * Row(v + i * ld_v, dv);
+    // Blocked forward substitution: u_i += sum_{j<i} system(i, j) u_j.
+    for (Index b0 = 0; b0 < n; b0 += delta_solve_block) {
+      const Index end = std::min(n, b0 + delta_solve_block);
+      if (b0 > 0)
+        rule_gemm<Scalar, true>(end - b0, dv, b0, system_.data() + b0 * ld_, ld_,
+                                corrected_.data(), dv, corrected_.data() + b0 * dv, dv);
+      for (Index i = b0 + 1; i < end; ++i)
+        for (Index j = b0; j < i; ++j) corrected_.row(i) += system_(i, j) * corrected_.row(j);
+    }
+    if (gated_)
+      for (Index m = 0; m < r; ++m)
+        kw_t_.row(m).head(n) = kf_t_.row(m).head(n).cwiseProduct(weight_out_.head(n).transpose());
+  }
+
+  /// One query head: out (n x dv, row stride ld_out) from qf (n x r, row stride ld_qf) and the
+  /// state before the chunk (the S given to prepare()).
+  void read(const Scalar* qf, Index ld_qf, const RowMatrix<Scalar>& S, Scalar* out,
+            Index ld_out) {
+    const Index n = n_;
+    if (n == 0) return;
+    rule_gemm<Scalar, false>(n, padded_columns<Scalar>(n), r_, qf, ld_qf, kf_t_.data(), ld_,
+                             scores_.data(), ld_, Triangle::lower_result);
+    for (Index i = 0; i < n; ++i) {
+      if (gated_) scores_.row(i).head(i + 1).array() *= decay_.row(i).head(i + 1).array();
+      scores_.row(i).segment(i + 1, n - i - 1).setZero();
+    }
+    rule_gemm<Scalar, false>(n, dv_, r_, qf, ld_qf, S.data(), dv_, out, ld_out, Triangle::none,
+                             gated_ ? decay_in_.data() : nullptr);
+    rule_gemm<Scalar, true>(n, dv_, n, scores_.data(), ld_, corrected_.data(), dv_, out, ld_out,
+                            Triangle::lower_lhs);
+  }
+
+  /// The state absorbs the prepared chunk: S = D(n-1, -1) S + sum_j D(n-1, j) kf_j^T u_j.
+  void absorb(RowMatrix<Scalar>& S) {
+    const Index n = n_;
+    if (n == 0) return;
+    if (gated_) S *= decay_in_(n - 1);
+    rule_gemm<Scalar, true>(r_, dv_, n, gated_ ? kw_t_.data() : kf_t_.data(), ld_,
+                            corrected_.data(), dv_, S.data(), dv_);
+  }
+
+ private:
+  Index r_, dv_, ld_;
+  RowMatrix<Scalar> kf_t_, kw_t_, decay_, system_, scores_, corrected_;
+  ColVector<Scalar> gate_, decay_in_, weight_out_, coefficient_;
+  Index n_ = 0;
+  bool gated_ = false;
+};
+
+}  // namespace linattn::detail

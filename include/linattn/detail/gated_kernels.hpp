@@ -1,0 +1,496 @@
+#pragma once
+// Kernels of the decayed and gated write rules (Decay; Gated with one gate per token or one per
+// feature channel), on the additive path's register kernel and packet sweep:
+//
+//   S_t = diag(g_t) S_{t-1} + kf_t^T v_t,   z_t = g_t .* z_{t-1} + kf_t,   y_t = qf_t S_t / den
+//
+// Chunked (ScalarGatedChunk, ChannelGatedChunk): prepare() the key side of a chunk once, read()
+// it for every query head that shares the state, absorb() it into (S, z). Recurrent: one or two
+// tokens per sweep over S with the gate applied to each row as it is loaded (gated_token,
+// gated_token_pair), or an absorb-only sweep (gated_absorb) for grouped decode, whose heads
+// then read with the additive read-only sweep (recurrent_sweep.hpp).
+//
+// Cost per token, r features, dv values, chunk C (flops; "S traffic" = bytes of S moved):
+//   Additive chunked      4 r dv + about C (r + dv)
+//   scalar-gated chunk    4 r dv + about C (r + dv) + 3 C / 2 (decays folded into the scores) +
+//                         r dv / C (S scaled per chunk); 1 exp per token
+//   per-channel chunk     4 r dv + about C (r + dv) + 3 c r / 2 (diagonal sub-blocks of c = 16
+//                         rows, a decayed query per earlier key) + about 10 r (gated copies of
+//                         Q and K); r exps per token
+//   Additive recurrent    4 r dv; S loaded and stored once per two tokens
+//   gated recurrent       5 r dv (one more multiply per element); the same S traffic
+// Bytes per token besides S: the chunked kernels read qf, kf, v, the gates (4 or 4 r bytes in
+// float) and write y, as the additive kernel does.
+//
+// Every decay is a product of gates g = exp(log_g) <= 1 multiplied one by one, as the recurrent
+// path forms it: no exponential has a positive argument and nothing is a quotient of
+// cumulative products, so nothing overflows for any gate strength (products underflow to 0
+// only where the true weight is below the smallest normal number). The weight of token j at
+// row i carries the rounding of the m = i - j gate exponentials and at most m multiplications,
+// the recurrent path's error.
+
+#include <linattn/detail/recurrent_sweep.hpp>
+#include <linattn/detail/rule_common.hpp>
+#include <linattn/detail/small_gemm.hpp>
+#include <linattn/normalization.hpp>
+#include <linattn/types.hpp>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+
+namespace linattn::detail {
+
+/// Rows per sub-chunk of the per-channel gated chunk (a multiple of every packet width).
+inline constexpr Index gate_subchunk = 16;
+
+// ---- recurrent -------------------------------------------------------------------------------
+
+/// One token of a gated sweep: features (length r), value and output (length dv), the gates
+/// (per channel, length r, or one `gate` for every channel when `gates` is null), and the
+/// divisor of the read.
+template <class Scalar>
+struct GatedToken {
+  const Scalar* qf = nullptr;
+  const Scalar* kf = nullptr;
+  const Scalar* v = nullptr;
+  const Scalar* gates = nullptr;
+  Scalar gate = 1;
+  Scalar* y = nullptr;
+  Scalar divisor = 1;
+};
+
+/// One column pass of a gated sweep (see gated_sweep).
+template <int Tokens, bool Read, bool PerChannel, class Scalar>
+struct GatedPass {
+  Scalar* S;
+  Index ld, r;
+  const GatedToken<Scalar>* tokens;
+  bool divide, chunks_reversed;
+
+  template <class Packet, int Packets>
+  void operator()(Index c0) const noexcept {
+    namespace ei = Eigen::internal;
+    constexpr int N = packet_size<Packet>;
+    // Local copies: stores through S may alias anything, so fields read through `tokens`
+    // would be reloaded after every store.
+    const Scalar* kf[Tokens];
+    const Scalar* qf[Tokens];
+    const Scalar* g[Tokens];
+    Packet v[Tokens][Packets], gate[Tokens], acc[Tokens][Packets];
+    Packet chunk_sum[sweep_chunks][Tokens][Packets];
+#pragma GCC unroll 4
+    for (int j = 0; j < Tokens; ++j) {
+      kf[j] = tokens[j].kf;
+      qf[j] = tokens[j].qf;
+      g[j] = tokens[j].gates;
+      gate[j] = ei::pset1<Packet>(tokens[j].gate);
+#pragma GCC unroll 8
+      for (int p = 0; p < Packets; ++p) v[j][p] = ei::ploadu<Packet>(tokens[j].v + c0 + p * N);
+    }
+    const auto rows = [&](Index begin, Index end) {
+      if constexpr (Read) {
+#pragma GCC unroll 4
+        for (int j = 0; j < Tokens; ++j)
+#pragma GCC unroll 8
+          for (int p = 0; p < Packets; ++p) acc[j][p] = ei::pset1<Packet>(Scalar(0));
+      }
+      for (Index i = begin; i < end; ++i) {
+        Scalar* s_row = S + i * ld + c0;
+        Packet s[Packets];
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) s[p] = ei::ploadu<Packet>(s_row + p * N);
+#pragma GCC unroll 4
+        for (int j = 0; j < Tokens; ++j) {
+          const Packet gj = PerChannel ? ei::pset1<Packet>(g[j][i]) : gate[j];
+          const Packet kj = ei::pset1<Packet>(kf[j][i]);
+#pragma GCC unroll 8
+          for (int p = 0; p < Packets; ++p) s[p] = ei::pmadd(kj, v[j][p], ei::pmul(gj, s[p]));
+          if constexpr (Read) {
+            const Packet qj = ei::pset1<Packet>(qf[j][i]);
+#pragma GCC unroll 8
+            for (int p = 0; p < Packets; ++p) acc[j][p] = ei::pmadd(qj, s[p], acc[j][p]);
+          }
+        }
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) ei::pstoreu(s_row + p * N, s[p]);
+      }
+    };
+    for (int n = 0; n < sweep_chunks; ++n) {
+      const int c = chunks_reversed ? sweep_chunks - 1 - n : n;
+      rows(sweep_chunk_begin(r, c), sweep_chunk_begin(r, c + 1));
+      if constexpr (Read) {
+#pragma GCC unroll 4
+        for (int j = 0; j < Tokens; ++j)
+#pragma GCC unroll 8
+          for (int p = 0; p < Packets; ++p) chunk_sum[c][j][p] = acc[j][p];
+      }
+    }
+    if constexpr (Read) {
+#pragma GCC unroll 4
+      for (int j = 0; j < Tokens; ++j) {
+        const Packet divisor = ei::pset1<Packet>(tokens[j].divisor);
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) {
+          Packet sum = chunk_sum[0][j][p];
+          for (int c = 1; c < sweep_chunks; ++c) sum = ei::padd(sum, chunk_sum[c][j][p]);
+          ei::pstoreu(tokens[j].y + c0 + p * N, divide ? ei::pdiv(sum, divisor) : sum);
+        }
+      }
+    }
+  }
+};
+
+/// For each of `Tokens` tokens in order: S = diag(g) S + kf^T v, then (if Read) y = qf S with
+/// the updated S, divided by the token's divisor if `divide`. S is r x dv with row stride ld;
+/// each element is loaded and stored once per sweep, whatever the number of tokens. The read
+/// of a column is summed by row chunks in chunk order (as sweep_tokens), so the direction
+/// (`reverse`, alternated between sweeps for L1 reuse) changes no bit, and a token gives the
+/// same bits alone or paired. 5 r dv flops per token (3 without the read). No allocation.
+template <int Tokens, bool Read, class Scalar>
+void gated_sweep(Scalar* S, Index ld, Index r, Index dv, const GatedToken<Scalar>* tokens,
+                 bool divide, bool reverse) noexcept {
+  constexpr int P = sweep_packets<Tokens>;
+  if (tokens[0].gates != nullptr)
+    column_passes<P, Scalar>(
+        dv, reverse, GatedPass<Tokens, Read, true, Scalar>{S, ld, r, tokens, divide, reverse});
+  else
+    column_passes<P, Scalar>(
+        dv, reverse, GatedPass<Tokens, Read, false, Scalar>{S, ld, r, tokens, divide, reverse});
+}
+
+/// z_out = g .* z + kf (the token's gates) and returns qf . z_out (the denominator of the
+/// token's read) by ordered_dot. z_out must not overlap the inputs.
+template <class Scalar>
+Scalar gate_keys_and_dot(const Scalar* z, const GatedToken<Scalar>& token, Scalar* z_out,
+                         Index r) noexcept {
+  using Vec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+  Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> out(z_out, r);
+  if (token.gates != nullptr)
+    out = Vec(token.gates, r) * Vec(z, r) + Vec(token.kf, r);
+  else
+    out = token.gate * Vec(z, r) + Vec(token.kf, r);
+  return token.qf != nullptr ? ordered_dot(token.qf, z_out, r) : Scalar(0);
+}
+
+/// One recurrent token: z_next = g .* z + kf and the divisor from qf . z_next, checked before
+/// anything changes (a DenominatorError leaves S, z and `tokens` as they were); then one fused
+/// sweep S = diag(g) S + kf^T v, y = qf S / divisor. `token.y` must not overlap the inputs;
+/// `token.divisor` is set here. `z_next` is r scratch. The sweep direction follows `tokens`.
+template <class Scalar>
+void gated_token(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scalar>& z_next,
+                 GatedToken<Scalar> token, const Normalization& norm, Index row, Index& tokens) {
+  const Index r = S.rows(), dv = S.cols();
+  token.divisor = norm.divisor(gate_keys_and_dot(z.data(), token, z_next.data(), r), row);
+  gated_sweep<1, true>(S.data(), dv, r, dv, &token, norm.divides(), tokens % 2 != 0);
+  z.swap(z_next);
+  ++tokens;
+}
+
+/// Two consecutive recurrent tokens (rows `row`, row + 1) in one sweep over S, with the results
+/// of two gated_token calls. Both denominators are checked before S or z change. If the first
+/// is rejected nothing changes; if only the second is, the first token is absorbed alone (its y
+/// written, `tokens` advanced by one) and the second's DenominatorError propagates. `z_mid`,
+/// `z_next` are r scratch each.
+template <class Scalar>
+void gated_token_pair(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scalar>& z_mid,
+                      ColVector<Scalar>& z_next, GatedToken<Scalar> pair[2],
+                      const Normalization& norm, Index row, Index& tokens) {
+  const Index r = S.rows(), dv = S.cols();
+  const Scalar den0 = gate_keys_and_dot(z.data(), pair[0], z_mid.data(), r);
+  const Scalar den1 = gate_keys_and_dot(z_mid.data(), pair[1], z_next.data(), r);
+  const bool divide = norm.divides();
+  const bool reverse = (tokens / 2) % 2 != 0;  // alternate per pair sweep
+  pair[0].divisor = norm.divisor(den0, row);
+  try {
+    pair[1].divisor = norm.divisor(den1, row + 1);
+  } catch (const DenominatorError&) {
+    gated_sweep<1, true>(S.data(), dv, r, dv, &pair[0], divide, reverse);
+    z.swap(z_mid);
+    ++tokens;
+    throw;
+  }
+  gated_sweep<2, true>(S.data(), dv, r, dv, pair, divide, reverse);
+  z.swap(z_next);
+  tokens += 2;
+}
+
+/// Absorb only: S = diag(g) S + kf^T v and z = g .* z + kf (z may be empty: no normalizer), one
+/// sweep that loads and stores S once and reads nothing; 3 r dv flops. For grouped decode:
+/// absorb a token once, then read it per query head with the read-only sweep
+/// (sweep_tokens<1, Scalar, false>, recurrent_sweep.hpp). `z_next` is r scratch.
+template <class Scalar>
+void gated_absorb(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scalar>& z_next,
+                  GatedToken<Scalar> token, bool reverse) noexcept {
+  const Index r = S.rows(), dv = S.cols();
+  if (z.size() == r) {
+    token.qf = nullptr;
+    gate_keys_and_dot(z.data(), token, z_next.data(), r);
+    z.swap(z_next);
+  }
+  gated_sweep<1, false>(S.data(), dv, r, dv, &token, false, reverse);
+}
+
+// ---- chunked ---------------------------------------------------------------------------------
+
+/// The running normalizer of a chunk's rows: z_i = g_i .* z_{i-1} + kf_i from z_{-1} = z, and
+/// inverse(i) = 1 / divisor(qf_i . z_i) for every row (DenominatorError naming row
+/// first_row + i). gate_row(i, zr) multiplies the array zr by row i's gates.
+template <class Scalar, class GateOf>
+void gated_denominators(Index n, const Scalar* qf, Index ld_qf, const Scalar* kf, Index ld_kf,
+                        const ColVector<Scalar>& z, GateOf&& gate_row, ColVector<Scalar>& z_run,
+                        Scalar* inverse, const Normalization& norm, Index first_row) {
+  const Index r = z.size();
+  using Vec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+  z_run = z;
+  for (Index i = 0; i < n; ++i) {
+    gate_row(i, z_run.array());
+    z_run.array() += Vec(kf + i * ld_kf, r);
+    const Scalar den = ordered_dot(qf + i * ld_qf, z_run.data(), r);
+    inverse[i] = Scalar(1) / norm.divisor(den, first_row + i);
+  }
+}
+
+/// A causal chunk with one gate per token (Decay, scalar Gated). With D(i, j) = g_{j+1} ...
+/// g_i (the decay from token j to token i, 1 for j = i) and D(i, -1) = g_0 ... g_i:
+///   out_i = (D(i, -1) qf_i S + sum_{j<=i} D(i, j) (qf_i . kf_j) v_j) / divisor(qf_i . z_i)
+///   S <- D(n-1, -1) S + sum_j D(n-1, j) kf_j^T v_j,   z likewise (z_i the running normalizer).
+/// The scores qf kf^T come from the register kernel up to each row tile's diagonal and are
+/// masked by D in one pass; D(i, -1) is the row scale of the state read. Per token: the
+/// additive chunk's flops plus about 3 C / 2 (D and the mask) and r dv / C (S scaled once per
+/// chunk); one exp. D is built once per call for a fixed decay.
+///
+/// Use: construct once per call for chunk size C; per chunk prepare(), then read() per query
+/// head (each head gets a single-head call's bits), then absorb(). Pointers given to prepare()
+/// must stay valid until absorb(). No allocation after construction.
+template <class Scalar>
+class ScalarGatedChunk {
+ public:
+  ScalarGatedChunk(Index C, Index r, Index dv)
+      : r_(r), dv_(dv), ld_(padded_columns<Scalar>(C)),
+        kf_t_(RowMatrix<Scalar>::Zero(r, ld_)), kw_t_(r, ld_),
+        decay_(RowMatrix<Scalar>::Zero(C, ld_)), scores_(RowMatrix<Scalar>::Zero(C, ld_)),
+        gate_(C), decay_in_(C), weight_out_(C), inverse_(C), z_run_(r) {}
+
+  /// The key side of n tokens: kf (n x r, row stride ld_kf), v (n x dv, row stride ld_v) and
+  /// the chunk's log-gates (log_gate[t] for t < n; stride 0 for a fixed decay).
+  void prepare(Index n, const Scalar* kf, Index ld_kf, const Scalar* v, Index ld_v,
+               TokenValues<Scalar> log_gate) {
+    n_ = n;
+    kf_ = kf;
+    ld_kf_ = ld_kf;
+    v_ = v;
+    ld_v_ = ld_v;
+    if (n == 0) return;
+    const bool fixed = log_gate.stride == 0;
+    if (fixed) {
+      gate_.head(n).setConstant(std::exp(log_gate[0]));
+    } else {
+      for (Index t = 0; t < n; ++t) gate_(t) = log_gate[t];
+      gate_.head(n) = gate_.head(n).array().exp();
+    }
+    decay_in_(0) = gate_(0);
+    for (Index i = 1; i < n; ++i) decay_in_(i) = decay_in_(i - 1) * gate_(i);
+    weight_out_(n - 1) = 1;
+    for (Index j = n - 2; j >= 0; --j) weight_out_(j) = weight_out_(j + 1) * gate_(j + 1);
+    // D row by row: D(i, j) = D(i - 1, j) g_i. A fixed decay gives the same top-left block in
+    // every chunk, so it is built once.
+    if (!(fixed && built_rows_ >= n && built_gate_ == gate_(0))) {
+      decay_(0, 0) = 1;
+      for (Index i = 1; i < n; ++i) {
+        decay_.row(i).head(i) = decay_.row(i - 1).head(i) * gate_(i);
+        decay_(i, i) = 1;
+      }
+      built_rows_ = fixed ? n : 0;
+      built_gate_ = gate_(0);
+    }
+    transpose_into(n, r_, kf, ld_kf, kf_t_.data(), ld_);
+    for (Index m = 0; m < r_; ++m)
+      kw_t_.row(m).head(n) = kf_t_.row(m).head(n).cwiseProduct(weight_out_.head(n).transpose());
+  }
+
+  /// One query head: out (n x dv, row stride ld_out) from qf (n x r, row stride ld_qf) and the
+  /// state before the chunk. Every denominator is checked (DenominatorError naming row
+  /// first_row + i) before anything is written.
+  void read(const Scalar* qf, Index ld_qf, const RowMatrix<Scalar>& S, const ColVector<Scalar>& z,
+            Scalar* out, Index ld_out, const Normalization& norm, Index first_row) {
+    const Index n = n_;
+    if (n == 0) return;
+    const bool divides = norm.divides();
+    if (divides)
+      gated_denominators(
+          n, qf, ld_qf, kf_, ld_kf_, z,
+          [&](Index i, auto&& zr) { zr *= gate_(i); }, z_run_, inverse_.data(), norm, first_row);
+    const Index n_padded = padded_columns<Scalar>(n);
+    rule_gemm<Scalar, false>(n, n_padded, r_, qf, ld_qf, kf_t_.data(), ld_, scores_.data(), ld_,
+                             Triangle::lower_result);
+    for (Index i = 0; i < n; ++i) {
+      scores_.row(i).head(i + 1).array() *= decay_.row(i).head(i + 1).array();
+      scores_.row(i).segment(i + 1, n - i - 1).setZero();
+    }
+    rule_gemm<Scalar, false>(n, dv_, r_, qf, ld_qf, S.data(), dv_, out, ld_out, Triangle::none,
+                             decay_in_.data());
+    rule_gemm<Scalar, true>(n, dv_, n, scores_.data(), ld_, v_, ld_v_, out, ld_out,
+                            Triangle::lower_lhs, divides ? inverse_.data() : nullptr);
+  }
+
+  /// The state absorbs the prepared chunk: S = D(n-1, -1) S + sum_j D(n-1, j) kf_j^T v_j and
+  /// z = z_{n-1} (z may be empty).
+  void absorb(RowMatrix<Scalar>& S, ColVector<Scalar>& z) {
+    const Index n = n_;
+    if (n == 0) return;
+    S *= decay_in_(n - 1);
+    rule_gemm<Scalar, true>(r_, dv_, n, kw_t_.data(), ld_, v_, ld_v_, S.data(), dv_);
+    using Vec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+    if (z.size() == r_)
+      for (Index i = 0; i < n; ++i) z.array() = gate_(i) * z.array() + Vec(kf_ + i * ld_kf_, r_);
+  }
+
+ private:
+  Index r_, dv_, ld_;
+  RowMatrix<Scalar> kf_t_, kw_t_, decay_, scores_;
+  ColVector<Scalar> gate_, decay_in_, weight_out_, inverse_, z_run_;
+  Index n_ = 0, ld_kf_ = 0, ld_v_ = 0, built_rows_ = 0;
+  Scalar built_gate_ = 0;
+  const Scalar* kf_ = nullptr;
+  const Scalar* v_ = nullptr;
+};
+
+/// A causal chunk with one gate per feature channel (GLA-style), in sub-chunks of c =
+/// gate_subchunk rows. The weight of token j at row i is sum_m qf_im kf_jm D_m(i, j) with
+/// D_m(i, j) = g_{j+1,m} ... g_{i,m}. For i in sub-chunk I and j in an earlier sub-chunk J it
+/// factors through the start of I:
+///   (qf_i .* A_i) . (kf_j .* E_j .* T_{J+1} .* ... .* T_{I-1})
+/// with A_i the gates of I up to i, E_j the gates of J after j, T_L the product of sub-chunk
+/// L's gates: every factor <= 1, so one product per sub-chunk row I on the register kernel
+/// covers all its earlier columns. The diagonal c x c sub-blocks decay the query once per
+/// earlier key (c / 2 per token). The state is read with qf_i .* A_i .* T_0 .* ... .* T_{I-1}
+/// and updated with the keys decayed to the chunk's end.
+/// Per token: the additive chunk's flops plus about 3 c r / 2 (diagonal sub-blocks) and about
+/// 10 r (decayed copies of Q and K); r exps. Use as ScalarGatedChunk.
+template <class Scalar>
+class ChannelGatedChunk {
+ public:
+  ChannelGatedChunk(Index C, Index r, Index dv)
+      : r_(r), dv_(dv), ld_(padded_columns<Scalar>(std::max<Index>(C, gate_subchunk))),
+        blocks_((C + gate_subchunk - 1) / gate_subchunk),
+        gates_(C, r), prefix_(C, r), state_decay_(C, r), kend_(C, r), qs_(C, r), qt_(C, r),
+        kend_t_(RowMatrix<Scalar>::Zero(r, ld_)),
+        w_(RowMatrix<Scalar>::Zero(std::max<Index>(blocks_ - 1, 0) * r, ld_)),
+        kw_t_(RowMatrix<Scalar>::Zero(r, ld_)), scores_(RowMatrix<Scalar>::Zero(C, ld_)),
+        totals_(blocks_, r), pre_(blocks_, r), chunk_total_(r), inverse_(C), z_run_(r),
+        qdec_(r) {}
+
+  /// The key side of n tokens: kf (n x r, row stride ld_kf), v (n x dv, row stride ld_v) and
+  /// the chunk's log-gates, r per token (log_gate[t], t < n).
+  void prepare(Index n, const Scalar* kf, Index ld_kf, const Scalar* v, Index ld_v,
+               TokenRows<Scalar> log_gate) {
+    n_ = n;
+    kf_ = kf;
+    ld_kf_ = ld_kf;
+    v_ = v;
+    ld_v_ = ld_v;
+    if (n == 0) return;
+    using Vec = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
+    const Index c = gate_subchunk, r = r_, nb = (n + c - 1) / c;
+    for (Index t = 0; t < n; ++t) gates_.row(t).array() = Vec(log_gate[t], r).exp();
+    for (Index I = 0; I < nb; ++I) {
+      const Index i0 = I * c, end = std::min(n, i0 + c);
+      prefix_.row(i0) = gates_.row(i0);
+      for (Index i = i0 + 1; i < end; ++i)
+        prefix_.row(i) = prefix_.row(i - 1).cwiseProduct(gates_.row(i));
+      totals_.row(I) = prefix_.row(end - 1);
+      // Keys decayed to the end of their sub-chunk: kend_j = kf_j .* E_j.
+      qdec_.setOnes();
+      for (Index j = end - 1; j >= i0; --j) {
+        kend_.row(j).array() = Vec(kf + j * ld_kf, r) * qdec_.array();
+        qdec_ = qdec_.cwiseProduct(gates_.row(j));
+      }
+      if (I == 0)
+        pre_.row(0).setOnes();
+      else
+        pre_.row(I) = pre_.row(I - 1).cwiseProduct(totals_.row(I - 1));
+      for (Index i = i0; i < end; ++i)
+        state_decay_.row(i) = prefix_.row(i).cwiseProduct(pre_.row(I));
+    }
+    chunk_total_ = pre_.row(nb - 1).cwiseProduct(totals_.row(nb - 1));
+    transpose_into(n, r, kend_.data(), r, kend_t_.data(), ld_);
+    // Key side of sub-chunk row I (columns of the earlier sub-chunks), transposed: W(I) =
+    // [W(I-1) .* T_{I-1}, kend of I-1]; W(nb) (keys decayed to the chunk's end) is kw_t_.
+    for (Index I = 1; I <= nb; ++I) {
+      Scalar* dst = I < nb ? w_block(I) : kw_t_.data();
+      const Index j0 = (I - 1) * c, len = std::min(c, n - j0);
+      for (Index m = 0; m < r; ++m) {
+        Eigen::Map<Eigen::Array<Scalar, 1, Eigen::Dynamic>> row(dst + m * ld_, j0 + len);
+        if (I > 1) row.head(j0) = Vec(w_block(I - 1) + m * ld_, j0) * totals_(I - 1, m);
+        row.segment(j0, len) = kend_t_.row(m).segment(j0, len).array();
+      }
+    }
+  }
+
+  /// One query head, as ScalarGatedChunk::read.
+  void read(const Scalar* qf, Index ld_qf, const RowMatrix<Scalar>& S, const ColVector<Scalar>& z,
+            Scalar* out, Index ld_out, const Normalization& norm, Index first_row) {
+    const Index n = n_, r = r_, c = gate_subchunk;
+    if (n == 0) return;
+    const bool divides = norm.divides();
+    if (divides)
+      gated_denominators(
+          n, qf, ld_qf, kf_, ld_kf_, z,
+          [&](Index i, auto&& zr) { zr *= gates_.row(i).array().transpose(); }, z_run_,
+          inverse_.data(), norm, first_row);
+    using Vec = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
+    for (Index i = 0; i < n; ++i) {
+      const Vec q(qf + i * ld_qf, r);
+      qs_.row(i).array() = q * state_decay_.row(i).array();
+      qt_.row(i).array() = q * prefix_.row(i).array();
+    }
+    const Index nb = (n + c - 1) / c;
+    for (Index I = 0; I < nb; ++I) {
+      const Index i0 = I * c, end = std::min(n, i0 + c);
+      if (I > 0)
+        rule_gemm<Scalar, false>(end - i0, i0, r, qt_.data() + i0 * r, r, w_block(I), ld_,
+                                 scores_.data() + i0 * ld_, ld_);
+      for (Index i = i0; i < end; ++i) {
+        const Scalar* q = qf + i * ld_qf;
+        scores_(i, i) = ordered_dot(q, kf_ + i * ld_kf_, r);
+        std::copy_n(q, r, qdec_.data());
+        for (Index j = i - 1; j >= i0; --j)
+          scores_(i, j) = scale_then_dot(qdec_.data(), gates_.row(j + 1).data(), kf_ + j * ld_kf_, r);
+        scores_.row(i).segment(i + 1, n - i - 1).setZero();
+      }
+    }
+    rule_gemm<Scalar, false>(n, dv_, r, qs_.data(), r, S.data(), dv_, out, ld_out);
+    rule_gemm<Scalar, true>(n, dv_, n, scores_.data(), ld_, v_, ld_v_, out, ld_out,
+                            Triangle::lower_lhs, divides ? inverse_.data() : nullptr);
+  }
+
+  /// The state absorbs the prepared chunk: S = diag(prod of the chunk's gates) S + sum_j
+  /// (kf_j decayed to the chunk's end)^T v_j, z = z_{n-1} (z may be empty).
+  void absorb(RowMatrix<Scalar>& S, ColVector<Scalar>& z) {
+    const Index n = n_;
+    if (n == 0) return;
+    for (Index m = 0; m < r_; ++m) S.row(m) *= chunk_total_(m);
+    rule_gemm<Scalar, true>(r_, dv_, n, kw_t_.data(), ld_, v_, ld_v_, S.data(), dv_);
+    using Vec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+    if (z.size() == r_)
+      for (Index i = 0; i < n; ++i)
+        z.array() = gates_.row(i).array().transpose() * z.array() + Vec(kf_ + i * ld_kf_, r_);
+  }
+
+ private:
+  Scalar* w_block(Index I) noexcept { return w_.data() + (I - 1) * r_ * ld_; }
+
+  Index r_, dv_, ld_, blocks_;
+  RowMatrix<Scalar> gates_, prefix_, state_decay_, kend_, qs_, qt_, kend_t_, w_, kw_t_, scores_;
+  RowMatrix<Scalar> totals_, pre_;
+  RowVector<Scalar> chunk_total_;
+  ColVector<Scalar> inverse_, z_run_;
+  RowVector<Scalar> qdec_;
+  Index n_ = 0, ld_kf_ = 0, ld_v_ = 0;
+  const Scalar* kf_ = nullptr;
+  const Scalar* v_ = nullptr;
+};
+
+}  // namespace linattn::detail
