@@ -337,18 +337,6 @@ class RuleAttention {
     loop_delta<Recurrent>(Q, K, V, state, out, beta, log_alpha);
   }
 
-  // Row t of V as a contiguous row: V's own storage when its rows are contiguous, else a copy
-  // in row j of `buffer`.
-  template <class DV>
-  static const Scalar* value_row(const DV& V, Index t, RowMatrix<Scalar>& buffer, Index j) {
-    if constexpr (detail::has_row_major_storage<DV>()) {
-      return V.data() + t * V.outerStride();
-    } else {
-      buffer.row(j) = V.row(t);
-      return buffer.row(j).data();
-    }
-  }
-
   template <bool Recurrent, class DQ, class DK, class DV>
   void loop_gated(const DQ& Q, const DK& K, const DV& V, State& state, OutputRef out,
                   const RowMatrix<Scalar>& log_gate) const {
@@ -358,35 +346,49 @@ class RuleAttention {
     const bool fixed = Rule::kind == WriteKind::decay;  // one gate for every token
     const Index ld_out = out.outerStride();
     if constexpr (Recurrent) {
-      // Two tokens per sweep of S (detail::gated_token_pair), the last of an odd count alone.
-      RowMatrix<Scalar> qf(2, r), kf(2, r), g(2, r), v_buffer(2, dv);
-      ColVector<Scalar> z_mid(r), z_next(r);
-      const Scalar fixed_gate = std::exp(log_gate(0, 0));
-      const auto token = [&](Index t, Index j) {
-        Eigen::Ref<RowMatrix<Scalar>> q(qf.row(j)), k(kf.row(j));
-        feature_map().apply(Q.row(t), q);
-        feature_map().apply(K.row(t), k);
-        detail::GatedToken<Scalar> tk;
-        tk.qf = qf.row(j).data();
-        tk.kf = kf.row(j).data();
-        tk.v = value_row(V, t, v_buffer, j);
-        if (per_channel) {
-          g.row(j) = log_gate.row(t).array().exp().matrix();
-          tk.gates = g.row(j).data();
-        } else {
-          tk.gate = fixed ? fixed_gate : std::exp(log_gate(t, 0));
+      // Features (and per-channel gates) for blocks of 32 tokens; two tokens per sweep of S
+      // (detail::GatedRecurrence), the last of an odd count alone; finish() leaves the exact
+      // state however the loop ends.
+      const Index block = std::min<Index>(T, 32);
+      RowMatrix<Scalar> qf(block, r), kf(block, r), g(per_channel ? block : 0, r),
+          v_buffer(block, dv);
+      detail::GatedRecurrence<Scalar> recurrence(r, dv);
+      struct Finish {
+        detail::GatedRecurrence<Scalar>& recurrence;
+        RowMatrix<Scalar>& S;
+        ~Finish() { recurrence.finish(S); }
+      } finish{recurrence, state.S_};
+      const Scalar fixed_gate = fixed && T > 0 ? std::exp(log_gate(0, 0)) : Scalar(1);
+      for (Index first = 0; first < T; first += block) {
+        const Index n = std::min(block, T - first);
+        features(Q, first, n, qf);
+        features(K, first, n, kf);
+        if (per_channel) g.topRows(n) = log_gate.middleRows(first, n).array().exp().matrix();
+        const auto v = detail::row_major_rows(V, first, n, v_buffer);
+        const auto token = [&](Index i) {
+          detail::GatedToken<Scalar> tk;
+          tk.qf = qf.row(i).data();
+          tk.kf = kf.row(i).data();
+          tk.v = v.first + i * v.second;
+          if (per_channel)
+            tk.gates = g.row(i).data();
+          else
+            tk.gate = fixed ? fixed_gate : std::exp(log_gate(first + i, 0));
+          tk.y = out.row(first + i).data();
+          return tk;
+        };
+        Index i = 0;
+        for (; i + 1 < n; i += 2) {
+          const Index t = first + i;
+          // Output rows of the next sweep, requested now so that they arrive during this one.
+          for (Index ahead = t + 2; ahead < std::min(t + 4, T); ++ahead)
+            detail::prefetch_for_write(out.row(ahead).data(), dv);
+          const detail::GatedToken<Scalar> pair[2] = {token(i), token(i + 1)};
+          recurrence.pair(state.S_, state.z_, pair, norm, t, state.tokens_, t + 2 >= T);
         }
-        tk.y = out.row(t).data();
-        return tk;
-      };
-      Index t = 0;
-      for (; t + 1 < T; t += 2) {
-        detail::GatedToken<Scalar> pair[2] = {token(t, 0), token(t + 1, 1)};
-        detail::gated_token_pair(state.S_, state.z_, z_mid, z_next, pair, norm, t,
-                                 state.tokens_);
+        if (i < n)
+          recurrence.single(state.S_, state.z_, token(i), norm, first + i, state.tokens_, true);
       }
-      if (t < T) detail::gated_token(state.S_, state.z_, z_next, token(t, 0), norm, t,
-                                     state.tokens_);
     } else {
       const Index C = std::min(options().chunk_size, std::max<Index>(T, 1));
       RowMatrix<Scalar> qf(C, r), kf(C, r), v_buffer(C, dv);
@@ -420,37 +422,42 @@ class RuleAttention {
     const bool gated = log_alpha.size() > 0;
     const Index ld_out = out.outerStride();
     if constexpr (Recurrent) {
-      // Two tokens per sweep of S, the update carried into the next sweep; finish() applies
-      // the last one however the loop ends.
-      RowMatrix<Scalar> qf(2, r), kf(2, r), v_buffer(2, dv);
+      // Features for blocks of 32 tokens; two tokens per sweep of S, the update carried into
+      // the next sweep; finish() applies the last one however the loop ends.
+      const Index block = std::min<Index>(T, 32);
+      RowMatrix<Scalar> qf(block, r), kf(block, r), v_buffer(block, dv);
       detail::DeltaRecurrence<Scalar> recurrence(r, dv);
       struct Finish {
         detail::DeltaRecurrence<Scalar>& recurrence;
         RowMatrix<Scalar>& S;
         ~Finish() { recurrence.finish(S, false); }
       } finish{recurrence, state.S_};
-      const auto load = [&](Index t, Index j) {
-        Eigen::Ref<RowMatrix<Scalar>> q(qf.row(j)), k(kf.row(j));
-        feature_map().apply(Q.row(t), q);
-        feature_map().apply(K.row(t), k);
-        return value_row(V, t, v_buffer, j);
-      };
       const auto alpha = [&](Index t) { return gated ? std::exp(log_alpha(t)) : Scalar(1); };
-      Index t = 0;
-      for (; t + 1 < T; t += 2) {
-        const Scalar* const v[2] = {load(t, 0), load(t + 1, 1)};
-        const Scalar* const q[2] = {qf.row(0).data(), qf.row(1).data()};
-        const Scalar* const k[2] = {kf.row(0).data(), kf.row(1).data()};
-        const Scalar b[2] = {beta(t), beta(t + 1)}, a[2] = {alpha(t), alpha(t + 1)};
-        Scalar* const y[2] = {out.row(t).data(), out.row(t + 1).data()};
-        recurrence.pair(state.S_, q, k, v, b, a, y, (t / 2) % 2 != 0);
-        state.tokens_ += 2;
-      }
-      if (t < T) {
-        const Scalar* v = load(t, 0);
-        recurrence.single(state.S_, qf.row(0).data(), kf.row(0).data(), v, beta(t), alpha(t),
-                          out.row(t).data(), (t / 2) % 2 != 0);
-        ++state.tokens_;
+      for (Index first = 0; first < T; first += block) {
+        const Index n = std::min(block, T - first);
+        features(Q, first, n, qf);
+        features(K, first, n, kf);
+        const auto v = detail::row_major_rows(V, first, n, v_buffer);
+        Index i = 0;
+        for (; i + 1 < n; i += 2) {
+          const Index t = first + i;
+          for (Index ahead = t + 2; ahead < std::min(t + 4, T); ++ahead)
+            detail::prefetch_for_write(out.row(ahead).data(), dv);
+          const Scalar* const vs[2] = {v.first + i * v.second, v.first + (i + 1) * v.second};
+          const Scalar* const q[2] = {qf.row(i).data(), qf.row(i + 1).data()};
+          const Scalar* const k[2] = {kf.row(i).data(), kf.row(i + 1).data()};
+          const Scalar b[2] = {beta(t), beta(t + 1)}, a[2] = {alpha(t), alpha(t + 1)};
+          Scalar* const y[2] = {out.row(t).data(), out.row(t + 1).data()};
+          recurrence.pair(state.S_, q, k, vs, b, a, y, (t / 2) % 2 != 0);
+          state.tokens_ += 2;
+        }
+        if (i < n) {
+          const Index t = first + i;
+          recurrence.single(state.S_, qf.row(i).data(), kf.row(i).data(),
+                            v.first + i * v.second, beta(t), alpha(t), out.row(t).data(),
+                            (t / 2) % 2 != 0);
+          ++state.tokens_;
+        }
       }
     } else {
       const Index C = std::min(options().chunk_size, std::max<Index>(T, 1));

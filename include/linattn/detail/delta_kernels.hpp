@@ -45,147 +45,33 @@ inline constexpr Index delta_solve_block = 16;
 
 // ---- recurrent -------------------------------------------------------------------------------
 
-/// One sweep of a delta kernel: each row of S first takes `Updates` rank-one terms,
-///   S_i = scale S_i + k_0i w_0 + k_1i w_1      (scale only when the sweep is Scaled),
-/// then `Reads` vectors read the updated row: out_m += x_mi S_i. k (length r), w (length dv),
-/// x (length r), out (length dv).
-template <class Scalar>
-struct DeltaSweep {
-  Scalar scale = 1;
-  const Scalar* k[2] = {nullptr, nullptr};
-  const Scalar* w[2] = {nullptr, nullptr};
-  const Scalar* x[4] = {nullptr, nullptr, nullptr, nullptr};
-  Scalar* out[4] = {nullptr, nullptr, nullptr, nullptr};
-};
-
-/// One column pass of delta_sweep.
-template <int Updates, int Reads, bool Scaled, class Scalar>
-struct DeltaPass {
-  Scalar* S;
-  Index ld, r;
-  const DeltaSweep<Scalar>* sweep;
-  bool chunks_reversed;
-
-  template <class Packet, int Packets>
-  void operator()(Index c0) const noexcept {
-    namespace ei = Eigen::internal;
-    constexpr int N = packet_size<Packet>;
-    constexpr int U = Updates > 0 ? Updates : 1, R = Reads > 0 ? Reads : 1;
-    const Scalar* k[U];
-    const Scalar* x[R];
-    Packet w[U][Packets], acc[R][Packets], chunk_sum[sweep_chunks][R][Packets];
-    const Packet scale = ei::pset1<Packet>(sweep->scale);
-#pragma GCC unroll 4
-    for (int u = 0; u < Updates; ++u) {
-      k[u] = sweep->k[u];
-#pragma GCC unroll 8
-      for (int p = 0; p < Packets; ++p) w[u][p] = ei::ploadu<Packet>(sweep->w[u] + c0 + p * N);
-    }
-#pragma GCC unroll 4
-    for (int m = 0; m < Reads; ++m) x[m] = sweep->x[m];
-    const auto rows = [&](Index begin, Index end) {
-#pragma GCC unroll 4
-      for (int m = 0; m < Reads; ++m)
-#pragma GCC unroll 8
-        for (int p = 0; p < Packets; ++p) acc[m][p] = ei::pset1<Packet>(Scalar(0));
-      for (Index i = begin; i < end; ++i) {
-        Scalar* s_row = S + i * ld + c0;
-        Packet s[Packets];
-#pragma GCC unroll 8
-        for (int p = 0; p < Packets; ++p) {
-          s[p] = ei::ploadu<Packet>(s_row + p * N);
-          if constexpr (Scaled) s[p] = ei::pmul(scale, s[p]);
-        }
-#pragma GCC unroll 4
-        for (int u = 0; u < Updates; ++u) {
-          const Packet ku = ei::pset1<Packet>(k[u][i]);
-#pragma GCC unroll 8
-          for (int p = 0; p < Packets; ++p) s[p] = ei::pmadd(ku, w[u][p], s[p]);
-        }
-#pragma GCC unroll 4
-        for (int m = 0; m < Reads; ++m) {
-          const Packet xm = ei::pset1<Packet>(x[m][i]);
-#pragma GCC unroll 8
-          for (int p = 0; p < Packets; ++p) acc[m][p] = ei::pmadd(xm, s[p], acc[m][p]);
-        }
-        if constexpr (Updates > 0 || Scaled) {
-#pragma GCC unroll 8
-          for (int p = 0; p < Packets; ++p) ei::pstoreu(s_row + p * N, s[p]);
-        }
-      }
-    };
-    for (int n = 0; n < sweep_chunks; ++n) {
-      const int c = chunks_reversed ? sweep_chunks - 1 - n : n;
-      rows(sweep_chunk_begin(r, c), sweep_chunk_begin(r, c + 1));
-#pragma GCC unroll 4
-      for (int m = 0; m < Reads; ++m)
-#pragma GCC unroll 8
-        for (int p = 0; p < Packets; ++p) chunk_sum[c][m][p] = acc[m][p];
-    }
-#pragma GCC unroll 4
-    for (int m = 0; m < Reads; ++m)
-#pragma GCC unroll 8
-      for (int p = 0; p < Packets; ++p) {
-        Packet sum = chunk_sum[0][m][p];
-        for (int c = 1; c < sweep_chunks; ++c) sum = ei::padd(sum, chunk_sum[c][m][p]);
-        ei::pstoreu(sweep->out[m] + c0 + p * N, sum);
-      }
-  }
-};
-
-/// One sweep over S (r x dv, row stride ld) as DeltaSweep describes: each element loaded once,
-/// stored once if anything updates it; reads summed by row chunks in chunk order, so the
-/// direction (`reverse`) changes no bit. (Updates + Reads) 2 r dv flops, plus r dv if Scaled.
-template <int Updates, int Reads, bool Scaled, class Scalar>
-void delta_sweep(Scalar* S, Index ld, Index r, Index dv, const DeltaSweep<Scalar>& sweep,
-                 bool reverse) noexcept {
-  // Per packet of columns a pass holds the row, Updates values and Reads accumulators: 7
-  // packets for the pair sweep, so 2 packets fit 16 registers and 4 fit 32.
-  constexpr int P = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 2;
-  column_passes<P, Scalar>(
-      dv, reverse, DeltaPass<Updates, Reads, Scaled, Scalar>{S, ld, r, &sweep, reverse});
-}
-
-/// delta_sweep with the number of updates and the scaling chosen at run time.
-template <int Reads, class Scalar>
-void delta_sweep_dispatch(int updates, Scalar* S, Index ld, Index r, Index dv,
-                          const DeltaSweep<Scalar>& sweep, bool reverse) noexcept {
-  const bool scaled = sweep.scale != Scalar(1);
-  if (updates == 0)
-    delta_sweep<0, Reads, false>(S, ld, r, dv, sweep, reverse);
-  else if (updates == 1)
-    scaled ? delta_sweep<1, Reads, true>(S, ld, r, dv, sweep, reverse)
-           : delta_sweep<1, Reads, false>(S, ld, r, dv, sweep, reverse);
-  else
-    scaled ? delta_sweep<2, Reads, true>(S, ld, r, dv, sweep, reverse)
-           : delta_sweep<2, Reads, false>(S, ld, r, dv, sweep, reverse);
-}
-
 /// One decode token of the (gated) delta rule: one read-only sweep gives p = kf S and
 /// w = qf S (into `prediction` and y), then u = beta (v - alpha p) (in `prediction`),
-/// y = alpha w + (qf . kf) u, and one read-modify-write sweep S = alpha S + kf^T u. qf, kf
-/// (length r), v, y, prediction (length dv) contiguous; y must not overlap the others. 6 r dv
-/// flops (7 with alpha < 1). No allocation.
+/// y = alpha w + (qf . kf) u, and one read-modify-write sweep S = alpha S + kf^T u, in the
+/// opposite direction (it starts where the read ended). qf, kf (length r), v, y, prediction
+/// (length dv) contiguous; y must not overlap the others. 6 r dv flops (7 with alpha < 1). No
+/// allocation.
 template <class Scalar>
 void delta_token(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar* qf, const Scalar* kf,
                  const Scalar* v, Scalar beta, Scalar alpha, Scalar* y, bool reverse) noexcept {
   const Index r = S.rows(), dv = S.cols();
-  DeltaSweep<Scalar> read;
+  RankSweep<Scalar> read;
   read.x[0] = kf;
   read.x[1] = qf;
   read.out[0] = prediction;
   read.out[1] = y;
-  delta_sweep<0, 2, false>(S.data(), dv, r, dv, read, reverse);
+  rank_sweep<0, 2, RowScale::none, false>(S.data(), dv, r, dv, read, reverse);
   using Vec = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
   using ConstVec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
   Vec u(prediction, dv), out(y, dv);
   u = beta * (ConstVec(v, dv) - alpha * u);
   out = alpha * out + ordered_dot(qf, kf, r) * u;
-  DeltaSweep<Scalar> update;
+  RankSweep<Scalar> update;
   update.scale = alpha;
   update.k[0] = kf;
   update.w[0] = prediction;
-  delta_sweep_dispatch<0>(1, S.data(), dv, r, dv, update, !reverse);
+  rank_sweep_with<0, false>(1, alpha != Scalar(1) ? RowScale::uniform : RowScale::none, S.data(),
+                            dv, r, dv, update, !reverse);
 }
 
 /// Absorb one token without a read (grouped decode: then every query head reads S with the
@@ -195,17 +81,18 @@ template <class Scalar>
 void delta_absorb(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar* kf, const Scalar* v,
                   Scalar beta, Scalar alpha, bool reverse) noexcept {
   const Index r = S.rows(), dv = S.cols();
-  DeltaSweep<Scalar> read;
+  RankSweep<Scalar> read;
   read.x[0] = kf;
   read.out[0] = prediction;
-  delta_sweep<0, 1, false>(S.data(), dv, r, dv, read, reverse);
+  rank_sweep<0, 1, RowScale::none, false>(S.data(), dv, r, dv, read, reverse);
   Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> u(prediction, dv);
   u = beta * (Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(v, dv) - alpha * u);
-  DeltaSweep<Scalar> update;
+  RankSweep<Scalar> update;
   update.scale = alpha;
   update.k[0] = kf;
   update.w[0] = prediction;
-  delta_sweep_dispatch<0>(1, S.data(), dv, r, dv, update, !reverse);
+  rank_sweep_with<0, false>(1, alpha != Scalar(1) ? RowScale::uniform : RowScale::none, S.data(),
+                            dv, r, dv, update, !reverse);
 }
 
 /// The recurrent delta rule over a sequence, two tokens per sweep of S. The update of the
@@ -215,10 +102,11 @@ void delta_absorb(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar* kf, co
 ///   u_t     = beta_t (v_t - alpha_t kf_t S')
 ///   y_t     = alpha_t qf_t S' + (qf_t . kf_t) u_t
 ///   u_{t+1} = beta_{t+1} (v_{t+1} - alpha_{t+1} (alpha_t kf_{t+1} S' + (kf_{t+1} . kf_t) u_t))
-///   y_{t+1} = alpha_{t+1} (alpha_t qf_{t+1} S' + (qf_{t+1} . kf_t) u_t) + (qf_{t+1} . kf_{t+1}) u_{t+1}
+///   y_{t+1} = alpha_{t+1} (alpha_t qf_{t+1} S' + (qf_{t+1} . kf_t) u_t)
+///             + (qf_{t+1} . kf_{t+1}) u_{t+1}
 ///   pending: S_{t+1} = alpha_t alpha_{t+1} S' + kf_t^T (alpha_{t+1} u_t) + kf_{t+1}^T u_{t+1}.
-/// Per pair: 14 r dv flops (7 per token), S loaded and stored once. Allocates at construction
-/// only.
+/// Per pair: 14 r dv flops (7 per token; 12 for Delta), S loaded and stored once. Allocates at
+/// construction only.
 template <class Scalar>
 class DeltaRecurrence {
  public:
@@ -230,13 +118,13 @@ class DeltaRecurrence {
             const Scalar* const v[2], const Scalar beta[2], const Scalar alpha[2],
             Scalar* const y[2], bool reverse) {
     const Index r = S.rows(), dv = S.cols();
-    DeltaSweep<Scalar> sweep = pending_sweep();
+    RankSweep<Scalar> sweep = pending_sweep();
     const Scalar* reads[4] = {kf[0], kf[1], qf[0], qf[1]};
     for (int m = 0; m < 4; ++m) {
       sweep.x[m] = reads[m];
       sweep.out[m] = reads_.row(m).data();
     }
-    delta_sweep_dispatch<4>(pending_, S.data(), dv, r, dv, sweep, reverse);
+    rank_sweep_with<4, false>(pending_, pending_scale(), S.data(), dv, r, dv, sweep, reverse);
     using Vec = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
     using ConstVec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
     const Scalar q0k0 = ordered_dot(qf[0], kf[0], r), k1k0 = ordered_dot(kf[1], kf[0], r);
@@ -261,12 +149,12 @@ class DeltaRecurrence {
   void single(RowMatrix<Scalar>& S, const Scalar* qf, const Scalar* kf, const Scalar* v,
               Scalar beta, Scalar alpha, Scalar* y, bool reverse) {
     const Index r = S.rows(), dv = S.cols();
-    DeltaSweep<Scalar> sweep = pending_sweep();
+    RankSweep<Scalar> sweep = pending_sweep();
     sweep.x[0] = kf;
     sweep.x[1] = qf;
     sweep.out[0] = reads_.row(0).data();
     sweep.out[1] = reads_.row(1).data();
-    delta_sweep_dispatch<2>(pending_, S.data(), dv, r, dv, sweep, reverse);
+    rank_sweep_with<2, false>(pending_, pending_scale(), S.data(), dv, r, dv, sweep, reverse);
     using Vec = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
     Vec u(values_.row(0).data(), dv), p(reads_.row(0).data(), dv), w(reads_.row(1).data(), dv);
     u = beta * (Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(v, dv) - alpha * p);
@@ -277,17 +165,21 @@ class DeltaRecurrence {
   }
 
   /// Applies the pending update, so that S holds every token seen. One sweep if any is pending.
-  void finish(RowMatrix<Scalar>& S, bool reverse) {
+  void finish(RowMatrix<Scalar>& S, bool reverse) noexcept {
     if (pending_ == 0) return;
     const Index r = S.rows(), dv = S.cols();
-    delta_sweep_dispatch<0>(pending_, S.data(), dv, r, dv, pending_sweep(), reverse);
+    rank_sweep_with<0, false>(pending_, pending_scale(), S.data(), dv, r, dv, pending_sweep(),
+                              reverse);
     pending_ = 0;
     scale_ = 1;
   }
 
  private:
-  DeltaSweep<Scalar> pending_sweep() const {
-    DeltaSweep<Scalar> sweep;
+  RowScale pending_scale() const noexcept {
+    return scale_ != Scalar(1) ? RowScale::uniform : RowScale::none;
+  }
+  RankSweep<Scalar> pending_sweep() const noexcept {
+    RankSweep<Scalar> sweep;
     sweep.scale = scale_;
     for (int u = 0; u < 2; ++u) {
       sweep.k[u] = keys_.row(u).data();

@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 namespace linattn::detail {
 
@@ -47,9 +48,8 @@ inline constexpr Index gate_subchunk = 16;
 
 // ---- recurrent -------------------------------------------------------------------------------
 
-/// One token of a gated sweep: features (length r), value and output (length dv), the gates
-/// (per channel, length r, or one `gate` for every channel when `gates` is null), and the
-/// divisor of the read.
+/// One token of a gated kernel: features (length r), value and output (length dv), and the
+/// gates: per channel (length r), or one `gate` for every channel when `gates` is null.
 template <class Scalar>
 struct GatedToken {
   const Scalar* qf = nullptr;
@@ -58,110 +58,12 @@ struct GatedToken {
   const Scalar* gates = nullptr;
   Scalar gate = 1;
   Scalar* y = nullptr;
-  Scalar divisor = 1;
+
+  [[nodiscard]] Scalar gate_of(Index i) const noexcept { return gates != nullptr ? gates[i] : gate; }
 };
-
-/// One column pass of a gated sweep (see gated_sweep).
-template <int Tokens, bool Read, bool PerChannel, class Scalar>
-struct GatedPass {
-  Scalar* S;
-  Index ld, r;
-  const GatedToken<Scalar>* tokens;
-  bool divide, chunks_reversed;
-
-  template <class Packet, int Packets>
-  void operator()(Index c0) const noexcept {
-    namespace ei = Eigen::internal;
-    constexpr int N = packet_size<Packet>;
-    // Local copies: stores through S may alias anything, so fields read through `tokens`
-    // would be reloaded after every store.
-    const Scalar* kf[Tokens];
-    const Scalar* qf[Tokens];
-    const Scalar* g[Tokens];
-    Packet v[Tokens][Packets], gate[Tokens], acc[Tokens][Packets];
-    Packet chunk_sum[sweep_chunks][Tokens][Packets];
-#pragma GCC unroll 4
-    for (int j = 0; j < Tokens; ++j) {
-      kf[j] = tokens[j].kf;
-      qf[j] = tokens[j].qf;
-      g[j] = tokens[j].gates;
-      gate[j] = ei::pset1<Packet>(tokens[j].gate);
-#pragma GCC unroll 8
-      for (int p = 0; p < Packets; ++p) v[j][p] = ei::ploadu<Packet>(tokens[j].v + c0 + p * N);
-    }
-    const auto rows = [&](Index begin, Index end) {
-      if constexpr (Read) {
-#pragma GCC unroll 4
-        for (int j = 0; j < Tokens; ++j)
-#pragma GCC unroll 8
-          for (int p = 0; p < Packets; ++p) acc[j][p] = ei::pset1<Packet>(Scalar(0));
-      }
-      for (Index i = begin; i < end; ++i) {
-        Scalar* s_row = S + i * ld + c0;
-        Packet s[Packets];
-#pragma GCC unroll 8
-        for (int p = 0; p < Packets; ++p) s[p] = ei::ploadu<Packet>(s_row + p * N);
-#pragma GCC unroll 4
-        for (int j = 0; j < Tokens; ++j) {
-          const Packet gj = PerChannel ? ei::pset1<Packet>(g[j][i]) : gate[j];
-          const Packet kj = ei::pset1<Packet>(kf[j][i]);
-#pragma GCC unroll 8
-          for (int p = 0; p < Packets; ++p) s[p] = ei::pmadd(kj, v[j][p], ei::pmul(gj, s[p]));
-          if constexpr (Read) {
-            const Packet qj = ei::pset1<Packet>(qf[j][i]);
-#pragma GCC unroll 8
-            for (int p = 0; p < Packets; ++p) acc[j][p] = ei::pmadd(qj, s[p], acc[j][p]);
-          }
-        }
-#pragma GCC unroll 8
-        for (int p = 0; p < Packets; ++p) ei::pstoreu(s_row + p * N, s[p]);
-      }
-    };
-    for (int n = 0; n < sweep_chunks; ++n) {
-      const int c = chunks_reversed ? sweep_chunks - 1 - n : n;
-      rows(sweep_chunk_begin(r, c), sweep_chunk_begin(r, c + 1));
-      if constexpr (Read) {
-#pragma GCC unroll 4
-        for (int j = 0; j < Tokens; ++j)
-#pragma GCC unroll 8
-          for (int p = 0; p < Packets; ++p) chunk_sum[c][j][p] = acc[j][p];
-      }
-    }
-    if constexpr (Read) {
-#pragma GCC unroll 4
-      for (int j = 0; j < Tokens; ++j) {
-        const Packet divisor = ei::pset1<Packet>(tokens[j].divisor);
-#pragma GCC unroll 8
-        for (int p = 0; p < Packets; ++p) {
-          Packet sum = chunk_sum[0][j][p];
-          for (int c = 1; c < sweep_chunks; ++c) sum = ei::padd(sum, chunk_sum[c][j][p]);
-          ei::pstoreu(tokens[j].y + c0 + p * N, divide ? ei::pdiv(sum, divisor) : sum);
-        }
-      }
-    }
-  }
-};
-
-/// For each of `Tokens` tokens in order: S = diag(g) S + kf^T v, then (if Read) y = qf S with
-/// the updated S, divided by the token's divisor if `divide`. S is r x dv with row stride ld;
-/// each element is loaded and stored once per sweep, whatever the number of tokens. The read
-/// of a column is summed by row chunks in chunk order (as sweep_tokens), so the direction
-/// (`reverse`, alternated between sweeps for L1 reuse) changes no bit, and a token gives the
-/// same bits alone or paired. 5 r dv flops per token (3 without the read). No allocation.
-template <int Tokens, bool Read, class Scalar>
-void gated_sweep(Scalar* S, Index ld, Index r, Index dv, const GatedToken<Scalar>* tokens,
-                 bool divide, bool reverse) noexcept {
-  constexpr int P = sweep_packets<Tokens>;
-  if (tokens[0].gates != nullptr)
-    column_passes<P, Scalar>(
-        dv, reverse, GatedPass<Tokens, Read, true, Scalar>{S, ld, r, tokens, divide, reverse});
-  else
-    column_passes<P, Scalar>(
-        dv, reverse, GatedPass<Tokens, Read, false, Scalar>{S, ld, r, tokens, divide, reverse});
-}
 
 /// z_out = g .* z + kf (the token's gates) and returns qf . z_out (the denominator of the
-/// token's read) by ordered_dot. z_out must not overlap the inputs.
+/// token's read) by ordered_dot, or 0 without qf. z_out must not overlap the inputs.
 template <class Scalar>
 Scalar gate_keys_and_dot(const Scalar* z, const GatedToken<Scalar>& token, Scalar* z_out,
                          Index r) noexcept {
@@ -174,46 +76,38 @@ Scalar gate_keys_and_dot(const Scalar* z, const GatedToken<Scalar>& token, Scala
   return token.qf != nullptr ? ordered_dot(token.qf, z_out, r) : Scalar(0);
 }
 
-/// One recurrent token: z_next = g .* z + kf and the divisor from qf . z_next, checked before
-/// anything changes (a DenominatorError leaves S, z and `tokens` as they were); then one fused
-/// sweep S = diag(g) S + kf^T v, y = qf S / divisor. `token.y` must not overlap the inputs;
-/// `token.divisor` is set here. `z_next` is r scratch. The sweep direction follows `tokens`.
+/// The RankSweep of one token's write S = diag(g) S + kf^T v (and, with `read`, y = qf S).
 template <class Scalar>
-void gated_token(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scalar>& z_next,
-                 GatedToken<Scalar> token, const Normalization& norm, Index row, Index& tokens) {
-  const Index r = S.rows(), dv = S.cols();
-  token.divisor = norm.divisor(gate_keys_and_dot(z.data(), token, z_next.data(), r), row);
-  gated_sweep<1, true>(S.data(), dv, r, dv, &token, norm.divides(), tokens % 2 != 0);
-  z.swap(z_next);
-  ++tokens;
+RankSweep<Scalar> gated_write(const GatedToken<Scalar>& token, bool read) noexcept {
+  RankSweep<Scalar> sweep;
+  sweep.scale = token.gate;
+  sweep.row_scale = token.gates;
+  sweep.k[0] = token.kf;
+  sweep.w[0] = token.v;
+  if (read) {
+    sweep.x[0] = token.qf;
+    sweep.out[0] = token.y;
+  }
+  return sweep;
 }
 
-/// Two consecutive recurrent tokens (rows `row`, row + 1) in one sweep over S, with the results
-/// of two gated_token calls. Both denominators are checked before S or z change. If the first
-/// is rejected nothing changes; if only the second is, the first token is absorbed alone (its y
-/// written, `tokens` advanced by one) and the second's DenominatorError propagates. `z_mid`,
-/// `z_next` are r scratch each.
+/// One decode token on the exact state: z_next = g .* z + kf and the divisor from qf . z_next,
+/// checked before anything changes (a DenominatorError leaves S, z and `tokens` as they were);
+/// then one sweep S = diag(g) S + kf^T v that reads y = qf S from each updated row, and
+/// y /= divisor. 5 r dv flops, S loaded and stored once. `z_next` is r scratch; y must not
+/// overlap the inputs. The sweep direction alternates with `tokens`.
 template <class Scalar>
-void gated_token_pair(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scalar>& z_mid,
-                      ColVector<Scalar>& z_next, GatedToken<Scalar> pair[2],
-                      const Normalization& norm, Index row, Index& tokens) {
+void gated_token(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scalar>& z_next,
+                 const GatedToken<Scalar>& token, const Normalization& norm, Index row,
+                 Index& tokens) {
   const Index r = S.rows(), dv = S.cols();
-  const Scalar den0 = gate_keys_and_dot(z.data(), pair[0], z_mid.data(), r);
-  const Scalar den1 = gate_keys_and_dot(z_mid.data(), pair[1], z_next.data(), r);
-  const bool divide = norm.divides();
-  const bool reverse = (tokens / 2) % 2 != 0;  // alternate per pair sweep
-  pair[0].divisor = norm.divisor(den0, row);
-  try {
-    pair[1].divisor = norm.divisor(den1, row + 1);
-  } catch (const DenominatorError&) {
-    gated_sweep<1, true>(S.data(), dv, r, dv, &pair[0], divide, reverse);
-    z.swap(z_mid);
-    ++tokens;
-    throw;
-  }
-  gated_sweep<2, true>(S.data(), dv, r, dv, pair, divide, reverse);
+  const Scalar divisor = norm.divisor(gate_keys_and_dot(z.data(), token, z_next.data(), r), row);
+  const RankSweep<Scalar> sweep = gated_write(token, true);
+  rank_sweep_with<1, false>(1, token.gates != nullptr ? RowScale::per_row : RowScale::uniform,
+                            S.data(), dv, r, dv, sweep, tokens % 2 != 0);
+  if (norm.divides()) Eigen::Map<RowVector<Scalar>>(token.y, dv) /= divisor;
   z.swap(z_next);
-  tokens += 2;
+  ++tokens;
 }
 
 /// Absorb only: S = diag(g) S + kf^T v and z = g .* z + kf (z may be empty: no normalizer), one
@@ -229,8 +123,212 @@ void gated_absorb(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scalar>&
     gate_keys_and_dot(z.data(), token, z_next.data(), r);
     z.swap(z_next);
   }
-  gated_sweep<1, false>(S.data(), dv, r, dv, &token, false, reverse);
+  rank_sweep_with<0, false>(1, token.gates != nullptr ? RowScale::per_row : RowScale::uniform,
+                            S.data(), dv, r, dv, gated_write(token, false), reverse);
 }
+
+/// The recurrent gated rule over a sequence, two tokens per sweep of S and, most of the time,
+/// no multiply by the gates in the sweep. S is kept scaled: the true state is diag(c) S, with
+/// c the product of the gates since the state was last settled (one number for gates shared by
+/// all channels, else one per channel). Tokens t, t+1 with gates g, h read S as it was
+/// (x_0 = qf_t .* g .* c, x_1 = qf_{t+1} .* h .* g .* c) and then add
+///   kf_t^T (h ./ c') v_t + kf_{t+1}^T v_{t+1} ./ c',     c' = g .* h .* c
+/// in the same sweep: 2 reads and 2 rank-one updates per element, the additive pair sweep's
+/// arithmetic. The reads are completed outside the sweep:
+///   y_t     = (x_0 S + (qf_t . kf_t) v_t) / den_t
+///   y_{t+1} = (x_1 S + ((qf_{t+1} .* h) . kf_t) v_t + (qf_{t+1} . kf_{t+1}) v_{t+1}) / den_{t+1}.
+/// When some c' falls below `settle_below` (or when asked), the sweep multiplies each row by
+/// c' instead and c returns to 1, so S never holds more than 1 / settle_below times the true
+/// state: with 2^-16 (2^-64 for double) nothing overflows unless the true state is within
+/// 2^16 of the largest finite number. Every weight is still a product of gates, so the
+/// results carry the recurrent path's rounding. z is kept exactly (r values). finish()
+/// settles S. Per token 4 r dv flops in the sweep, about 8 r and 4 dv outside it. Allocates at
+/// construction only.
+template <class Scalar>
+class GatedRecurrence {
+ public:
+  static constexpr Scalar settle_below = std::is_same_v<Scalar, float> ? Scalar(0x1p-16)
+                                                                       : Scalar(0x1p-64);
+
+  GatedRecurrence(Index r, Index dv)
+      : c_(Array::Ones(r)), next_(r), x_(Array::Zero(r), Array::Zero(r)),
+        k_(Array::Zero(r), Array::Zero(r)), w_(Array::Zero(dv), Array::Zero(dv)), z_mid_(r),
+        z_next_(r) {}
+
+  /// Tokens t, t+1 (rows `row`, row + 1; positions tokens, tokens + 1), both with per-channel
+  /// gates or both with one gate. Both denominators are checked before anything changes; if
+  /// only the second is rejected the first is absorbed alone (y written, `tokens` advanced)
+  /// and the DenominatorError propagates. With `settle` the state is exact after the call.
+  void pair(RowMatrix<Scalar>& S, ColVector<Scalar>& z, const GatedToken<Scalar> token[2],
+            const Normalization& norm, Index row, Index& tokens, bool settle) {
+    const Index r = S.rows(), dv = S.cols();
+    const GatedToken<Scalar>& t0 = token[0];
+    const GatedToken<Scalar>& t1 = token[1];
+    const Scalar den0 = gate_keys_and_dot(z.data(), t0, z_mid_.data(), r);
+    const Scalar den1 = gate_keys_and_dot(z_mid_.data(), t1, z_next_.data(), r);
+    const Scalar divisor0 = norm.divisor(den0, row);
+    Scalar divisor1 = 1;
+    try {
+      divisor1 = norm.divisor(den1, row + 1);
+    } catch (const DenominatorError&) {
+      single(S, z, t0, norm, row, tokens, true);
+      throw;
+    }
+    const ConstArray q0(t0.qf, r), k0(t0.kf, r), q1(t1.qf, r), k1(t1.kf, r);
+    const ConstArray v0(t0.v, dv), v1(t1.v, dv);
+    RankSweep<Scalar> sweep;
+    sweep.k[1] = t1.kf;
+    sweep.w[0] = w_[0].data();
+    Scalar y0_scale = 1, y1_scale = 1, q1h_k0;
+    bool settles;
+    if (t0.gates == nullptr) {
+      // One gate per token: c is one number; the gates scale the values and the reads.
+      const Scalar g = t0.gate, h = t1.gate, gc = g * c_(0), next = h * gc;
+      settles = settle || next < settle_below;
+      sweep.x[0] = t0.qf;
+      sweep.x[1] = t1.qf;
+      sweep.k[0] = t0.kf;
+      y0_scale = gc;
+      y1_scale = h * gc;
+      q1h_k0 = h * ordered_dot(t1.qf, t0.kf, r);
+      if (settles) {
+        sweep.scale = next;
+        w_[0] = h * v0;
+        sweep.w[1] = t1.v;
+        c_.setOnes();
+      } else {
+        const Scalar inverse = Scalar(1) / next;
+        w_[0] = (h * inverse) * v0;
+        w_[1] = inverse * v1;
+        sweep.w[1] = w_[1].data();
+        c_.setConstant(next);
+      }
+    } else {
+      const ConstArray g(t0.gates, r), h(t1.gates, r);
+      x_[1] = q1 * h;
+      q1h_k0 = (x_[1] * k0).sum();
+      next_ = g * c_;
+      x_[0] = q0 * next_;
+      x_[1] *= next_;
+      next_ *= h;
+      settles = settle || next_.minCoeff() < settle_below;
+      k_[0] = h * k0;
+      sweep.x[0] = x_[0].data();
+      sweep.x[1] = x_[1].data();
+      sweep.k[0] = k_[0].data();
+      sweep.w[0] = t0.v;
+      sweep.w[1] = t1.v;
+      if (settles) {
+        sweep.row_scale = next_.data();
+        c_.setOnes();
+      } else {
+        c_ = next_;
+        next_ = c_.inverse();
+        k_[0] *= next_;
+        k_[1] = k1 * next_;
+        sweep.k[1] = k_[1].data();
+      }
+    }
+    settled_ = settles;
+    sweep.out[0] = t0.y;
+    sweep.out[1] = t1.y;
+    const bool reverse = (tokens / 2) % 2 != 0;
+    const RowScale scale = !settles ? RowScale::none
+                           : t0.gates == nullptr ? RowScale::uniform
+                                                 : RowScale::per_row;
+    if (scale == RowScale::none)
+      rank_sweep<2, 2, RowScale::none, true>(S.data(), dv, r, dv, sweep, reverse);
+    else if (scale == RowScale::uniform)
+      rank_sweep<2, 2, RowScale::uniform, true>(S.data(), dv, r, dv, sweep, reverse);
+    else
+      rank_sweep<2, 2, RowScale::per_row, true>(S.data(), dv, r, dv, sweep, reverse);
+    MutArray y0(t0.y, dv), y1(t1.y, dv);
+    y0 = y0_scale * y0 + ordered_dot(t0.qf, t0.kf, r) * v0;
+    y1 = y1_scale * y1 + q1h_k0 * v0 + ordered_dot(t1.qf, t1.kf, r) * v1;
+    if (norm.divides()) {
+      y0 /= divisor0;
+      y1 /= divisor1;
+    }
+    z.swap(z_next_);
+    tokens += 2;
+  }
+
+  /// One token (row `row`, position `tokens`), as pair() for one.
+  void single(RowMatrix<Scalar>& S, ColVector<Scalar>& z, const GatedToken<Scalar>& token,
+              const Normalization& norm, Index row, Index& tokens, bool settle) {
+    const Index r = S.rows(), dv = S.cols();
+    const Scalar divisor =
+        norm.divisor(gate_keys_and_dot(z.data(), token, z_next_.data(), r), row);
+    const ConstArray v(token.v, dv);
+    RankSweep<Scalar> sweep;
+    sweep.k[0] = token.kf;
+    sweep.w[0] = token.v;
+    Scalar y_scale = 1;
+    bool settles;
+    if (token.gates == nullptr) {
+      const Scalar next = token.gate * c_(0);
+      settles = settle || next < settle_below;
+      sweep.x[0] = token.qf;
+      y_scale = next;
+      if (settles) {
+        sweep.scale = next;
+        c_.setOnes();
+      } else {
+        w_[0] = (Scalar(1) / next) * v;
+        sweep.w[0] = w_[0].data();
+        c_.setConstant(next);
+      }
+    } else {
+      next_ = ConstArray(token.gates, r) * c_;
+      x_[0] = ConstArray(token.qf, r) * next_;
+      sweep.x[0] = x_[0].data();
+      settles = settle || next_.minCoeff() < settle_below;
+      if (settles) {
+        sweep.row_scale = next_.data();
+        c_.setOnes();
+      } else {
+        c_ = next_;
+        k_[0] = ConstArray(token.kf, r) / c_;
+        sweep.k[0] = k_[0].data();
+      }
+    }
+    settled_ = settles;
+    sweep.out[0] = token.y;
+    const bool reverse = (tokens / 2) % 2 != 0;
+    if (!settles)
+      rank_sweep<1, 1, RowScale::none, true>(S.data(), dv, r, dv, sweep, reverse);
+    else if (token.gates == nullptr)
+      rank_sweep<1, 1, RowScale::uniform, true>(S.data(), dv, r, dv, sweep, reverse);
+    else
+      rank_sweep<1, 1, RowScale::per_row, true>(S.data(), dv, r, dv, sweep, reverse);
+    MutArray y(token.y, dv);
+    y = y_scale * y + ordered_dot(token.qf, token.kf, r) * v;
+    if (norm.divides()) y /= divisor;
+    z.swap(z_next_);
+    ++tokens;
+  }
+
+  /// Multiplies S by its pending scale, so that S is the exact state. One sweep if needed.
+  void finish(RowMatrix<Scalar>& S) noexcept {
+    if (settled_) return;
+    const Index r = S.rows(), dv = S.cols();
+    RankSweep<Scalar> sweep;
+    sweep.row_scale = c_.data();
+    rank_sweep<0, 0, RowScale::per_row, false>(S.data(), dv, r, dv, sweep, false);
+    c_.setOnes();
+    settled_ = true;
+  }
+
+ private:
+  using Array = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
+  using ConstArray = Eigen::Map<const Array>;
+  using MutArray = Eigen::Map<Array>;
+
+  Array c_, next_;
+  Array x_[2], k_[2], w_[2];
+  ColVector<Scalar> z_mid_, z_next_;
+  bool settled_ = true;
+};
 
 // ---- chunked ---------------------------------------------------------------------------------
 

@@ -107,6 +107,10 @@ Scalar scale_then_dot(Scalar* x, const Scalar* g, const Scalar* k, Index n) noex
   return sum;
 }
 
+/// The size in scalars of Packet (1 for a scalar).
+template <class Packet>
+inline constexpr int packet_size = Eigen::internal::unpacket_traits<Packet>::size;
+
 /// The column passes of a sweep over the dv columns of S, in the order of sweep_tokens
 /// (recurrent_sweep.hpp): passes of P packets from the left, then one narrower pass of whole
 /// packets, then the last dv % packet size columns one at a time; `reverse` walks them from
@@ -145,8 +149,152 @@ void column_passes(Index dv, bool reverse, Pass&& pass) {
   }
 }
 
-/// The size in scalars of Packet (1 for a scalar).
-template <class Packet>
-inline constexpr int packet_size = Eigen::internal::unpacket_traits<Packet>::size;
+
+/// How a rank sweep scales each row of S before its rank-one updates.
+enum class RowScale { none, uniform, per_row };
+
+/// One sweep over S of the write-rule kernels. For each row i, in order:
+///   if ReadFirst:   out_m += x_m[i] S_i                  (the row as loaded)
+///   S_i = s_i S_i + k_0[i] w_0 + ... + k_{U-1}[i] w_{U-1}  (s_i = scale or row_scale[i], or 1)
+///   if !ReadFirst:  out_m += x_m[i] S_i                  (the updated row)
+/// x, k: length r; w, out: length dv, contiguous.
+template <class Scalar>
+struct RankSweep {
+  Scalar scale = 1;
+  const Scalar* row_scale = nullptr;
+  const Scalar* k[2] = {nullptr, nullptr};
+  const Scalar* w[2] = {nullptr, nullptr};
+  const Scalar* x[4] = {nullptr, nullptr, nullptr, nullptr};
+  Scalar* out[4] = {nullptr, nullptr, nullptr, nullptr};
+};
+
+/// One column pass of rank_sweep.
+template <int Updates, int Reads, RowScale Scale, bool ReadFirst, class Scalar>
+struct RankPass {
+  static constexpr bool stores = Updates > 0 || Scale != RowScale::none;
+  Scalar* S;
+  Index ld, r;
+  const RankSweep<Scalar>* sweep;
+  bool chunks_reversed;
+
+  template <class Packet, int Packets>
+  void operator()(Index c0) const noexcept {
+    namespace ei = Eigen::internal;
+    constexpr int N = packet_size<Packet>;
+    constexpr int U = Updates > 0 ? Updates : 1, R = Reads > 0 ? Reads : 1;
+    // Local copies: stores through S may alias anything, so fields read through `sweep` would
+    // be reloaded after every store.
+    const Scalar* k[U];
+    const Scalar* x[R];
+    const Scalar* row_scale = sweep->row_scale;
+    Packet w[U][Packets], acc[R][Packets], chunk_sum[sweep_chunks][R][Packets];
+    const Packet scale = ei::pset1<Packet>(sweep->scale);
+#pragma GCC unroll 4
+    for (int u = 0; u < Updates; ++u) {
+      k[u] = sweep->k[u];
+#pragma GCC unroll 8
+      for (int p = 0; p < Packets; ++p) w[u][p] = ei::ploadu<Packet>(sweep->w[u] + c0 + p * N);
+    }
+    Scalar* out[R];
+#pragma GCC unroll 4
+    for (int m = 0; m < Reads; ++m) {
+      x[m] = sweep->x[m];
+      out[m] = sweep->out[m];
+    }
+    const auto read = [&](Index i, const Packet* s) {
+#pragma GCC unroll 4
+      for (int m = 0; m < Reads; ++m) {
+        const Packet xm = ei::pset1<Packet>(x[m][i]);
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) acc[m][p] = ei::pmadd(xm, s[p], acc[m][p]);
+      }
+    };
+    Scalar* const base = S + c0;
+    const Index stride = ld;
+    const auto rows = [&](Index begin, Index end) {
+#pragma GCC unroll 4
+      for (int m = 0; m < Reads; ++m)
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) acc[m][p] = ei::pset1<Packet>(Scalar(0));
+      Scalar* s_row = base + begin * stride;
+      for (Index i = begin; i < end; ++i, s_row += stride) {
+        Packet s[Packets];
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) s[p] = ei::ploadu<Packet>(s_row + p * N);
+        if constexpr (ReadFirst) read(i, s);
+        if constexpr (Scale != RowScale::none) {
+          const Packet si = Scale == RowScale::per_row ? ei::pset1<Packet>(row_scale[i]) : scale;
+#pragma GCC unroll 8
+          for (int p = 0; p < Packets; ++p) s[p] = ei::pmul(si, s[p]);
+        }
+#pragma GCC unroll 4
+        for (int u = 0; u < Updates; ++u) {
+          const Packet ku = ei::pset1<Packet>(k[u][i]);
+#pragma GCC unroll 8
+          for (int p = 0; p < Packets; ++p) s[p] = ei::pmadd(ku, w[u][p], s[p]);
+        }
+        if constexpr (!ReadFirst) read(i, s);
+        if constexpr (stores) {
+#pragma GCC unroll 8
+          for (int p = 0; p < Packets; ++p) ei::pstoreu(s_row + p * N, s[p]);
+        }
+      }
+    };
+    const Index rows_total = r;
+    const bool backwards = chunks_reversed;
+    for (int n = 0; n < sweep_chunks; ++n) {
+      const int c = backwards ? sweep_chunks - 1 - n : n;
+      rows(sweep_chunk_begin(rows_total, c), sweep_chunk_begin(rows_total, c + 1));
+#pragma GCC unroll 4
+      for (int m = 0; m < Reads; ++m)
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) chunk_sum[c][m][p] = acc[m][p];
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < Reads; ++m)
+#pragma GCC unroll 8
+      for (int p = 0; p < Packets; ++p) {
+        Packet sum = chunk_sum[0][m][p];
+        for (int c = 1; c < sweep_chunks; ++c) sum = ei::padd(sum, chunk_sum[c][m][p]);
+        ei::pstoreu(out[m] + c0 + p * N, sum);
+      }
+  }
+};
+
+/// One sweep over S (r x dv, row stride ld) as RankSweep describes: each element loaded once
+/// and stored once if anything changes it. Reads are summed by row chunks in chunk order (as
+/// sweep_tokens), so the direction (`reverse`, alternated between sweeps so that one sweep
+/// starts where the last one ended, in L1) changes no bit. 2 (Updates + Reads) r dv flops,
+/// plus r dv with a scale. No allocation.
+template <int Updates, int Reads, RowScale Scale, bool ReadFirst, class Scalar>
+void rank_sweep(Scalar* S, Index ld, Index r, Index dv, const RankSweep<Scalar>& sweep,
+                bool reverse) noexcept {
+  // Per packet of columns a pass holds the row, Updates values and Reads accumulators (up to
+  // 7 packets): 4 packets fit 32 registers; with 16, 4 packets for up to 3 of them, else 2.
+  constexpr int live = 1 + Updates + Reads;
+  constexpr int P = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : (live <= 3 ? 4 : 2);
+  column_passes<P, Scalar>(
+      dv, reverse, RankPass<Updates, Reads, Scale, ReadFirst, Scalar>{S, ld, r, &sweep, reverse});
+}
+
+/// rank_sweep with the number of updates (0 to 2) and the row scale chosen at run time.
+template <int Reads, bool ReadFirst, class Scalar>
+void rank_sweep_with(int updates, RowScale scale, Scalar* S, Index ld, Index r, Index dv,
+                     const RankSweep<Scalar>& sweep, bool reverse) noexcept {
+  const auto with_updates = [&]<int U>() {
+    if (scale == RowScale::none)
+      rank_sweep<U, Reads, RowScale::none, ReadFirst>(S, ld, r, dv, sweep, reverse);
+    else if (scale == RowScale::uniform)
+      rank_sweep<U, Reads, RowScale::uniform, ReadFirst>(S, ld, r, dv, sweep, reverse);
+    else
+      rank_sweep<U, Reads, RowScale::per_row, ReadFirst>(S, ld, r, dv, sweep, reverse);
+  };
+  if (updates == 0)
+    with_updates.template operator()<0>();
+  else if (updates == 1)
+    with_updates.template operator()<1>();
+  else
+    with_updates.template operator()<2>();
+}
 
 }  // namespace linattn::detail
