@@ -294,7 +294,11 @@ class RuleAttention {
       detail::throw_shape_error("log-gates must be T x 1 or T x r = ", T, "x1 or ", T, "x", r,
                                 ", got ", detail::shape_of(x));
     RowMatrix<Scalar> out = x.template cast<Scalar>();
-    detail::check_log_gates(out, "a log-gate");
+    // Valid gates in two vectorized reductions (x * 0 is 0 for finite x, NaN otherwise); the
+    // element-wise check then names the first bad entry.
+    const bool valid = out.size() == 0 || ((out.array() * Scalar(0)).sum() == Scalar(0) &&
+                                           out.maxCoeff() <= Scalar(0));
+    if (!valid) detail::check_log_gates(out, "a log-gate");
     return out;
   }
 
@@ -363,7 +367,7 @@ class RuleAttention {
         const Index n = std::min(block, T - first);
         features(Q, first, n, qf);
         features(K, first, n, kf);
-        if (per_channel) g.topRows(n) = log_gate.middleRows(first, n).array().exp().matrix();
+        if (per_channel) detail::gates_from_logs(log_gate.row(first).data(), 1, g.data(), n * r);
         const auto v = detail::row_major_rows(V, first, n, v_buffer);
         const auto token = [&](Index i) {
           detail::GatedToken<Scalar> tk;

@@ -230,8 +230,7 @@ class DeltaChunk {
     if (n == 0) return;
     const Index r = r_, dv = dv_, n_padded = padded_columns<Scalar>(n);
     if (gated_) {
-      for (Index t = 0; t < n; ++t) gate_(t) = log_alpha[t];
-      gate_.head(n) = gate_.head(n).array().exp();
+      for (Index t = 0; t < n; ++t) gate_(t) = std::exp(log_alpha[t]);
       decay_in_(0) = gate_(0);
       for (Index i = 1; i < n; ++i) decay_in_(i) = decay_in_(i - 1) * gate_(i);
       weight_out_(n - 1) = 1;

@@ -43,8 +43,12 @@
 
 namespace linattn::detail {
 
-/// Rows per sub-chunk of the per-channel gated chunk (a multiple of every packet width).
-inline constexpr Index gate_subchunk = 16;
+/// Rows per sub-chunk of the per-channel gated chunk: 16, or the register kernel's packet width
+/// if wider (the score columns of a sub-chunk row are whole packets). The diagonal sub-blocks
+/// cost about 3 c r / 2 flops per token; the products of the others do not depend on c, but
+/// their row tiles do (8 rows ran no faster at d = 64 and slower at d = 128 on Zen 3).
+template <class Scalar>
+inline constexpr Index gate_subchunk = std::max<Index>(16, GemmTile<Scalar>::lanes);
 
 // ---- recurrent -------------------------------------------------------------------------------
 
@@ -151,8 +155,8 @@ class GatedRecurrence {
                                                                        : Scalar(0x1p-64);
 
   GatedRecurrence(Index r, Index dv)
-      : c_(Array::Ones(r)), next_(r), x_(Array::Zero(r), Array::Zero(r)),
-        k_(Array::Zero(r), Array::Zero(r)), w_(Array::Zero(dv), Array::Zero(dv)), z_mid_(r),
+      : c_(Array::Ones(r)), next_(r), x_{Array::Zero(r), Array::Zero(r)},
+        k_{Array::Zero(r), Array::Zero(r)}, w_{Array::Zero(dv), Array::Zero(dv)}, z_mid_(r),
         z_next_(r) {}
 
   /// Tokens t, t+1 (rows `row`, row + 1; positions tokens, tokens + 1), both with per-channel
@@ -382,12 +386,10 @@ class ScalarGatedChunk {
     ld_v_ = ld_v;
     if (n == 0) return;
     const bool fixed = log_gate.stride == 0;
-    if (fixed) {
+    if (fixed)
       gate_.head(n).setConstant(std::exp(log_gate[0]));
-    } else {
-      for (Index t = 0; t < n; ++t) gate_(t) = log_gate[t];
-      gate_.head(n) = gate_.head(n).array().exp();
-    }
+    else
+      for (Index t = 0; t < n; ++t) gate_(t) = std::exp(log_gate[t]);
     decay_in_(0) = gate_(0);
     for (Index i = 1; i < n; ++i) decay_in_(i) = decay_in_(i - 1) * gate_(i);
     weight_out_(n - 1) = 1;
@@ -456,7 +458,7 @@ class ScalarGatedChunk {
 };
 
 /// A causal chunk with one gate per feature channel (GLA-style), in sub-chunks of c =
-/// gate_subchunk rows. The weight of token j at row i is sum_m qf_im kf_jm D_m(i, j) with
+/// gate_subchunk<Scalar> rows. The weight of token j at row i is sum_m qf_im kf_jm D_m(i, j) with
 /// D_m(i, j) = g_{j+1,m} ... g_{i,m}. For i in sub-chunk I and j in an earlier sub-chunk J it
 /// factors through the start of I:
 ///   (qf_i .* A_i) . (kf_j .* E_j .* T_{J+1} .* ... .* T_{I-1})
@@ -471,8 +473,8 @@ template <class Scalar>
 class ChannelGatedChunk {
  public:
   ChannelGatedChunk(Index C, Index r, Index dv)
-      : r_(r), dv_(dv), ld_(padded_columns<Scalar>(std::max<Index>(C, gate_subchunk))),
-        blocks_((C + gate_subchunk - 1) / gate_subchunk),
+      : r_(r), dv_(dv), ld_(padded_columns<Scalar>(std::max<Index>(C, gate_subchunk<Scalar>))),
+        blocks_((C + gate_subchunk<Scalar> - 1) / gate_subchunk<Scalar>),
         gates_(C, r), prefix_(C, r), state_decay_(C, r), kend_(C, r), qs_(C, r), qt_(C, r),
         kend_t_(RowMatrix<Scalar>::Zero(r, ld_)),
         w_(RowMatrix<Scalar>::Zero(std::max<Index>(blocks_ - 1, 0) * r, ld_)),
@@ -491,8 +493,13 @@ class ChannelGatedChunk {
     ld_v_ = ld_v;
     if (n == 0) return;
     using Vec = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
-    const Index c = gate_subchunk, r = r_, nb = (n + c - 1) / c;
-    for (Index t = 0; t < n; ++t) gates_.row(t).array() = Vec(log_gate[t], r).exp();
+    const Index c = gate_subchunk<Scalar>, r = r_, nb = (n + c - 1) / c;
+    using Block = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>,
+                             0, Eigen::OuterStride<>>;
+    if (log_gate.stride == r)  // contiguous rows: one pass
+      gates_from_logs(log_gate.data, 1, gates_.data(), n * r);
+    else
+      for (Index t = 0; t < n; ++t) gates_from_logs(log_gate[t], 1, gates_.row(t).data(), r);
     for (Index I = 0; I < nb; ++I) {
       const Index i0 = I * c, end = std::min(n, i0 + c);
       prefix_.row(i0) = gates_.row(i0);
@@ -517,20 +524,19 @@ class ChannelGatedChunk {
     // Key side of sub-chunk row I (columns of the earlier sub-chunks), transposed: W(I) =
     // [W(I-1) .* T_{I-1}, kend of I-1]; W(nb) (keys decayed to the chunk's end) is kw_t_.
     for (Index I = 1; I <= nb; ++I) {
-      Scalar* dst = I < nb ? w_block(I) : kw_t_.data();
       const Index j0 = (I - 1) * c, len = std::min(c, n - j0);
-      for (Index m = 0; m < r; ++m) {
-        Eigen::Map<Eigen::Array<Scalar, 1, Eigen::Dynamic>> row(dst + m * ld_, j0 + len);
-        if (I > 1) row.head(j0) = Vec(w_block(I - 1) + m * ld_, j0) * totals_(I - 1, m);
-        row.segment(j0, len) = kend_t_.row(m).segment(j0, len).array();
-      }
+      Block dst(I < nb ? w_block(I) : kw_t_.data(), r, j0 + len, Eigen::OuterStride<>(ld_));
+      if (I > 1)
+        dst.leftCols(j0) = Block(w_block(I - 1), r, j0, Eigen::OuterStride<>(ld_)).colwise() *
+                           totals_.row(I - 1).transpose().array();
+      dst.middleCols(j0, len) = kend_t_.middleCols(j0, len).array();
     }
   }
 
   /// One query head, as ScalarGatedChunk::read.
   void read(const Scalar* qf, Index ld_qf, const RowMatrix<Scalar>& S, const ColVector<Scalar>& z,
             Scalar* out, Index ld_out, const Normalization& norm, Index first_row) {
-    const Index n = n_, r = r_, c = gate_subchunk;
+    const Index n = n_, r = r_, c = gate_subchunk<Scalar>;
     if (n == 0) return;
     const bool divides = norm.divides();
     if (divides)

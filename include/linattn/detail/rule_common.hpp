@@ -10,6 +10,8 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
 
 namespace linattn::detail {
 
@@ -38,6 +40,21 @@ struct TokenRows {
     return {data + first * stride, stride};
   }
 };
+
+/// out[i] = exp(log_gate[i]) for i < n, each within one rounding of the exact value (relative
+/// error <= u): the decays are products of gates, and the tests' bounds count one rounding per
+/// gate and one per multiplication. Eigen's vectorized exp errs by up to about 2.4 u, so float
+/// gates are computed in double (vectorized) and rounded once, and double gates by std::exp.
+template <class Scalar>
+void gates_from_logs(const Scalar* log_gate, Index stride, Scalar* out, Index n) noexcept {
+  if constexpr (std::is_same_v<Scalar, float>) {
+    using Map = Eigen::Map<const Eigen::ArrayXf, 0, Eigen::InnerStride<>>;
+    Eigen::Map<Eigen::ArrayXf>(out, n) =
+        Map(log_gate, n, Eigen::InnerStride<>(stride)).template cast<double>().exp().template cast<float>();
+  } else {
+    for (Index i = 0; i < n; ++i) out[i] = std::exp(log_gate[i * stride]);
+  }
+}
 
 /// n rounded up to whole packets of the register kernel (the width of score and transposed-key
 /// buffers, whose padding columns feed results that are never read).
@@ -270,9 +287,11 @@ template <int Updates, int Reads, RowScale Scale, bool ReadFirst, class Scalar>
 void rank_sweep(Scalar* S, Index ld, Index r, Index dv, const RankSweep<Scalar>& sweep,
                 bool reverse) noexcept {
   // Per packet of columns a pass holds the row, Updates values and Reads accumulators (up to
-  // 7 packets): 4 packets fit 32 registers; with 16, 4 packets for up to 3 of them, else 2.
+  // 7 registers), plus a few broadcasts: with 32 registers 4 packets for up to 6 of them, else
+  // 3; with 16, 4 packets for up to 3, else 2.
   constexpr int live = 1 + Updates + Reads;
-  constexpr int P = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : (live <= 3 ? 4 : 2);
+  constexpr int P = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? (live <= 6 ? 4 : 3)
+                                                                 : (live <= 3 ? 4 : 2);
   column_passes<P, Scalar>(
       dv, reverse, RankPass<Updates, Reads, Scale, ReadFirst, Scalar>{S, ld, r, &sweep, reverse});
 }
