@@ -63,6 +63,15 @@ struct Gradients {
   StateGradient<Scalar> initial;
 };
 
+/// Where the *_into calls write dQ (Tq x dk), dK (Tk x dk) and dV (Tk x dv): matrices or
+/// strided views into larger buffers (one head's columns of a [T, H d] gradient), so a training
+/// loop reuses its buffers instead of allocating three per call. They must not overlap the
+/// inputs (the backward reads Q and K twice).
+template <class Scalar>
+struct GradientsRef {
+  Eigen::Ref<RowMatrix<Scalar>> Q, K, V;
+};
+
 namespace detail {
 
 template <class Phi, class Scalar>
@@ -97,7 +106,52 @@ Gradients<Scalar> sized_gradients(Index Tq, Index Tk, Index dk, Index dv) {
   return {RowMatrix<Scalar>(Tq, dk), RowMatrix<Scalar>(Tk, dk), RowMatrix<Scalar>(Tk, dv), {}};
 }
 
+// The output views are Tq x dk, Tk x dk and Tk x dv.
+template <class Scalar>
+void check_gradient_outputs(const GradientsRef<Scalar>& out, Index Tq, Index Tk, Index dk,
+                            Index dv) {
+  if (out.Q.rows() != Tq || out.Q.cols() != dk || out.K.rows() != Tk || out.K.cols() != dk ||
+      out.V.rows() != Tk || out.V.cols() != dv)
+    throw_shape_error("gradient outputs are dQ ", shape_of(out.Q), ", dK ", shape_of(out.K),
+                      " and dV ", shape_of(out.V), ", expected ", Tq, "x", dk, ", ", Tk, "x", dk,
+                      " and ", Tk, "x", dv);
+}
+
 }  // namespace detail
+
+/// parallel_backward() writing dQ, dK, dV into `out` (see GradientsRef); with Mask::causal the
+/// gradient of the empty initial state goes to `initial` when it is not null (resized to r x dv
+/// and r). Allocates only its scratch (causal_backward_bytes) or, for Mask::none, the features.
+template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
+void parallel_backward_into(const LinearAttention<Phi, Scalar>& attn,
+                            const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                            const Eigen::MatrixBase<DV>& V, Mask mask,
+                            const Eigen::MatrixBase<DY>& dY, GradientsRef<Scalar> out,
+                            StateGradient<Scalar>* initial = nullptr) {
+  detail::require_differentiable<Phi, Scalar>();
+  detail::check_backward_shapes(Q, K, V, dY, mask);
+  const Phi& phi = attn.feature_map();
+  const Index dk = K.cols(), dv = V.cols(), r = phi.feature_dim(dk);
+  detail::check_gradient_outputs(out, Q.rows(), K.rows(), dk, dv);
+  const auto& Qm = detail::materialize(Q);
+  const auto& Km = detail::materialize(K);
+  const auto& Vm = detail::materialize(V);
+  const auto& dYm = detail::materialize(dY);
+  if (mask == Mask::none) {
+    detail::full_backward<Scalar>(phi, Qm, Km, Vm, dYm, attn.options().normalization, out.Q,
+                                  out.K, out.V);
+    return;
+  }
+  constexpr bool log_scaled = LogScaledFeatureMap<Phi, Scalar>;
+  const RowMatrix<Scalar> S0 = RowMatrix<Scalar>::Zero(r, dv);
+  const ColVector<Scalar> z0 = ColVector<Scalar>::Zero(r);
+  const Scalar M0 = log_scaled ? -std::numeric_limits<Scalar>::infinity() : Scalar(0);
+  StateGradient<Scalar> discarded;
+  StateGradient<Scalar>& d0 = initial != nullptr ? *initial : discarded;
+  detail::causal_backward<Scalar>(phi, Qm, Km, Vm, dYm, S0, z0, M0, nullptr, nullptr,
+                                  attn.options().chunk_size, attn.options().normalization, out.Q,
+                                  out.K, out.V, d0.S, d0.z);
+}
 
 /// Gradients of Y = attn.parallel(Q, K, V, mask) given dY = dLoss/dY (Tq x dv): dQ, dK, dV.
 /// Mask::none (Tq may differ from Tk): O((Tq + Tk) r dv), `initial` empty. Mask::causal: the
@@ -111,28 +165,45 @@ template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
                                                   const Eigen::MatrixBase<DK>& K,
                                                   const Eigen::MatrixBase<DV>& V, Mask mask,
                                                   const Eigen::MatrixBase<DY>& dY) {
-  detail::require_differentiable<Phi, Scalar>();
   detail::check_backward_shapes(Q, K, V, dY, mask);
+  auto grads = detail::sized_gradients<Scalar>(Q.rows(), K.rows(), K.cols(), V.cols());
+  parallel_backward_into(attn, Q, K, V, mask, dY, {grads.Q, grads.K, grads.V},
+                         mask == Mask::causal ? &grads.initial : nullptr);
+  return grads;
+}
+
+/// prefill_backward() writing dQ, dK, dV into `out` (see GradientsRef) and (dS0, dz0) into
+/// `initial` (resized to r x dv and r); allocates only its scratch (causal_backward_bytes).
+template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
+void prefill_backward_into(const LinearAttention<Phi, Scalar>& attn,
+                           const typename LinearAttention<Phi, Scalar>::State& initial_state,
+                           const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                           const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DY>& dY,
+                           const StateGradient<Scalar>* final_gradient, GradientsRef<Scalar> out,
+                           StateGradient<Scalar>& initial) {
+  detail::require_differentiable<Phi, Scalar>();
+  detail::check_backward_shapes(Q, K, V, dY, Mask::causal);
   const Phi& phi = attn.feature_map();
   const Index dk = K.cols(), dv = V.cols(), r = phi.feature_dim(dk);
-  auto grads = detail::sized_gradients<Scalar>(Q.rows(), K.rows(), dk, dv);
-  const auto& Qm = detail::materialize(Q);
-  const auto& Km = detail::materialize(K);
-  const auto& Vm = detail::materialize(V);
-  const auto& dYm = detail::materialize(dY);
-  if (mask == Mask::none) {
-    detail::full_backward<Scalar>(phi, Qm, Km, Vm, dYm, attn.options().normalization, grads.Q,
-                                  grads.K, grads.V);
-    return grads;
-  }
+  detail::check_gradient_outputs(out, Q.rows(), K.rows(), dk, dv);
   constexpr bool log_scaled = LogScaledFeatureMap<Phi, Scalar>;
-  const RowMatrix<Scalar> S0 = RowMatrix<Scalar>::Zero(r, dv);
-  const ColVector<Scalar> z0 = ColVector<Scalar>::Zero(r);
-  const Scalar M0 = log_scaled ? -std::numeric_limits<Scalar>::infinity() : Scalar(0);
-  detail::causal_backward<Scalar>(phi, Qm, Km, Vm, dYm, S0, z0, M0, nullptr, nullptr,
-                                  attn.options().chunk_size, attn.options().normalization,
-                                  grads.Q, grads.K, grads.V, grads.initial.S, grads.initial.z);
-  return grads;
+  initial_state.check_shape(r, dk, dv);
+  if (initial_state.log_domain() != log_scaled)
+    detail::throw_shape_error("state was made for ",
+                              initial_state.log_domain() ? "a log-scaled" : "an ordinary",
+                              " feature map; make it with this attention's make_state()");
+  if (final_gradient != nullptr &&
+      (final_gradient->S.rows() != r || final_gradient->S.cols() != dv ||
+       final_gradient->z.size() != r))
+    detail::throw_shape_error("final state gradient has S ", detail::shape_of(final_gradient->S),
+                              " and z of length ", final_gradient->z.size(), ", expected S ", r,
+                              "x", dv, " and z of length ", r);
+  detail::causal_backward<Scalar>(
+      phi, detail::materialize(Q), detail::materialize(K), detail::materialize(V),
+      detail::materialize(dY), initial_state.S(), initial_state.z(), initial_state.log_scale(),
+      final_gradient != nullptr ? &final_gradient->S : nullptr,
+      final_gradient != nullptr ? &final_gradient->z : nullptr, attn.options().chunk_size,
+      attn.options().normalization, out.Q, out.K, out.V, initial.S, initial.z);
 }
 
 /// Gradients of the causal read that continues `initial_state` (made by attn.make_state; read,
@@ -154,30 +225,10 @@ template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DY>& dY,
     const StateGradient<Scalar>* final_gradient = nullptr) {
-  detail::require_differentiable<Phi, Scalar>();
   detail::check_backward_shapes(Q, K, V, dY, Mask::causal);
-  const Phi& phi = attn.feature_map();
-  const Index dk = K.cols(), dv = V.cols(), r = phi.feature_dim(dk);
-  constexpr bool log_scaled = LogScaledFeatureMap<Phi, Scalar>;
-  initial_state.check_shape(r, dk, dv);
-  if (initial_state.log_domain() != log_scaled)
-    detail::throw_shape_error("state was made for ",
-                              initial_state.log_domain() ? "a log-scaled" : "an ordinary",
-                              " feature map; make it with this attention's make_state()");
-  if (final_gradient != nullptr &&
-      (final_gradient->S.rows() != r || final_gradient->S.cols() != dv ||
-       final_gradient->z.size() != r))
-    detail::throw_shape_error("final state gradient has S ", detail::shape_of(final_gradient->S),
-                              " and z of length ", final_gradient->z.size(), ", expected S ", r,
-                              "x", dv, " and z of length ", r);
-  auto grads = detail::sized_gradients<Scalar>(Q.rows(), K.rows(), dk, dv);
-  detail::causal_backward<Scalar>(
-      phi, detail::materialize(Q), detail::materialize(K), detail::materialize(V),
-      detail::materialize(dY), initial_state.S(), initial_state.z(), initial_state.log_scale(),
-      final_gradient != nullptr ? &final_gradient->S : nullptr,
-      final_gradient != nullptr ? &final_gradient->z : nullptr, attn.options().chunk_size,
-      attn.options().normalization, grads.Q, grads.K, grads.V, grads.initial.S,
-      grads.initial.z);
+  auto grads = detail::sized_gradients<Scalar>(Q.rows(), K.rows(), K.cols(), V.cols());
+  prefill_backward_into(attn, initial_state, Q, K, V, dY, final_gradient,
+                        {grads.Q, grads.K, grads.V}, grads.initial);
   return grads;
 }
 

@@ -95,6 +95,36 @@ void transpose_block(Index rows, Index cols, const Scalar* src, Index lds, Scala
   }
 }
 
+/// C (n x cols) = (Accumulate ? C : 0) + M^T B for M (n x n) lower triangular, so M^T is
+/// upper triangular. On the register kernel by reversing the order of rows: with
+/// R(i, k) = M(n-1-k, n-1-i), lower triangular and built in `reversed` (row stride ld_r), row
+/// n-1-i of M^T B is sum_k R(i, k) B(n-1-k), so R times B read from its last row up (negative
+/// row stride) written to C from its last row up is M^T B, and the kernel skips R's zero upper
+/// half (Triangle::lower_lhs). Eigen's product on Maps where the kernel does not apply.
+template <class Scalar, bool Accumulate>
+void upper_product(Index n, Index cols, const Scalar* M, Index ld_m, const Scalar* B, Index ldb,
+                   Scalar* C, Index ldc, Scalar* reversed, Index ld_r) {
+  if (n == 0) return;
+  if constexpr (has_gemm_kernel<Scalar>) {
+    if (cols % GemmTile<Scalar>::lanes == 0) {
+      for (Index i = 0; i < n; ++i)
+        for (Index k = 0; k < n; ++k)
+          reversed[i * ld_r + k] = k <= i ? M[(n - 1 - k) * ld_m + (n - 1 - i)] : Scalar(0);
+      small_gemm<Scalar, Accumulate>(n, cols, n, reversed, ld_r, B + (n - 1) * ldb, -ldb,
+                                     C + (n - 1) * ldc, -ldc, Triangle::lower_lhs);
+      return;
+    }
+  }
+  using Stride = Eigen::OuterStride<>;
+  const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> m(M, n, n, Stride(ld_m));
+  const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> b(B, n, cols, Stride(ldb));
+  Eigen::Map<RowMatrix<Scalar>, 0, Stride> c(C, n, cols, Stride(ldc));
+  if constexpr (Accumulate)
+    c.noalias() += m.transpose() * b;
+  else
+    c.noalias() = m.transpose() * b;
+}
+
 /// One row's share of the quotient rule: G = [numerator * dy, denominator].
 template <class Scalar>
 struct ReadGradient {
@@ -139,7 +169,7 @@ struct BackwardScratch {
   RowMatrix<Scalar> qf, kf;                // C x r features (scaled ones for log-scaled maps)
   RowMatrix<Scalar> qf_t, kf_t, v_t;       // r x padded, r x padded, dv x padded transposes
   RowMatrix<Scalar> scores, d_scores;      // C x padded: A and D-hat of the chunk
-  RowMatrix<Scalar> scores_t, d_scores_t;  // their transposes (pass 2)
+  RowMatrix<Scalar> scores_t, d_scores_t;  // their reversed transposes (pass 2, upper_product)
   RowMatrix<Scalar> weights;               // C x C, exp(lk_j - m_i) (log-scaled maps only)
   RowMatrix<Scalar> rows_r, d_features;    // C x r: X = dY S^T or dk; dq
   RowMatrix<Scalar> rows_v, v_copy, dy_copy;  // C x dv: a dY; copies of rows that are not
@@ -376,9 +406,8 @@ void causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, cons
       w.rows_r.row(j) += w.hz.transpose();
       if constexpr (LogScaled) w.rows_r.row(j) *= w.scale(j);
     }
-    transpose_block(n, n, w.d_scores.data(), w.padded, w.d_scores_t.data(), w.padded);
-    product<Scalar, true>(n, r, n, w.d_scores_t.data(), w.padded, w.qf.data(), r,
-                          w.rows_r.data(), r);
+    upper_product<Scalar, true>(n, r, w.d_scores.data(), w.padded, w.qf.data(), r,
+                                w.rows_r.data(), r, w.d_scores_t.data(), w.padded);
     {
       Eigen::Ref<RowMatrix<Scalar>> dk_rows(dK.middleRows(first, n));
       phi.backward(K.middleRows(first, n), w.kf.topRows(n), w.rows_r.topRows(n), dk_rows);
@@ -390,9 +419,8 @@ void causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, cons
                            Triangle::none, key_scale);
     for (Index i = 0; i < n; ++i)
       w.rows_v.row(i) = a[i] * Eigen::Map<const RowVector<Scalar>>(dy + i * ld_dy, dv);
-    transpose_block(n, n, w.scores.data(), w.padded, w.scores_t.data(), w.padded);
-    product<Scalar, true>(n, dv, n, w.scores_t.data(), w.padded, w.rows_v.data(), dv, dv_rows,
-                          dV.outerStride());
+    upper_product<Scalar, true>(n, dv, w.scores.data(), w.padded, w.rows_v.data(), dv, dv_rows,
+                                dV.outerStride(), w.scores_t.data(), w.padded);
 
     // H before the chunk = exp(M_before - M_after) H + f(Q)^T diag(exp(M_before - m)) [a dY, b]
     if constexpr (LogScaled) {
