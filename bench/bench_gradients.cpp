@@ -18,8 +18,11 @@
 //       comparison for the crossover T. Counter bwd_ms.
 //   memory/d:128/T:65536   one backward in a child process with every large block mapped
 //       fresh, its peak resident memory measured from the kernel's high-water mark (reset
-//       before the call): peak_MiB, gradients_MiB (the returned dQ, dK, dV), and
-//       working_B/token = (peak - gradients) / T, next to scratch_B/token (computed).
+//       before the call; resolution about 1 MiB): peak_MiB, gradients_MiB (the returned dQ,
+//       dK, dV), own_MiB = peak - gradients, next to the computed scratch_MiB and
+//       scratch_B/token (causal_backward_bytes, exact).
+//   scaling/d:D  the backward at T = 2048 and at T = 16384 in every iteration: counter
+//       scaling = t(16384) / t(2048), paired like the ratios above.
 //
 // scripts/summarize_gradients.py turns the JSON into the ratios and the crossover.
 
@@ -190,6 +193,34 @@ void BM_quadratic_bwd(benchmark::State& state) {
   state.counters["d"] = static_cast<double>(d);
 }
 
+// The scaling target read from one row: every iteration runs the backward at T = 2048 and at
+// T = 16384 (one head each), so t(16384) / t(2048) compares moments a few hundred ms apart
+// rather than rows measured minutes apart. Counter scaling (sum over iterations of each).
+void BM_scaling(benchmark::State& state) {
+  const Index d = state.range(0);
+  const Attention attn;
+  Layer small(2048, d, 1), big(16384, d, 1);
+  double t_small = 0, t_big = 0;
+  const auto backward = [&](Layer& layer) {
+    linattn::parallel_backward_into(attn, layer.Q, layer.K, layer.V, Mask::causal, layer.dY,
+                                    {layer.dQ, layer.dK, layer.dV});
+    benchmark::DoNotOptimize(layer.dQ.data());
+    benchmark::ClobberMemory();
+  };
+  for (auto _ : state) {
+    const double t0 = clock_seconds(1);
+    backward(small);
+    const double t1 = clock_seconds(1);
+    backward(big);
+    const double t2 = clock_seconds(1);
+    t_small += t1 - t0;
+    t_big += t2 - t1;
+    state.SetIterationTime(t2 - t0);
+  }
+  state.counters["scaling"] = t_big / t_small;
+  state.counters["d"] = static_cast<double>(d);
+}
+
 // Resident memory in kB from /proc/self/status ("VmRSS" or the high-water mark "VmHWM").
 long status_kb(const char* field) {
   std::ifstream status("/proc/self/status");
@@ -219,7 +250,9 @@ double backward_peak_bytes(Index T, Index d) {
       std::ofstream("/proc/self/clear_refs") << "5";
       const long before = status_kb("VmRSS");
       const long reset = status_kb("VmHWM");
-      if (reset >= 0 && reset <= before + 64) {  // the reset took effect
+      // The reset took effect: the mark is now about the current RSS (reading the status
+      // files itself moves it by some 100 kB), not the inputs' allocation peak.
+      if (reset >= 0 && reset <= before + 1024) {
         const auto g = linattn::parallel_backward(attn, Q, K, V, Mask::causal, dY);
         benchmark::DoNotOptimize(g.Q.data());
         peak = 1024.0 * static_cast<double>(status_kb("VmHWM") - before);
@@ -242,12 +275,12 @@ void BM_memory(benchmark::State& state) {
   double peak = 0;
   for (auto _ : state) peak = backward_peak_bytes(T, d);
   const double gradients = 3.0 * static_cast<double>(T * d) * sizeof(float);
+  const double scratch = static_cast<double>(linattn::causal_backward_bytes(Attention{}, T, d, d));
   state.counters["peak_MiB"] = peak / (1 << 20);
   state.counters["gradients_MiB"] = gradients / (1 << 20);
-  state.counters["working_B/token"] = (peak - gradients) / static_cast<double>(T);
-  state.counters["scratch_B/token"] =
-      static_cast<double>(linattn::causal_backward_bytes(Attention{}, T, d, d)) /
-      static_cast<double>(T);
+  state.counters["own_MiB"] = (peak - gradients) / (1 << 20);
+  state.counters["scratch_MiB"] = scratch / (1 << 20);
+  state.counters["scratch_B/token"] = scratch / static_cast<double>(T);
   state.counters["T"] = static_cast<double>(T);
   state.counters["d"] = static_cast<double>(d);
 }
@@ -255,7 +288,7 @@ void BM_memory(benchmark::State& state) {
 void train_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"d", "T", "heads", "threads"});
   for (Index d : {64, 128}) {
-    for (Index T : {256, 512, 1024, 2048, 4096, 8192, 16384}) b->Args({d, T, 1, 1});
+    for (Index T : {64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384}) b->Args({d, T, 1, 1});
     for (Index T : {2048, 16384})
       for (int threads : {1, 2}) b->Args({d, T, 8, threads});
   }
@@ -264,7 +297,7 @@ void train_args(benchmark::internal::Benchmark* b) {
 void quadratic_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"d", "T"});
   for (Index d : {64, 128})
-    for (Index T : {256, 512, 1024, 2048, 4096}) b->Args({d, T});
+    for (Index T : {64, 128, 256, 512, 1024, 2048, 4096}) b->Args({d, T});
 }
 
 }  // namespace
@@ -272,6 +305,8 @@ void quadratic_args(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_memory)->Name("memory")->ArgNames({"d", "T"})->Args({128, 65536})->Iterations(1)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_train)->Name("train")->Apply(train_args)->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_scaling)->Name("scaling")->ArgNames({"d"})->Arg(64)->Arg(128)->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_quadratic_bwd)->Name("quadratic_bwd")->Apply(quadratic_args)->UseManualTime()
     ->Unit(benchmark::kMillisecond);
