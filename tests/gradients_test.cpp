@@ -1289,3 +1289,52 @@ TEST_CASE("the backward's memory: 2 scalars per token plus per-call buffers",
   CHECK(bytes < per_token * 65536 + (std::size_t{1} << 20));  // per-call part under 1 MiB
   CHECK(bytes < (std::size_t{1} << 20) + 65536 * 8);
 }
+
+TEST_CASE("the _into calls write strided head views and equal the allocating calls",
+          "[gradients][into]") {
+  // Two heads laid out as [T, 2 d]; head 1's gradients written into its columns of [T, 2 d]
+  // buffers, the other columns untouched. Same kernels, same order: equal bits.
+  const Index T = 29, d = 8, heads = 2;
+  const LinearAttention<EluPlusOne, float> attn(EluPlusOne{}, Options{{}, 8});
+  const RowMatrix<float> Q = random_matrix<float>(T, heads * d, 1),
+                         K = random_matrix<float>(T, heads * d, 2),
+                         V = random_matrix<float>(T, heads * d, 3),
+                         dY = random_matrix<float>(T, heads * d, 4);
+  RowMatrix<float> dQ = RowMatrix<float>::Constant(T, heads * d, 7.0f), dK = dQ, dV = dQ;
+  for (Mask mask : {Mask::causal, Mask::none}) {
+    const auto expected = parallel_backward(attn, Q.rightCols(d), K.rightCols(d), V.rightCols(d),
+                                            mask, dY.rightCols(d));
+    StateGradient<float> initial;
+    parallel_backward_into(attn, Q.rightCols(d), K.rightCols(d), V.rightCols(d), mask,
+                           dY.rightCols(d), {dQ.rightCols(d), dK.rightCols(d), dV.rightCols(d)},
+                           &initial);
+    CHECK(dQ.rightCols(d) == expected.Q);
+    CHECK(dK.rightCols(d) == expected.K);
+    CHECK(dV.rightCols(d) == expected.V);
+    CHECK((dQ.leftCols(d).array() == 7.0f).all());
+    if (mask == Mask::causal) CHECK(initial.S == expected.initial.S);
+  }
+  auto state = attn.make_state(d, d);
+  static_cast<void>(carried_forward(attn, state, Q.leftCols(d), K.leftCols(d), V.leftCols(d)));
+  const StateGradient<float> final_gradient{random_matrix<float>(d, d, 5),
+                                            random_matrix<float>(d, 1, 6).col(0)};
+  const auto expected = prefill_backward(attn, state, Q.rightCols(d), K.rightCols(d),
+                                         V.rightCols(d), dY.rightCols(d), &final_gradient);
+  StateGradient<float> initial;
+  prefill_backward_into(attn, state, Q.rightCols(d), K.rightCols(d), V.rightCols(d),
+                        dY.rightCols(d), &final_gradient,
+                        {dQ.rightCols(d), dK.rightCols(d), dV.rightCols(d)}, initial);
+  CHECK(dQ.rightCols(d) == expected.Q);
+  CHECK(dK.rightCols(d) == expected.K);
+  CHECK(dV.rightCols(d) == expected.V);
+  CHECK(initial.S == expected.initial.S);
+  CHECK(initial.z == expected.initial.z);
+  // Outputs of the wrong shape are named.
+  RowMatrix<float> small(T - 1, d);
+  CHECK_THROWS_MATCHES(
+      parallel_backward_into(attn, Q.rightCols(d), K.rightCols(d), V.rightCols(d), Mask::causal,
+                             dY.rightCols(d), {small, dK.rightCols(d), dV.rightCols(d)}),
+      ShapeError,
+      Catch::Message("linattn: gradient outputs are dQ 28x8, dK 29x8 and dV 29x8, expected "
+                     "29x8, 29x8 and 29x8"));
+}
