@@ -41,16 +41,73 @@ struct TokenRows {
   }
 };
 
-/// out[i] = exp(log_gate[i]) for i < n, each within one rounding of the exact value (relative
-/// error <= u): the decays are products of gates, and the tests' bounds count one rounding per
-/// gate and one per multiplication. Eigen's vectorized exp errs by up to about 2.4 u, so float
-/// gates are computed in double (vectorized) and rounded once, and double gates by std::exp.
+/// exp(x) for x in [-200, 0] (smaller x are taken as -200, whose exp underflows in float) with
+/// relative error below 2^-32: exp(x) = 2^k exp(t), |t| <= ln 2 / 2, exp(t) by its Taylor
+/// polynomial of degree 8 (truncation below 2^-32 relative), in double. For accurate gates.
+template <class Packet>
+Packet exp_nonpositive_double(Packet x) noexcept {
+  namespace ei = Eigen::internal;
+  x = ei::pmax(x, ei::pset1<Packet>(-200.0));
+  const Packet k = ei::pfloor(ei::pmadd(x, ei::pset1<Packet>(1.4426950408889634), ei::pset1<Packet>(0.5)));
+  const Packet t = ei::psub(x, ei::pmul(k, ei::pset1<Packet>(0.6931471805599453)));
+  Packet q = ei::pset1<Packet>(1.0 / 40320);
+  for (const double c : {1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0})
+    q = ei::pmadd(q, t, ei::pset1<Packet>(c));
+  // 2^k, k in [-289, 0]: the low bits of k + 2^52 + 1023 are k + 1023, shifted into the exponent.
+  const Packet biased = ei::padd(k, ei::pset1<Packet>(4503599627371519.0));  // 2^52 + 1023
+#if defined(EIGEN_VECTORIZE_AVX512)
+  if constexpr (sizeof(Packet) == 64)  // __m512d
+    return ei::pmul(q, _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(biased), 52)));
+#endif
+#if defined(EIGEN_VECTORIZE_AVX2)
+  if constexpr (sizeof(Packet) == 32)  // __m256d
+    return ei::pmul(q, _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(biased), 52)));
+#endif
+#if defined(EIGEN_VECTORIZE_SSE2)
+  if constexpr (sizeof(Packet) == 16)  // __m128d
+    return ei::pmul(q, _mm_castsi128_pd(_mm_slli_epi64(_mm_castpd_si128(biased), 52)));
+#endif
+  static_cast<void>(biased);
+  return ei::pldexp(q, k);
+}
+
+/// out[i] = exp(log_gate[i * stride]) for i < n, each within one rounding of the exact value
+/// (relative error <= u (1 + 2^-8)): the decays are products of gates, and the tests' bounds
+/// count one rounding per gate and one per multiplication. Eigen's vectorized exp errs by up
+/// to about 2.4 u, so float gates are computed in double (vectorized, exp_nonpositive_double)
+/// and rounded once, and double gates by std::exp. log_gate <= 0.
 template <class Scalar>
 void gates_from_logs(const Scalar* log_gate, Index stride, Scalar* out, Index n) noexcept {
   if constexpr (std::is_same_v<Scalar, float>) {
-    using Map = Eigen::Map<const Eigen::ArrayXf, 0, Eigen::InnerStride<>>;
-    Eigen::Map<Eigen::ArrayXf>(out, n) =
-        Map(log_gate, n, Eigen::InnerStride<>(stride)).template cast<double>().exp().template cast<float>();
+    constexpr Index B = 64;
+    float buffer[B];
+    for (Index i0 = 0; i0 < n; i0 += B) {
+      const Index m = std::min(B, n - i0);
+      const float* x = log_gate + i0 * stride;
+      if (stride != 1) {
+        for (Index j = 0; j < m; ++j) buffer[j] = x[j * stride];
+        x = buffer;
+      }
+      float* y = out + i0;
+      Index j = 0;
+#if defined(EIGEN_VECTORIZE_AVX512)
+      for (; j + 8 <= m; j += 8)
+        _mm256_storeu_ps(y + j, _mm512_cvtpd_ps(exp_nonpositive_double(
+                                    _mm512_cvtps_pd(_mm256_loadu_ps(x + j)))));
+#elif defined(EIGEN_VECTORIZE_AVX)
+      for (; j + 4 <= m; j += 4)
+        _mm_storeu_ps(y + j, _mm256_cvtpd_ps(exp_nonpositive_double(
+                                 _mm256_cvtps_pd(_mm_loadu_ps(x + j)))));
+#elif defined(EIGEN_VECTORIZE_SSE2)
+      for (; j + 4 <= m; j += 4) {
+        const __m128 v = _mm_loadu_ps(x + j);
+        const __m128d lo = exp_nonpositive_double(_mm_cvtps_pd(v));
+        const __m128d hi = exp_nonpositive_double(_mm_cvtps_pd(_mm_movehl_ps(v, v)));
+        _mm_storeu_ps(y + j, _mm_movelh_ps(_mm_cvtpd_ps(lo), _mm_cvtpd_ps(hi)));
+      }
+#endif
+      for (; j < m; ++j) y[j] = static_cast<float>(std::exp(static_cast<double>(x[j])));
+    }
   } else {
     for (Index i = 0; i < n; ++i) out[i] = std::exp(log_gate[i * stride]);
   }
