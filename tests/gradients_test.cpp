@@ -1288,6 +1288,10 @@ TEST_CASE("the backward's memory: 2 scalars per token plus per-call buffers",
   CHECK(bytes >= per_token * 65536);
   CHECK(bytes < per_token * 65536 + (std::size_t{1} << 20));  // per-call part under 1 MiB
   CHECK(bytes < (std::size_t{1} << 20) + 65536 * 8);
+  // Exactly, from bytes_for's sum with C = P = 32 (every packet width divides 32): per call
+  // 2 C r + 2 r P + dv P + 4 C P + 2 C r + C dv + 2 r dv + 2 r + 3 C = 69,984 floats, and
+  // 2 floats per token: (69,984 + 131,072) * 4 = 804,224 bytes.
+  CHECK(bytes == 804224);
 }
 
 TEST_CASE("the _into calls write strided head views and equal the allocating calls",
