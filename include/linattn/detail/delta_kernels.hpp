@@ -60,7 +60,7 @@ void delta_token(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar* qf, con
   read.x[1] = qf;
   read.out[0] = prediction;
   read.out[1] = y;
-  rank_sweep<0, 2, RowScale::none, false>(S.data(), dv, r, dv, read, reverse);
+  rank_sweep<0, 2, RowScale::none>(S.data(), dv, r, dv, read, reverse);
   using Vec = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
   using ConstVec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
   Vec u(prediction, dv), out(y, dv);
@@ -70,7 +70,7 @@ void delta_token(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar* qf, con
   update.scale = alpha;
   update.k[0] = kf;
   update.w[0] = prediction;
-  rank_sweep_with<0, false>(1, alpha != Scalar(1) ? RowScale::uniform : RowScale::none, S.data(),
+  rank_sweep_with<0>(1, alpha != Scalar(1) ? RowScale::uniform : RowScale::none, S.data(),
                             dv, r, dv, update, !reverse);
 }
 
@@ -84,33 +84,87 @@ void delta_absorb(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar* kf, co
   RankSweep<Scalar> read;
   read.x[0] = kf;
   read.out[0] = prediction;
-  rank_sweep<0, 1, RowScale::none, false>(S.data(), dv, r, dv, read, reverse);
+  rank_sweep<0, 1, RowScale::none>(S.data(), dv, r, dv, read, reverse);
   Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> u(prediction, dv);
   u = beta * (Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(v, dv) - alpha * u);
   RankSweep<Scalar> update;
   update.scale = alpha;
   update.k[0] = kf;
   update.w[0] = prediction;
-  rank_sweep_with<0, false>(1, alpha != Scalar(1) ? RowScale::uniform : RowScale::none, S.data(),
+  rank_sweep_with<0>(1, alpha != Scalar(1) ? RowScale::uniform : RowScale::none, S.data(),
                             dv, r, dv, update, !reverse);
 }
+
+/// The end of the delta recurrence's pair sweep (a RankPass Finish): from the four reads of a
+/// column packet, kf_t S', kf_{t+1} S', qf_t S', qf_{t+1} S', the pair's corrected values and
+/// outputs (formulas at DeltaRecurrence), stored as y and as the next sweep's pending values.
+template <class Scalar>
+struct DeltaPairFinish {
+  Scalar beta[2], alpha[2], q0k0, k1k0, q1k0, q1k1;
+  const Scalar* v[2];
+  Scalar* y[2];
+  Scalar* pending[2];  // alpha_{t+1} u_t and u_{t+1}
+
+  template <class Packet, int R>
+  void operator()(Index column, const Packet (&read)[R], Scalar* const (&)[R]) const noexcept {
+    static_assert(R == 4, "the pair sweep reads kf_t, kf_{t+1}, qf_t and qf_{t+1}");
+    namespace ei = Eigen::internal;
+    const auto c = [](Scalar x) { return ei::pset1<Packet>(x); };
+    const Packet a0 = c(alpha[0]), a1 = c(alpha[1]);
+    const Packet u0 = ei::pmul(c(beta[0]), ei::psub(ei::ploadu<Packet>(v[0] + column),
+                                                    ei::pmul(a0, read[0])));
+    const Packet y0 = ei::padd(ei::pmul(a0, read[2]), ei::pmul(c(q0k0), u0));
+    const Packet p1 = ei::padd(ei::pmul(a0, read[1]), ei::pmul(c(k1k0), u0));
+    const Packet u1 = ei::pmul(c(beta[1]), ei::psub(ei::ploadu<Packet>(v[1] + column),
+                                                    ei::pmul(a1, p1)));
+    const Packet w1 = ei::padd(ei::pmul(a0, read[3]), ei::pmul(c(q1k0), u0));
+    const Packet y1 = ei::padd(ei::pmul(a1, w1), ei::pmul(c(q1k1), u1));
+    ei::pstoreu(y[0] + column, y0);
+    ei::pstoreu(y[1] + column, y1);
+    ei::pstoreu(pending[0] + column, ei::pmul(a1, u0));
+    ei::pstoreu(pending[1] + column, u1);
+  }
+};
+
+/// The end of a one-token sweep of the delta recurrence: from kf S' and qf S',
+/// u = beta (v - alpha kf S') (stored as the pending value) and y = alpha qf S' + (qf . kf) u.
+template <class Scalar>
+struct DeltaSingleFinish {
+  Scalar beta, alpha, qk;
+  const Scalar* v;
+  Scalar* y;
+  Scalar* pending;
+
+  template <class Packet, int R>
+  void operator()(Index column, const Packet (&read)[R], Scalar* const (&)[R]) const noexcept {
+    static_assert(R == 2, "the single sweep reads kf_t and qf_t");
+    namespace ei = Eigen::internal;
+    const Packet a = ei::pset1<Packet>(alpha);
+    const Packet u = ei::pmul(ei::pset1<Packet>(beta),
+                              ei::psub(ei::ploadu<Packet>(v + column), ei::pmul(a, read[0])));
+    ei::pstoreu(y + column, ei::padd(ei::pmul(a, read[1]), ei::pmul(ei::pset1<Packet>(qk), u)));
+    ei::pstoreu(pending + column, u);
+  }
+};
 
 /// The recurrent delta rule over a sequence, two tokens per sweep of S. The update of the
 /// tokens already seen is carried (pending) into the next sweep, which applies it to each row
 /// as it loads it, so S in memory lags behind until finish(). For tokens t, t+1 after S' =
-/// S_{t-1} (pending applied), one sweep gives kf_t S', kf_{t+1} S', qf_t S', qf_{t+1} S', and
+/// S_{t-1} (pending applied), one sweep gives kf_t S', kf_{t+1} S', qf_t S', qf_{t+1} S', and,
+/// as it stores each column packet (DeltaPairFinish),
 ///   u_t     = beta_t (v_t - alpha_t kf_t S')
 ///   y_t     = alpha_t qf_t S' + (qf_t . kf_t) u_t
 ///   u_{t+1} = beta_{t+1} (v_{t+1} - alpha_{t+1} (alpha_t kf_{t+1} S' + (kf_{t+1} . kf_t) u_t))
 ///   y_{t+1} = alpha_{t+1} (alpha_t qf_{t+1} S' + (qf_{t+1} . kf_t) u_t)
 ///             + (qf_{t+1} . kf_{t+1}) u_{t+1}
 ///   pending: S_{t+1} = alpha_t alpha_{t+1} S' + kf_t^T (alpha_{t+1} u_t) + kf_{t+1}^T u_{t+1}.
-/// Per pair: 14 r dv flops (7 per token; 12 for Delta), S loaded and stored once. Allocates at
-/// construction only.
+/// (A column's pending values are loaded at the start of its pass, so the pass may overwrite
+/// them at its end.) Per pair: 14 r dv flops (7 per token; 12 for Delta), S loaded and stored
+/// once. Allocates at construction only.
 template <class Scalar>
 class DeltaRecurrence {
  public:
-  DeltaRecurrence(Index r, Index dv) : keys_(2, r), values_(2, dv), reads_(4, dv) {}
+  DeltaRecurrence(Index r, Index dv) : keys_(2, r), values_(2, dv) {}
 
   /// Tokens t, t+1 (features qf, kf of length r, values v of length dv, outputs y of length
   /// dv, contiguous; y must not overlap the inputs). `reverse` sets the sweep's direction.
@@ -120,25 +174,17 @@ class DeltaRecurrence {
     const Index r = S.rows(), dv = S.cols();
     RankSweep<Scalar> sweep = pending_sweep();
     const Scalar* reads[4] = {kf[0], kf[1], qf[0], qf[1]};
-    for (int m = 0; m < 4; ++m) {
-      sweep.x[m] = reads[m];
-      sweep.out[m] = reads_.row(m).data();
-    }
-    rank_sweep_with<4, false>(pending_, pending_scale(), S.data(), dv, r, dv, sweep, reverse);
-    using Vec = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
-    using ConstVec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
-    const Scalar q0k0 = ordered_dot(qf[0], kf[0], r), k1k0 = ordered_dot(kf[1], kf[0], r);
-    const Scalar q1k0 = ordered_dot(qf[1], kf[0], r), q1k1 = ordered_dot(qf[1], kf[1], r);
-    Vec u0(values_.row(0).data(), dv), u1(values_.row(1).data(), dv);
-    Vec p0(reads_.row(0).data(), dv), p1(reads_.row(1).data(), dv);
-    Vec w0(reads_.row(2).data(), dv), w1(reads_.row(3).data(), dv);
-    Vec y0(y[0], dv), y1(y[1], dv);
-    u0 = beta[0] * (ConstVec(v[0], dv) - alpha[0] * p0);
-    y0 = alpha[0] * w0 + q0k0 * u0;
-    p1 = alpha[0] * p1 + k1k0 * u0;
-    u1 = beta[1] * (ConstVec(v[1], dv) - alpha[1] * p1);
-    y1 = alpha[1] * (alpha[0] * w1 + q1k0 * u0) + q1k1 * u1;
-    u0 *= alpha[1];
+    for (int m = 0; m < 4; ++m) sweep.x[m] = reads[m];
+    DeltaPairFinish<Scalar> finish{{beta[0], beta[1]},
+                                   {alpha[0], alpha[1]},
+                                   ordered_dot(qf[0], kf[0], r),
+                                   ordered_dot(kf[1], kf[0], r),
+                                   ordered_dot(qf[1], kf[0], r),
+                                   ordered_dot(qf[1], kf[1], r),
+                                   {v[0], v[1]},
+                                   {y[0], y[1]},
+                                   {values_.row(0).data(), values_.row(1).data()}};
+    rank_sweep_with<4>(pending_, pending_scale(), S.data(), dv, r, dv, sweep, reverse, finish);
     std::copy_n(kf[0], r, keys_.row(0).data());
     std::copy_n(kf[1], r, keys_.row(1).data());
     scale_ = alpha[0] * alpha[1];
@@ -152,13 +198,11 @@ class DeltaRecurrence {
     RankSweep<Scalar> sweep = pending_sweep();
     sweep.x[0] = kf;
     sweep.x[1] = qf;
-    sweep.out[0] = reads_.row(0).data();
-    sweep.out[1] = reads_.row(1).data();
-    rank_sweep_with<2, false>(pending_, pending_scale(), S.data(), dv, r, dv, sweep, reverse);
-    using Vec = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
-    Vec u(values_.row(0).data(), dv), p(reads_.row(0).data(), dv), w(reads_.row(1).data(), dv);
-    u = beta * (Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(v, dv) - alpha * p);
-    Vec(y, dv) = alpha * w + ordered_dot(qf, kf, r) * u;
+    // The new pending value overwrites row 0 column by column: each column pass loads its
+    // part of the old pending values before it stores anything.
+    const DeltaSingleFinish<Scalar> finish{beta, alpha, ordered_dot(qf, kf, r), v, y,
+                                           values_.row(0).data()};
+    rank_sweep_with<2>(pending_, pending_scale(), S.data(), dv, r, dv, sweep, reverse, finish);
     std::copy_n(kf, r, keys_.row(0).data());
     scale_ = alpha;
     pending_ = 1;
@@ -168,8 +212,7 @@ class DeltaRecurrence {
   void finish(RowMatrix<Scalar>& S, bool reverse) noexcept {
     if (pending_ == 0) return;
     const Index r = S.rows(), dv = S.cols();
-    rank_sweep_with<0, false>(pending_, pending_scale(), S.data(), dv, r, dv, pending_sweep(),
-                              reverse);
+    rank_sweep_with<0>(pending_, pending_scale(), S.data(), dv, r, dv, pending_sweep(), reverse);
     pending_ = 0;
     scale_ = 1;
   }
@@ -188,7 +231,7 @@ class DeltaRecurrence {
     return sweep;
   }
 
-  RowMatrix<Scalar> keys_, values_, reads_;
+  RowMatrix<Scalar> keys_, values_;
   int pending_ = 0;
   Scalar scale_ = 1;
 };

@@ -62,9 +62,154 @@ struct GatedToken {
   const Scalar* gates = nullptr;
   Scalar gate = 1;
   Scalar* y = nullptr;
-
-  [[nodiscard]] Scalar gate_of(Index i) const noexcept { return gates != nullptr ? gates[i] : gate; }
 };
+
+/// One sweep of the gated kernels over S. For each row i and each of `Steps` tokens u in order:
+///   S_i = s_u S_i + k_u[i] (w_scale[u] w_u)   (s_u = scale[u], or row_scale[u][i]; only for
+///                                              the first ScaledSteps steps, else no multiply)
+///   acc_u += x_u[i] S_i                        (with Read: the row after token u)
+/// and each read is stored as out_u = read_scale[u] acc_u, divided by divisor[u] if `divide`.
+/// k, x: length r; w, out: length dv, contiguous.
+template <class Scalar>
+struct GatedSweep {
+  const Scalar* row_scale[2] = {nullptr, nullptr};
+  Scalar scale[2] = {1, 1};
+  const Scalar* k[2] = {nullptr, nullptr};
+  const Scalar* w[2] = {nullptr, nullptr};
+  Scalar w_scale[2] = {1, 1};
+  const Scalar* x[2] = {nullptr, nullptr};
+  Scalar* out[2] = {nullptr, nullptr};
+  Scalar read_scale[2] = {1, 1};
+  Scalar divisor[2] = {1, 1};
+  bool divide = false;
+};
+
+/// One column pass of gated_sweep.
+template <int Steps, RowScale Scale, int ScaledSteps, bool Read, class Scalar>
+struct GatedPass {
+  Scalar* S;
+  Index ld, r;
+  const GatedSweep<Scalar>* sweep;
+  bool chunks_reversed;
+
+  template <class Packet, int Packets>
+  void operator()(Index c0) const noexcept {
+    namespace ei = Eigen::internal;
+    constexpr int N = packet_size<Packet>;
+    // Local copies: stores through S may alias anything, so fields read through `sweep` would
+    // be reloaded after every store.
+    const Scalar* k[Steps];
+    const Scalar* x[Steps];
+    const Scalar* row_scale[Steps];
+    Packet w[Steps][Packets], scale[Steps], acc[Steps][Packets];
+    Packet chunk_sum[sweep_chunks][Steps][Packets];
+#pragma GCC unroll 2
+    for (int u = 0; u < Steps; ++u) {
+      k[u] = sweep->k[u];
+      x[u] = sweep->x[u];
+      row_scale[u] = sweep->row_scale[u];
+      scale[u] = ei::pset1<Packet>(sweep->scale[u]);
+      const Packet ws = ei::pset1<Packet>(sweep->w_scale[u]);
+#pragma GCC unroll 8
+      for (int p = 0; p < Packets; ++p)
+        w[u][p] = ei::pmul(ws, ei::ploadu<Packet>(sweep->w[u] + c0 + p * N));
+    }
+    Scalar* const base = S + c0;
+    const Index stride = ld;
+    const auto rows = [&](Index begin, Index end) {
+      if constexpr (Read) {
+#pragma GCC unroll 2
+        for (int u = 0; u < Steps; ++u)
+#pragma GCC unroll 8
+          for (int p = 0; p < Packets; ++p) acc[u][p] = ei::pset1<Packet>(Scalar(0));
+      }
+      Scalar* s_row = base + begin * stride;
+      for (Index i = begin; i < end; ++i, s_row += stride) {
+        Packet s[Packets];
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) s[p] = ei::ploadu<Packet>(s_row + p * N);
+#pragma GCC unroll 2
+        for (int u = 0; u < Steps; ++u) {
+          const Packet ku = ei::pset1<Packet>(k[u][i]);
+          if (u < ScaledSteps) {
+            const Packet su = Scale == RowScale::per_row ? ei::pset1<Packet>(row_scale[u][i])
+                                                         : scale[u];
+#pragma GCC unroll 8
+            for (int p = 0; p < Packets; ++p) s[p] = ei::pmadd(ku, w[u][p], ei::pmul(su, s[p]));
+          } else {
+#pragma GCC unroll 8
+            for (int p = 0; p < Packets; ++p) s[p] = ei::pmadd(ku, w[u][p], s[p]);
+          }
+          if constexpr (Read) {
+            const Packet xu = ei::pset1<Packet>(x[u][i]);
+#pragma GCC unroll 8
+            for (int p = 0; p < Packets; ++p) acc[u][p] = ei::pmadd(xu, s[p], acc[u][p]);
+          }
+        }
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) ei::pstoreu(s_row + p * N, s[p]);
+      }
+    };
+    const Index rows_total = r;
+    const bool backwards = chunks_reversed;
+    for (int n = 0; n < sweep_chunks; ++n) {
+      const int c = backwards ? sweep_chunks - 1 - n : n;
+      rows(sweep_chunk_begin(rows_total, c), sweep_chunk_begin(rows_total, c + 1));
+      if constexpr (Read) {
+#pragma GCC unroll 2
+        for (int u = 0; u < Steps; ++u)
+#pragma GCC unroll 8
+          for (int p = 0; p < Packets; ++p) chunk_sum[c][u][p] = acc[u][p];
+      }
+    }
+    if constexpr (Read) {
+#pragma GCC unroll 2
+      for (int u = 0; u < Steps; ++u) {
+        const Packet read_scale = ei::pset1<Packet>(sweep->read_scale[u]);
+        const Packet divisor = ei::pset1<Packet>(sweep->divisor[u]);
+#pragma GCC unroll 8
+        for (int p = 0; p < Packets; ++p) {
+          Packet sum = chunk_sum[0][u][p];
+          for (int c = 1; c < sweep_chunks; ++c) sum = ei::padd(sum, chunk_sum[c][u][p]);
+          sum = ei::pmul(read_scale, sum);
+          ei::pstoreu(sweep->out[u] + c0 + p * N, sweep->divide ? ei::pdiv(sum, divisor) : sum);
+        }
+      }
+    }
+  }
+};
+
+/// One sweep over S (r x dv, row stride ld) as GatedSweep describes: each element loaded and
+/// stored once whatever the number of tokens; reads summed by row chunks in chunk order (as
+/// sweep_tokens), so the direction (`reverse`, alternated between sweeps so that one starts
+/// where the last ended, in L1) changes no bit. Per token 2 r dv flops for the update, r dv
+/// more if scaled, 2 r dv for the read. No allocation.
+template <int Steps, RowScale Scale, int ScaledSteps, bool Read, class Scalar>
+void gated_sweep(Scalar* S, Index ld, Index r, Index dv, const GatedSweep<Scalar>& sweep,
+                 bool reverse) noexcept {
+  constexpr int P = sweep_packets<Steps>;
+  column_passes<P, Scalar>(dv, reverse,
+                           GatedPass<Steps, Scale, ScaledSteps, Read, Scalar>{S, ld, r, &sweep,
+                                                                             reverse});
+}
+
+/// gated_sweep with the scaled steps (0 to Steps) and the kind of scale chosen at run time.
+template <int Steps, bool Read, class Scalar>
+void gated_sweep_with(int scaled_steps, bool per_row, Scalar* S, Index ld, Index r, Index dv,
+                      const GatedSweep<Scalar>& sweep, bool reverse) noexcept {
+  const auto with = [&]<int Scaled>() {
+    if (per_row)
+      gated_sweep<Steps, RowScale::per_row, Scaled, Read>(S, ld, r, dv, sweep, reverse);
+    else
+      gated_sweep<Steps, RowScale::uniform, Scaled, Read>(S, ld, r, dv, sweep, reverse);
+  };
+  if (scaled_steps <= 0)
+    with.template operator()<0>();
+  else if (scaled_steps == 1 || Steps == 1)
+    with.template operator()<1>();
+  else
+    with.template operator()<Steps>();
+}
 
 /// z_out = g .* z + kf (the token's gates) and returns qf . z_out (the denominator of the
 /// token's read) by ordered_dot, or 0 without qf. z_out must not overlap the inputs.
@@ -80,36 +225,34 @@ Scalar gate_keys_and_dot(const Scalar* z, const GatedToken<Scalar>& token, Scala
   return token.qf != nullptr ? ordered_dot(token.qf, z_out, r) : Scalar(0);
 }
 
-/// The RankSweep of one token's write S = diag(g) S + kf^T v (and, with `read`, y = qf S).
+/// The GatedSweep of one token's exact write S = diag(g) S + kf^T v (and y = qf S, divided).
 template <class Scalar>
-RankSweep<Scalar> gated_write(const GatedToken<Scalar>& token, bool read) noexcept {
-  RankSweep<Scalar> sweep;
-  sweep.scale = token.gate;
-  sweep.row_scale = token.gates;
+GatedSweep<Scalar> gated_write(const GatedToken<Scalar>& token) noexcept {
+  GatedSweep<Scalar> sweep;
+  sweep.scale[0] = token.gate;
+  sweep.row_scale[0] = token.gates;
   sweep.k[0] = token.kf;
   sweep.w[0] = token.v;
-  if (read) {
-    sweep.x[0] = token.qf;
-    sweep.out[0] = token.y;
-  }
+  sweep.x[0] = token.qf;
+  sweep.out[0] = token.y;
   return sweep;
 }
 
 /// One decode token on the exact state: z_next = g .* z + kf and the divisor from qf . z_next,
 /// checked before anything changes (a DenominatorError leaves S, z and `tokens` as they were);
-/// then one sweep S = diag(g) S + kf^T v that reads y = qf S from each updated row, and
-/// y /= divisor. 5 r dv flops, S loaded and stored once. `z_next` is r scratch; y must not
-/// overlap the inputs. The sweep direction alternates with `tokens`.
+/// then one sweep S = diag(g) S + kf^T v that reads y = qf S / divisor from each updated row.
+/// 5 r dv flops, S loaded and stored once. `z_next` is r scratch; y must not overlap the
+/// inputs. The sweep direction alternates with `tokens`.
 template <class Scalar>
 void gated_token(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scalar>& z_next,
                  const GatedToken<Scalar>& token, const Normalization& norm, Index row,
                  Index& tokens) {
   const Index r = S.rows(), dv = S.cols();
-  const Scalar divisor = norm.divisor(gate_keys_and_dot(z.data(), token, z_next.data(), r), row);
-  const RankSweep<Scalar> sweep = gated_write(token, true);
-  rank_sweep_with<1, false>(1, token.gates != nullptr ? RowScale::per_row : RowScale::uniform,
-                            S.data(), dv, r, dv, sweep, tokens % 2 != 0);
-  if (norm.divides()) Eigen::Map<RowVector<Scalar>>(token.y, dv) /= divisor;
+  GatedSweep<Scalar> sweep = gated_write(token);
+  sweep.divisor[0] = norm.divisor(gate_keys_and_dot(z.data(), token, z_next.data(), r), row);
+  sweep.divide = norm.divides();
+  gated_sweep_with<1, true>(1, token.gates != nullptr, S.data(), dv, r, dv, sweep,
+                            tokens % 2 != 0);
   z.swap(z_next);
   ++tokens;
 }
@@ -127,27 +270,29 @@ void gated_absorb(RowMatrix<Scalar>& S, ColVector<Scalar>& z, ColVector<Scalar>&
     gate_keys_and_dot(z.data(), token, z_next.data(), r);
     z.swap(z_next);
   }
-  rank_sweep_with<0, false>(1, token.gates != nullptr ? RowScale::per_row : RowScale::uniform,
-                            S.data(), dv, r, dv, gated_write(token, false), reverse);
+  gated_sweep_with<1, false>(1, token.gates != nullptr, S.data(), dv, r, dv, gated_write(token),
+                             reverse);
 }
 
 /// The recurrent gated rule over a sequence, two tokens per sweep of S and, most of the time,
-/// no multiply by the gates in the sweep. S is kept scaled: the true state is diag(c) S, with
-/// c the product of the gates since the state was last settled (one number for gates shared by
-/// all channels, else one per channel). Tokens t, t+1 with gates g, h read S as it was
-/// (x_0 = qf_t .* g .* c, x_1 = qf_{t+1} .* h .* g .* c) and then add
-///   kf_t^T (h ./ c') v_t + kf_{t+1}^T v_{t+1} ./ c',     c' = g .* h .* c
-/// in the same sweep: 2 reads and 2 rank-one updates per element, the additive pair sweep's
-/// arithmetic. The reads are completed outside the sweep:
-///   y_t     = (x_0 S + (qf_t . kf_t) v_t) / den_t
-///   y_{t+1} = (x_1 S + ((qf_{t+1} .* h) . kf_t) v_t + (qf_{t+1} . kf_{t+1}) v_{t+1}) / den_{t+1}.
-/// When some c' falls below `settle_below` (or when asked), the sweep multiplies each row by
-/// c' instead and c returns to 1, so S never holds more than 1 / settle_below times the true
-/// state: with 2^-16 (2^-64 for double) nothing overflows unless the true state is within
-/// 2^16 of the largest finite number. Every weight is still a product of gates, so the
-/// results carry the recurrent path's rounding. z is kept exactly (r values). finish()
-/// settles S. Per token 4 r dv flops in the sweep, about 8 r and 4 dv outside it. Allocates at
-/// construction only.
+/// no multiply by the gates in the sweep: the additive pair sweep's arithmetic. S is kept
+/// scaled, the true state being diag(c) S with c the product of the gates since the state was
+/// last settled (one number for gates shared by all channels, else one per channel). For
+/// tokens t, t+1 with gates g, h and c_t = g .* c, c_{t+1} = h .* c_t:
+///   S += (kf_t ./ c_t)^T v_t,      y_t     = ((qf_t .* c_t) . S) / den_t
+///   S += (kf_{t+1} ./ c_{t+1})^T v_{t+1},  y_{t+1} = ((qf_{t+1} .* c_{t+1}) . S) / den_{t+1}
+/// in one sweep, exactly the additive sweep with scaled keys and queries (with one gate per
+/// token, 1 / c scales the values and c the reads instead). c only decreases; before it falls
+/// below `settle_below` the sweep first multiplies each row by c and starts again from c = 1
+/// (one multiply per element in that sweep), and if the pair's own gates are below it too the
+/// sweep applies them exactly (S = g S + ..., S = h S + ...). So S never holds more than
+/// 1 / settle_below times the true state: with 2^-16 (2^-64 in double) nothing overflows unless
+/// the true state is within 2^16 of the largest finite number, and 1 / c never overflows.
+/// Every weight is still a product of gates (c_{t+1} / c_j = the gates in between), so the
+/// results carry the recurrent path's rounding, plus a division and two multiplications. z is
+/// kept exactly (r values). With `settle` the state is exact after the call; finish() settles
+/// it otherwise. Per token 4 r dv flops in the sweep and about 6 r outside it. Allocates at
+/// construction only; `dv` is accepted for symmetry with DeltaRecurrence.
 template <class Scalar>
 class GatedRecurrence {
  public:
@@ -155,104 +300,32 @@ class GatedRecurrence {
                                                                        : Scalar(0x1p-64);
 
   GatedRecurrence(Index r, Index dv)
-      : c_(Array::Ones(r)), next_(r), x_{Array::Zero(r), Array::Zero(r)},
-        k_{Array::Zero(r), Array::Zero(r)}, w_{Array::Zero(dv), Array::Zero(dv)}, z_mid_(r),
-        z_next_(r) {}
+      : c_(Array::Ones(r)), settle_scale_(Array::Ones(r)), next_{Array::Ones(r), Array::Ones(r)},
+        x_{Array::Zero(r), Array::Zero(r)}, k_{Array::Zero(r), Array::Zero(r)}, z_mid_(r),
+        z_next_(r) {
+    static_cast<void>(dv);
+  }
 
   /// Tokens t, t+1 (rows `row`, row + 1; positions tokens, tokens + 1), both with per-channel
   /// gates or both with one gate. Both denominators are checked before anything changes; if
   /// only the second is rejected the first is absorbed alone (y written, `tokens` advanced)
-  /// and the DenominatorError propagates. With `settle` the state is exact after the call.
+  /// and the DenominatorError propagates.
   void pair(RowMatrix<Scalar>& S, ColVector<Scalar>& z, const GatedToken<Scalar> token[2],
             const Normalization& norm, Index row, Index& tokens, bool settle) {
     const Index r = S.rows(), dv = S.cols();
-    const GatedToken<Scalar>& t0 = token[0];
-    const GatedToken<Scalar>& t1 = token[1];
-    const Scalar den0 = gate_keys_and_dot(z.data(), t0, z_mid_.data(), r);
-    const Scalar den1 = gate_keys_and_dot(z_mid_.data(), t1, z_next_.data(), r);
-    const Scalar divisor0 = norm.divisor(den0, row);
-    Scalar divisor1 = 1;
+    GatedSweep<Scalar> sweep;
+    sweep.divisor[0] = norm.divisor(gate_keys_and_dot(z.data(), token[0], z_mid_.data(), r), row);
     try {
-      divisor1 = norm.divisor(den1, row + 1);
+      sweep.divisor[1] =
+          norm.divisor(gate_keys_and_dot(z_mid_.data(), token[1], z_next_.data(), r), row + 1);
     } catch (const DenominatorError&) {
-      single(S, z, t0, norm, row, tokens, true);
+      single(S, z, token[0], norm, row, tokens, true);
       throw;
     }
-    const ConstArray q0(t0.qf, r), k0(t0.kf, r), q1(t1.qf, r), k1(t1.kf, r);
-    const ConstArray v0(t0.v, dv), v1(t1.v, dv);
-    RankSweep<Scalar> sweep;
-    sweep.k[1] = t1.kf;
-    sweep.w[0] = w_[0].data();
-    Scalar y0_scale = 1, y1_scale = 1, q1h_k0;
-    bool settles;
-    if (t0.gates == nullptr) {
-      // One gate per token: c is one number; the gates scale the values and the reads.
-      const Scalar g = t0.gate, h = t1.gate, gc = g * c_(0), next = h * gc;
-      settles = settle || next < settle_below;
-      sweep.x[0] = t0.qf;
-      sweep.x[1] = t1.qf;
-      sweep.k[0] = t0.kf;
-      y0_scale = gc;
-      y1_scale = h * gc;
-      q1h_k0 = h * ordered_dot(t1.qf, t0.kf, r);
-      if (settles) {
-        sweep.scale = next;
-        w_[0] = h * v0;
-        sweep.w[1] = t1.v;
-        c_.setOnes();
-      } else {
-        const Scalar inverse = Scalar(1) / next;
-        w_[0] = (h * inverse) * v0;
-        w_[1] = inverse * v1;
-        sweep.w[1] = w_[1].data();
-        c_.setConstant(next);
-      }
-    } else {
-      const ConstArray g(t0.gates, r), h(t1.gates, r);
-      x_[1] = q1 * h;
-      q1h_k0 = (x_[1] * k0).sum();
-      next_ = g * c_;
-      x_[0] = q0 * next_;
-      x_[1] *= next_;
-      next_ *= h;
-      settles = settle || next_.minCoeff() < settle_below;
-      k_[0] = h * k0;
-      sweep.x[0] = x_[0].data();
-      sweep.x[1] = x_[1].data();
-      sweep.k[0] = k_[0].data();
-      sweep.w[0] = t0.v;
-      sweep.w[1] = t1.v;
-      if (settles) {
-        sweep.row_scale = next_.data();
-        c_.setOnes();
-      } else {
-        c_ = next_;
-        next_ = c_.inverse();
-        k_[0] *= next_;
-        k_[1] = k1 * next_;
-        sweep.k[1] = k_[1].data();
-      }
-    }
-    settled_ = settles;
-    sweep.out[0] = t0.y;
-    sweep.out[1] = t1.y;
-    const bool reverse = (tokens / 2) % 2 != 0;
-    const RowScale scale = !settles ? RowScale::none
-                           : t0.gates == nullptr ? RowScale::uniform
-                                                 : RowScale::per_row;
-    if (scale == RowScale::none)
-      rank_sweep<2, 2, RowScale::none, true>(S.data(), dv, r, dv, sweep, reverse);
-    else if (scale == RowScale::uniform)
-      rank_sweep<2, 2, RowScale::uniform, true>(S.data(), dv, r, dv, sweep, reverse);
-    else
-      rank_sweep<2, 2, RowScale::per_row, true>(S.data(), dv, r, dv, sweep, reverse);
-    MutArray y0(t0.y, dv), y1(t1.y, dv);
-    y0 = y0_scale * y0 + ordered_dot(t0.qf, t0.kf, r) * v0;
-    y1 = y1_scale * y1 + q1h_k0 * v0 + ordered_dot(t1.qf, t1.kf, r) * v1;
-    if (norm.divides()) {
-      y0 /= divisor0;
-      y1 /= divisor1;
-    }
+    sweep.divide = norm.divides();
+    const int scaled = prepare<2>(token, sweep, settle);
+    gated_sweep_with<2, true>(scaled, token[0].gates != nullptr, S.data(), dv, r, dv, sweep,
+                              (tokens / 2) % 2 != 0);
     z.swap(z_next_);
     tokens += 2;
   }
@@ -261,53 +334,12 @@ class GatedRecurrence {
   void single(RowMatrix<Scalar>& S, ColVector<Scalar>& z, const GatedToken<Scalar>& token,
               const Normalization& norm, Index row, Index& tokens, bool settle) {
     const Index r = S.rows(), dv = S.cols();
-    const Scalar divisor =
-        norm.divisor(gate_keys_and_dot(z.data(), token, z_next_.data(), r), row);
-    const ConstArray v(token.v, dv);
-    RankSweep<Scalar> sweep;
-    sweep.k[0] = token.kf;
-    sweep.w[0] = token.v;
-    Scalar y_scale = 1;
-    bool settles;
-    if (token.gates == nullptr) {
-      const Scalar next = token.gate * c_(0);
-      settles = settle || next < settle_below;
-      sweep.x[0] = token.qf;
-      y_scale = next;
-      if (settles) {
-        sweep.scale = next;
-        c_.setOnes();
-      } else {
-        w_[0] = (Scalar(1) / next) * v;
-        sweep.w[0] = w_[0].data();
-        c_.setConstant(next);
-      }
-    } else {
-      next_ = ConstArray(token.gates, r) * c_;
-      x_[0] = ConstArray(token.qf, r) * next_;
-      sweep.x[0] = x_[0].data();
-      settles = settle || next_.minCoeff() < settle_below;
-      if (settles) {
-        sweep.row_scale = next_.data();
-        c_.setOnes();
-      } else {
-        c_ = next_;
-        k_[0] = ConstArray(token.kf, r) / c_;
-        sweep.k[0] = k_[0].data();
-      }
-    }
-    settled_ = settles;
-    sweep.out[0] = token.y;
-    const bool reverse = (tokens / 2) % 2 != 0;
-    if (!settles)
-      rank_sweep<1, 1, RowScale::none, true>(S.data(), dv, r, dv, sweep, reverse);
-    else if (token.gates == nullptr)
-      rank_sweep<1, 1, RowScale::uniform, true>(S.data(), dv, r, dv, sweep, reverse);
-    else
-      rank_sweep<1, 1, RowScale::per_row, true>(S.data(), dv, r, dv, sweep, reverse);
-    MutArray y(token.y, dv);
-    y = y_scale * y + ordered_dot(token.qf, token.kf, r) * v;
-    if (norm.divides()) y /= divisor;
+    GatedSweep<Scalar> sweep;
+    sweep.divisor[0] = norm.divisor(gate_keys_and_dot(z.data(), token, z_next_.data(), r), row);
+    sweep.divide = norm.divides();
+    const int scaled = prepare<1>(&token, sweep, settle);
+    gated_sweep_with<1, true>(scaled, token.gates != nullptr, S.data(), dv, r, dv, sweep,
+                              (tokens / 2) % 2 != 0);
     z.swap(z_next_);
     ++tokens;
   }
@@ -318,7 +350,7 @@ class GatedRecurrence {
     const Index r = S.rows(), dv = S.cols();
     RankSweep<Scalar> sweep;
     sweep.row_scale = c_.data();
-    rank_sweep<0, 0, RowScale::per_row, false>(S.data(), dv, r, dv, sweep, false);
+    rank_sweep<0, 0, RowScale::per_row>(S.data(), dv, r, dv, sweep, false);
     c_.setOnes();
     settled_ = true;
   }
@@ -326,10 +358,96 @@ class GatedRecurrence {
  private:
   using Array = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
   using ConstArray = Eigen::Map<const Array>;
-  using MutArray = Eigen::Map<Array>;
 
-  Array c_, next_;
-  Array x_[2], k_[2], w_[2];
+  // Fills the sweep's keys, values, reads and scales for `Steps` tokens and updates c; returns
+  // how many leading steps multiply the rows (0: none; 1: settle c first; Steps: exact gates).
+  template <int Steps>
+  int prepare(const GatedToken<Scalar>* token, GatedSweep<Scalar>& sweep, bool settle) {
+    const Index r = c_.size();
+    const bool per_channel = token[0].gates != nullptr;
+    for (int u = 0; u < Steps; ++u) {
+      sweep.k[u] = token[u].kf;
+      sweep.w[u] = token[u].v;
+      sweep.x[u] = token[u].qf;
+      sweep.out[u] = token[u].y;
+    }
+    // The scales after each step from c, and from 1 (c settled first).
+    const auto gates = [&](int u) { return ConstArray(token[u].gates, r); };
+    Scalar low_kept = 1, low_fresh = 1;
+    if (per_channel) {
+      next_[0] = gates(0) * c_;
+      x_[0] = gates(0);  // scratch: the scales from 1
+      for (int u = 1; u < Steps; ++u) {
+        next_[u] = gates(u) * next_[u - 1];
+        x_[u] = gates(u) * x_[u - 1];
+      }
+      low_kept = next_[Steps - 1].minCoeff();
+      low_fresh = x_[Steps - 1].minCoeff();
+    } else {
+      Scalar kept = token[0].gate * c_(0), fresh = token[0].gate;
+      for (int u = 1; u < Steps; ++u) {
+        kept *= token[u].gate;
+        fresh *= token[u].gate;
+      }
+      low_kept = kept;
+      low_fresh = fresh;
+    }
+    int scaled = 0;
+    if (settle || low_fresh < settle_below) {
+      // Exact: S = g S + kf v^T per step, starting from the true state (c folded into the
+      // first step's gates); c is 1 afterwards.
+      scaled = Steps;
+      for (int u = 0; u < Steps; ++u) {
+        if (per_channel) {
+          if (u == 0)
+            next_[0] = gates(0) * c_;
+          else
+            next_[u] = gates(u);
+          sweep.row_scale[u] = next_[u].data();
+        } else {
+          sweep.scale[u] = u == 0 ? token[0].gate * c_(0) : token[u].gate;
+        }
+      }
+      c_.setOnes();
+      settled_ = true;
+      return scaled;
+    }
+    if (low_kept < settle_below) {
+      // Settle first: the first step multiplies the rows by c, then the scales start from 1.
+      scaled = 1;
+      if (per_channel) {
+        settle_scale_ = c_;
+        sweep.row_scale[0] = settle_scale_.data();
+        for (int u = 0; u < Steps; ++u) next_[u] = x_[u];
+      } else {
+        sweep.scale[0] = c_(0);
+      }
+      c_.setOnes();
+    }
+    // Scaled keys (per channel) or values (one gate), scaled reads; c becomes the last scale.
+    if (per_channel) {
+      for (int u = 0; u < Steps; ++u) {
+        k_[u] = ConstArray(token[u].kf, r) / next_[u];
+        x_[u] = ConstArray(token[u].qf, r) * next_[u];
+        sweep.k[u] = k_[u].data();
+        sweep.x[u] = x_[u].data();
+      }
+      c_ = next_[Steps - 1];
+    } else {
+      Scalar scale = c_(0);
+      for (int u = 0; u < Steps; ++u) {
+        scale *= token[u].gate;
+        sweep.w_scale[u] = Scalar(1) / scale;
+        sweep.read_scale[u] = scale;
+      }
+      c_.setConstant(scale);
+    }
+    settled_ = false;
+    return scaled;
+  }
+
+  Array c_, settle_scale_;
+  Array next_[2], x_[2], k_[2];
   ColVector<Scalar> z_mid_, z_next_;
   bool settled_ = true;
 };

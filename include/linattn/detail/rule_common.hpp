@@ -227,10 +227,9 @@ void column_passes(Index dv, bool reverse, Pass&& pass) {
 /// How a rank sweep scales each row of S before its rank-one updates.
 enum class RowScale { none, uniform, per_row };
 
-/// One sweep over S of the write-rule kernels. For each row i, in order:
-///   if ReadFirst:   out_m += x_m[i] S_i                  (the row as loaded)
+/// One sweep over S of the delta kernels. For each row i, in order:
 ///   S_i = s_i S_i + k_0[i] w_0 + ... + k_{U-1}[i] w_{U-1}  (s_i = scale or row_scale[i], or 1)
-///   if !ReadFirst:  out_m += x_m[i] S_i                  (the updated row)
+///   out_m += x_m[i] S_i                                  (the updated row)
 /// x, k: length r; w, out: length dv, contiguous.
 template <class Scalar>
 struct RankSweep {
@@ -242,14 +241,25 @@ struct RankSweep {
   Scalar* out[4] = {nullptr, nullptr, nullptr, nullptr};
 };
 
+/// The end of a rank sweep's column pass: stores each read, out_m[column ...] = sum_m. A
+/// kernel may pass its own (the delta recurrence finishes its tokens there) with the same
+/// call: finish(column, sums, out), sums[m] the packet of read m at `column`.
+struct StoreReads {
+  template <class Packet, int R, class Scalar>
+  void operator()(Index column, const Packet (&sum)[R], Scalar* const (&out)[R]) const noexcept {
+    for (int m = 0; m < R; ++m) Eigen::internal::pstoreu(out[m] + column, sum[m]);
+  }
+};
+
 /// One column pass of rank_sweep.
-template <int Updates, int Reads, RowScale Scale, bool ReadFirst, class Scalar>
+template <int Updates, int Reads, RowScale Scale, class Scalar, class Finish = StoreReads>
 struct RankPass {
   static constexpr bool stores = Updates > 0 || Scale != RowScale::none;
   Scalar* S;
   Index ld, r;
   const RankSweep<Scalar>* sweep;
   bool chunks_reversed;
+  Finish finish;
 
   template <class Packet, int Packets>
   void operator()(Index c0) const noexcept {
@@ -269,7 +279,7 @@ struct RankPass {
 #pragma GCC unroll 8
       for (int p = 0; p < Packets; ++p) w[u][p] = ei::ploadu<Packet>(sweep->w[u] + c0 + p * N);
     }
-    Scalar* out[R];
+    Scalar* out[R] = {};
 #pragma GCC unroll 4
     for (int m = 0; m < Reads; ++m) {
       x[m] = sweep->x[m];
@@ -295,7 +305,6 @@ struct RankPass {
         Packet s[Packets];
 #pragma GCC unroll 8
         for (int p = 0; p < Packets; ++p) s[p] = ei::ploadu<Packet>(s_row + p * N);
-        if constexpr (ReadFirst) read(i, s);
         if constexpr (Scale != RowScale::none) {
           const Packet si = Scale == RowScale::per_row ? ei::pset1<Packet>(row_scale[i]) : scale;
 #pragma GCC unroll 8
@@ -307,7 +316,7 @@ struct RankPass {
 #pragma GCC unroll 8
           for (int p = 0; p < Packets; ++p) s[p] = ei::pmadd(ku, w[u][p], s[p]);
         }
-        if constexpr (!ReadFirst) read(i, s);
+        read(i, s);
         if constexpr (stores) {
 #pragma GCC unroll 8
           for (int p = 0; p < Packets; ++p) ei::pstoreu(s_row + p * N, s[p]);
@@ -324,14 +333,18 @@ struct RankPass {
 #pragma GCC unroll 8
         for (int p = 0; p < Packets; ++p) chunk_sum[c][m][p] = acc[m][p];
     }
-#pragma GCC unroll 4
-    for (int m = 0; m < Reads; ++m)
+    if constexpr (Reads > 0) {
 #pragma GCC unroll 8
       for (int p = 0; p < Packets; ++p) {
-        Packet sum = chunk_sum[0][m][p];
-        for (int c = 1; c < sweep_chunks; ++c) sum = ei::padd(sum, chunk_sum[c][m][p]);
-        ei::pstoreu(out[m] + c0 + p * N, sum);
+        Packet sum[Reads];
+#pragma GCC unroll 4
+        for (int m = 0; m < Reads; ++m) {
+          sum[m] = chunk_sum[0][m][p];
+          for (int c = 1; c < sweep_chunks; ++c) sum[m] = ei::padd(sum[m], chunk_sum[c][m][p]);
+        }
+        finish(c0 + p * N, sum, out);
       }
+    }
   }
 };
 
@@ -340,9 +353,9 @@ struct RankPass {
 /// sweep_tokens), so the direction (`reverse`, alternated between sweeps so that one sweep
 /// starts where the last one ended, in L1) changes no bit. 2 (Updates + Reads) r dv flops,
 /// plus r dv with a scale. No allocation.
-template <int Updates, int Reads, RowScale Scale, bool ReadFirst, class Scalar>
+template <int Updates, int Reads, RowScale Scale, class Scalar, class Finish = StoreReads>
 void rank_sweep(Scalar* S, Index ld, Index r, Index dv, const RankSweep<Scalar>& sweep,
-                bool reverse) noexcept {
+                bool reverse, const Finish& finish = Finish{}) noexcept {
   // Per packet of columns a pass holds the row, Updates values and Reads accumulators (up to
   // 7 registers), plus a few broadcasts: with 32 registers 4 packets for up to 6 of them, else
   // 3; with 16, 4 packets for up to 3, else 2.
@@ -350,20 +363,22 @@ void rank_sweep(Scalar* S, Index ld, Index r, Index dv, const RankSweep<Scalar>&
   constexpr int P = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? (live <= 6 ? 4 : 3)
                                                                  : (live <= 3 ? 4 : 2);
   column_passes<P, Scalar>(
-      dv, reverse, RankPass<Updates, Reads, Scale, ReadFirst, Scalar>{S, ld, r, &sweep, reverse});
+      dv, reverse,
+      RankPass<Updates, Reads, Scale, Scalar, Finish>{S, ld, r, &sweep, reverse, finish});
 }
 
 /// rank_sweep with the number of updates (0 to 2) and the row scale chosen at run time.
-template <int Reads, bool ReadFirst, class Scalar>
+template <int Reads, class Scalar, class Finish = StoreReads>
 void rank_sweep_with(int updates, RowScale scale, Scalar* S, Index ld, Index r, Index dv,
-                     const RankSweep<Scalar>& sweep, bool reverse) noexcept {
+                     const RankSweep<Scalar>& sweep, bool reverse,
+                     const Finish& finish = Finish{}) noexcept {
   const auto with_updates = [&]<int U>() {
     if (scale == RowScale::none)
-      rank_sweep<U, Reads, RowScale::none, ReadFirst>(S, ld, r, dv, sweep, reverse);
+      rank_sweep<U, Reads, RowScale::none>(S, ld, r, dv, sweep, reverse, finish);
     else if (scale == RowScale::uniform)
-      rank_sweep<U, Reads, RowScale::uniform, ReadFirst>(S, ld, r, dv, sweep, reverse);
+      rank_sweep<U, Reads, RowScale::uniform>(S, ld, r, dv, sweep, reverse, finish);
     else
-      rank_sweep<U, Reads, RowScale::per_row, ReadFirst>(S, ld, r, dv, sweep, reverse);
+      rank_sweep<U, Reads, RowScale::per_row>(S, ld, r, dv, sweep, reverse, finish);
   };
   if (updates == 0)
     with_updates.template operator()<0>();
