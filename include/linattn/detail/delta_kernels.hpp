@@ -14,14 +14,19 @@
 // one read-modify-write sweep; delta_absorb does the same without qf for grouped decode, whose
 // heads read with the additive read-only sweep (recurrent_sweep.hpp).
 //
-// Cost per token, r features, dv values, chunk C (flops; "S traffic" = bytes of S moved):
-//   Additive chunked     4 r dv + about C (r + dv)
-//   delta chunk          6 r dv (kf S, qf S, the update) + about C (r + dv) (scores, the WY
-//                        system kf kf^T) + about C dv (the solve) + 2 C (decays, GatedDelta)
-//   Additive recurrent   4 r dv; S loaded and stored once per two tokens
-//   delta recurrent      7 r dv (a multiply and two FMAs of the carried update, four reads, per
-//                        element per two tokens); the same S traffic as Additive's
-//   delta_token (step)   6 r dv; S loaded twice and stored once per token
+// Cost per token next to Additive's (r features, dv values, chunk C, float; flops, and bytes
+// of S moved between cache and registers; besides, each reads the token's q, k, v rows, beta
+// and alpha, and writes its output):
+//   Additive chunk        4 r dv + C (r + dv)                         12 r dv / C
+//   delta chunk           6 r dv (kf S, qf S, the update)             16 r dv / C
+//                         + 2 C (r + dv) (scores, kf kf^T, the solve,  (24 with GatedDelta's
+//                         scores x U) + 3 C / 2 + r dv / C (GatedDelta) scaling)
+//   Additive recurrent    4 r dv                                      4 r dv
+//   delta recurrent       6 r dv (6.5 GatedDelta): per element per    4 r dv
+//                         pair, two FMAs of the carried update (and a
+//                         multiply), four reads
+//   delta_token (decode)  6 r dv (7 GatedDelta)                       12 r dv (S loaded twice,
+//                                                                     stored once)
 //
 // Numerics: alpha = exp(log_alpha) <= 1 and the decays D(i, j) = alpha_{j+1} ... alpha_i are
 // products multiplied one by one, as in gated_kernels.hpp; with unit keys and beta in [0, 1]
@@ -159,8 +164,8 @@ struct DeltaSingleFinish {
 ///             + (qf_{t+1} . kf_{t+1}) u_{t+1}
 ///   pending: S_{t+1} = alpha_t alpha_{t+1} S' + kf_t^T (alpha_{t+1} u_t) + kf_{t+1}^T u_{t+1}.
 /// (A column's pending values are loaded at the start of its pass, so the pass may overwrite
-/// them at its end.) Per pair: 14 r dv flops (7 per token; 12 for Delta), S loaded and stored
-/// once. Allocates at construction only.
+/// them at its end.) Per pair: 13 r dv flops (12 for Delta), S loaded and stored once.
+/// Allocates at construction only.
 template <class Scalar>
 class DeltaRecurrence {
  public:

@@ -5,29 +5,32 @@
 //   S_t = diag(g_t) S_{t-1} + kf_t^T v_t,   z_t = g_t .* z_{t-1} + kf_t,   y_t = qf_t S_t / den
 //
 // Chunked (ScalarGatedChunk, ChannelGatedChunk): prepare() the key side of a chunk once, read()
-// it for every query head that shares the state, absorb() it into (S, z). Recurrent: one or two
-// tokens per sweep over S with the gate applied to each row as it is loaded (gated_token,
-// gated_token_pair), or an absorb-only sweep (gated_absorb) for grouped decode, whose heads
-// then read with the additive read-only sweep (recurrent_sweep.hpp).
+// it for every query head that shares the state, absorb() it into (S, z). Recurrent:
+// GatedRecurrence sweeps S once per two tokens with the additive sweep's arithmetic (S kept
+// scaled by the gates' running product); gated_token (decode) scales each row as it loads it,
+// updates and reads in one sweep; gated_absorb updates without a read for grouped decode, whose
+// heads then read with the additive read-only sweep (recurrent_sweep.hpp).
 //
-// Cost per token, r features, dv values, chunk C (flops; "S traffic" = bytes of S moved):
-//   Additive chunked      4 r dv + about C (r + dv)
-//   scalar-gated chunk    4 r dv + about C (r + dv) + 3 C / 2 (decays folded into the scores) +
-//                         r dv / C (S scaled per chunk); 1 exp per token
-//   per-channel chunk     4 r dv + about C (r + dv) + 3 c r / 2 (diagonal sub-blocks of c = 16
-//                         rows, a decayed query per earlier key) + about 10 r (gated copies of
-//                         Q and K); r exps per token
-//   Additive recurrent    4 r dv; S loaded and stored once per two tokens
-//   gated recurrent       5 r dv (one more multiply per element); the same S traffic
-// Bytes per token besides S: the chunked kernels read qf, kf, v, the gates (4 or 4 r bytes in
-// float) and write y, as the additive kernel does.
+// Cost per token next to Additive's (r features, dv values, chunk C, float; flops, and bytes
+// of S moved between cache and registers; all of them also read the token's q, k, v rows and
+// write its output, as Additive does, plus the gates: 4 bytes, or 4 r per channel):
+//   Additive chunk        4 r dv + C (r + dv)                        12 r dv / C
+//   scalar-gated chunk    + 3 C / 2 (decays D, the mask) + r dv / C  20 r dv / C (S scaled)
+//                         + about 6 r; 1 exp
+//   per-channel chunk     + c r / 2 (diagonal c x c sub-blocks, c =  20 r dv / C
+//                         16) + r dv / C + about 20 r; r exps
+//   Additive recurrent    4 r dv                                     4 r dv (S loaded and
+//                                                                    stored once per 2 tokens)
+//   gated recurrent       4 r dv (+ r dv when settling) + 6 to 12 r  4 r dv
+//   gated_token (decode)  5 r dv                                     8 r dv (Additive's fused
+//                                                                    step: 4 r dv, 8 r dv)
 //
-// Every decay is a product of gates g = exp(log_g) <= 1 multiplied one by one, as the recurrent
-// path forms it: no exponential has a positive argument and nothing is a quotient of
-// cumulative products, so nothing overflows for any gate strength (products underflow to 0
-// only where the true weight is below the smallest normal number). The weight of token j at
-// row i carries the rounding of the m = i - j gate exponentials and at most m multiplications,
-// the recurrent path's error.
+// Every decay is a product of gates g = exp(log_g) <= 1 (each within one rounding,
+// gates_from_logs) multiplied one by one, as the recurrent path forms it: the only exponentials
+// are of the log-gates, and nothing is a quotient of cumulative products, so nothing overflows
+// for any gate strength (products underflow to 0 only where the true weight is below the
+// smallest normal number). The weight of token j at row i carries the rounding of its m = i - j
+// gates and at most m multiplications, the recurrent path's error.
 
 #include <linattn/detail/recurrent_sweep.hpp>
 #include <linattn/detail/rule_common.hpp>
