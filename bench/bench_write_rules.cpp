@@ -103,11 +103,11 @@ void call(Rule rule, Problem& p) {
       auto s = attn.make_state(p.d, p.d);
       extra(h, [&](const auto&... in) {
         if constexpr (Recurrent)
-          attn.recurrent_into(p.head(p.Q, h), p.head(p.K, h), p.head(p.V, h), s, p.head_out(h),
-                              in...);
+          attn.recurrent_into(s, p.head(p.Q, h), p.head(p.K, h), p.head(p.V, h), in...,
+                              p.head_out(h));
         else
-          attn.parallel_into(p.head(p.Q, h), p.head(p.K, h), p.head(p.V, h), s, p.head_out(h),
-                             in...);
+          attn.prefill_into(s, p.head(p.Q, h), p.head(p.K, h), p.head(p.V, h), in...,
+                            p.head_out(h));
       });
     }
   };

@@ -149,7 +149,7 @@ void parallel_backward_into(const LinearAttention<Phi, Scalar>& attn,
   StateGradient<Scalar> discarded;
   StateGradient<Scalar>& d0 = initial != nullptr ? *initial : discarded;
   detail::causal_backward<Scalar>(phi, Qm, Km, Vm, dYm, S0, z0, M0, nullptr, nullptr,
-                                  attn.options().chunk_size, attn.options().normalization, out.Q,
+                                  attn.chunk_size(r, dv), attn.options().normalization, out.Q,
                                   out.K, out.V, d0.S, d0.z);
 }
 
@@ -186,12 +186,8 @@ void prefill_backward_into(const LinearAttention<Phi, Scalar>& attn,
   const Phi& phi = attn.feature_map();
   const Index dk = K.cols(), dv = V.cols(), r = phi.feature_dim(dk);
   detail::check_gradient_outputs(out, Q.rows(), K.rows(), dk, dv);
-  constexpr bool log_scaled = LogScaledFeatureMap<Phi, Scalar>;
   initial_state.check_shape(r, dk, dv);
-  if (initial_state.log_domain() != log_scaled)
-    detail::throw_shape_error("state was made for ",
-                              initial_state.log_domain() ? "a log-scaled" : "an ordinary",
-                              " feature map; make it with this attention's make_state()");
+  initial_state.check_identity(attn.state_identity());
   if (final_gradient != nullptr &&
       (final_gradient->S.rows() != r || final_gradient->S.cols() != dv ||
        final_gradient->z.size() != r))
@@ -202,13 +198,13 @@ void prefill_backward_into(const LinearAttention<Phi, Scalar>& attn,
       phi, detail::materialize(Q), detail::materialize(K), detail::materialize(V),
       detail::materialize(dY), initial_state.S(), initial_state.z(), initial_state.log_scale(),
       final_gradient != nullptr ? &final_gradient->S : nullptr,
-      final_gradient != nullptr ? &final_gradient->z : nullptr, attn.options().chunk_size,
+      final_gradient != nullptr ? &final_gradient->z : nullptr, attn.chunk_size(r, dv),
       attn.options().normalization, out.Q, out.K, out.V, initial.S, initial.z);
 }
 
 /// Gradients of the causal read that continues `initial_state` (made by attn.make_state; read,
-/// not changed), i.e. of Y from attn.parallel(Q, K, V, Mask::causal, state) with state equal to
-/// initial_state before the call, given dY (T x dv) and, optionally, the gradient of the loss
+/// not changed), i.e. of Y = attn.prefill(state, Q, K, V) with state equal to initial_state
+/// before the call, given dY (T x dv) and, optionally, the gradient of the loss
 /// with respect to the final state. `final_gradient` null means the loss does not depend on the
 /// final state (dS_T = 0, dz_T = 0); otherwise its S must be r x dv and its z have length r.
 /// Returns dQ, dK, dV and `initial` = (dS0, dz0) with respect to initial_state's S() and z().
@@ -241,7 +237,7 @@ template <class Phi, class Scalar>
 [[nodiscard]] std::size_t causal_backward_bytes(const LinearAttention<Phi, Scalar>& attn, Index T,
                                                 Index dk, Index dv) {
   const Index r = attn.feature_map().feature_dim(dk);
-  return detail::BackwardScratch<Scalar>::bytes_for(T, attn.options().chunk_size, r, dv,
+  return detail::BackwardScratch<Scalar>::bytes_for(T, attn.chunk_size(r, dv), r, dv,
                                                      LogScaledFeatureMap<Phi, Scalar>, false,
                                                      false);
 }
