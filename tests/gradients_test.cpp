@@ -1208,8 +1208,9 @@ TEST_CASE("bad shapes throw ShapeError naming them", "[gradients][errors]") {
   CHECK_THROWS_AS(prefill_backward(attn, state, Q, K, V, dY, &wrong), ShapeError);
   // A state made for another kind of map.
   const LinearAttention<PositiveRandomFeatures<double>, double> rf(PositiveRandomFeatures<double>(4, 4, 1));
+  CHECK_THROWS_AS(prefill_backward(attn, rf.make_state(4, 3), Q, K, V, dY), StateMismatchError);
   CHECK_THROWS_WITH(prefill_backward(attn, rf.make_state(4, 3), Q, K, V, dY),
-                    Contains("state was made for a log-scaled feature map"));
+                    Contains("the state was made for feature map positive_random_features"));
   // Inputs of the wrong dimension for a random map's projection.
   const LinearAttention<PositiveRandomFeatures<double>, double> rf5(PositiveRandomFeatures<double>(5, 4, 1));
   CHECK_THROWS_AS(parallel_backward(rf5, Q, K, V, Mask::causal, dY), ShapeError);
@@ -1281,7 +1282,10 @@ TEST_CASE("the backward's memory: 2 scalars per token plus per-call buffers",
                                                                       log_scaled, false, true));
       }
   // The figure docs/gradients.md quotes: T = 65,536, r = dv = 128, C = 32, float, one head.
-  const LinearAttention<EluPlusOne, float> attn;
+  // The chunk is set explicitly: kAuto depends on the running machine's L1 size.
+  Options chunk32;
+  chunk32.chunk_size = 32;
+  const LinearAttention<EluPlusOne, float> attn(EluPlusOne{}, chunk32);
   const std::size_t bytes = causal_backward_bytes(attn, 65536, 128, 128);
   const std::size_t per_token = 2 * sizeof(float);
   CHECK(bytes >= per_token * 65536);
@@ -1291,6 +1295,11 @@ TEST_CASE("the backward's memory: 2 scalars per token plus per-call buffers",
   // 2 C r + 2 r P + dv P + 4 C P + 2 C r + C dv + 2 r dv + 2 r + 3 C = 69,984 floats, and
   // 2 floats per token: (69,984 + 131,072) * 4 = 804,224 bytes.
   CHECK(bytes == 804224);
+  // Under kAuto the same sum with the chunk this machine chooses.
+  const LinearAttention<EluPlusOne, float> automatic;
+  CHECK(causal_backward_bytes(automatic, 65536, 128, 128) ==
+        detail::BackwardScratch<float>::bytes_for(65536, automatic.chunk_size(128, 128), 128, 128,
+                                                  false, false, false));
 }
 
 TEST_CASE("the _into calls write strided head views and equal the allocating calls",

@@ -1,5 +1,5 @@
 // Must not compile: gradients need a DifferentiableFeatureMap, and a map without backward()
-// is rejected with a readable static_assert (register with linattn_add_rejection_test,
+// is rejected with a readable static_assert (registered in tests/CMakeLists.txt,
 // expecting "the feature map has no derivative").
 
 #include <linattn/gradients.hpp>
