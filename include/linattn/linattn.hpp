@@ -11,6 +11,7 @@
 #include <linattn/gradients.hpp>
 #include <linattn/head_config.hpp>
 #include <linattn/multihead.hpp>
+#include <linattn/multihead_gradients.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/options.hpp>
 #include <linattn/random_features.hpp>
