@@ -53,6 +53,9 @@ set_target_properties(linattn_torch_ext PROPERTIES OUTPUT_NAME _ext
 if(LINATTN_BUILD_TESTS)
   add_test(NAME torch.pytest
     COMMAND "${Python3_EXECUTABLE}" -m pytest -q -p no:cacheprovider "${PROJECT_SOURCE_DIR}/tests/torch")
-  set_tests_properties(torch.pytest PROPERTIES
+  # The PyTorch example runs too (prefill, then decode with the carried states; it checks itself).
+  add_test(NAME example.torch_tiny_lm
+    COMMAND "${Python3_EXECUTABLE}" "${PROJECT_SOURCE_DIR}/examples/torch/tiny_lm.py")
+  set_tests_properties(torch.pytest example.torch_tiny_lm PROPERTIES
     ENVIRONMENT "PYTHONPATH=${LINATTN_PYTHON_DIR};OMP_NUM_THREADS=2" TIMEOUT 300)
 endif()
