@@ -83,6 +83,16 @@ namespace linattn::fla {
                           : tb::linear_attn_backward<float>(p, settings, d_o, dht, dzt);
 }
 
+/// A CPU float/double tensor [B, T, H, d] (head_first: [B, H, T, d]) as a TensorView of its
+/// memory, for libtorch code that calls linattn's multi-head layer on its own tensors. Element
+/// is float, double or a const of them and must match the dtype; the last axis must be
+/// contiguous. O(1), no copy. Throws c10::Error otherwise.
+template <class Element>
+[[nodiscard]] TensorView<Element> tensor_view(const at::Tensor& t, bool head_first = false) {
+  TORCH_CHECK_VALUE(t.dim() == 4, "linattn: a tensor view needs a 4-D tensor, got ", t.sizes());
+  return detail::torch_bridge::tensor_view_of<Element>(detail::torch_bridge::logical(t, head_first));
+}
+
 /// fla's chunk_linear_attn (normalize defaults to true there, as here).
 [[nodiscard]] inline Result chunk_linear_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               Settings settings = {.normalize = true}) {

@@ -73,3 +73,7 @@ PYBIND11_MODULE(_ext, m) {
         pybind11::arg("normalize"), pybind11::arg("head_first"), pybind11::arg("d_o"),
         pybind11::arg("d_final_state"), pybind11::arg("d_final_z"));
 }
+
+// linattn::fla::tensor_view is for libtorch code; instantiated here so the build checks it.
+template linattn::TensorView<const float> linattn::fla::tensor_view<const float>(const at::Tensor&, bool);
+template linattn::TensorView<double> linattn::fla::tensor_view<double>(const at::Tensor&, bool);

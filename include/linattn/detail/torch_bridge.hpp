@@ -9,6 +9,7 @@
 #include <linattn/gradients.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/options.hpp>
+#include <linattn/tensor_view.hpp>
 #include <linattn/types.hpp>
 #include <linattn/write_rules.hpp>
 
@@ -24,6 +25,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace linattn::fla {
@@ -247,18 +249,34 @@ inline Index offset_of(const at::Tensor& t, Index b, Index row, Index h) {
   return b * t.stride(0) + row * t.stride(1) + h * t.stride(2);
 }
 
+// A 4-D CPU tensor holding Element's type with a contiguous feature axis as a TensorView of its
+// memory (no copy). Throws c10::Error otherwise.
+template <class Element>
+TensorView<Element> tensor_view_of(const at::Tensor& t) {
+  using Scalar = std::remove_const_t<Element>;
+  TORCH_CHECK_TYPE(t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
+                       t.scalar_type() == c10::CppTypeToScalarType<Scalar>::value,
+                   "linattn: a tensor view needs a dense CPU tensor of ",
+                   c10::CppTypeToScalarType<Scalar>::value);
+  TORCH_CHECK_VALUE(t.dim() == 4, "linattn: a tensor view needs a 4-D tensor, got ", t.sizes());
+  TORCH_CHECK_VALUE(t.stride(3) == 1 || t.size(3) <= 1,
+                    "linattn: a tensor view needs a contiguous last axis, got strides ", t.strides());
+  return TensorView<Element>(t.data_ptr<Scalar>(), {t.size(0), t.size(1), t.size(2), t.size(3)},
+                             {t.stride(0), t.stride(1), t.stride(2), 1});
+}
+
 // Rows [first, first + n) of head h of batch entry b of a logical [B, T, H, d] tensor as an
-// n x d row view in Scalar: over the tensor when it holds Scalar with unit feature stride (and
-// no copy is forced), else converted into `buffer` (resized once per task, never per row).
+// n x d row view in Scalar: the TensorView's head rows over the tensor when it holds Scalar
+// with a contiguous feature axis (and no copy is forced), else converted into `buffer`
+// (resized once per task, never per row or chunk).
 template <class Scalar>
 ConstRowsView<Scalar> read_rows(const at::Tensor& t, Index b, Index h, Index first, Index n,
                                 RowMatrix<Scalar>& buffer, bool force_copy = false) {
   const Index d = t.size(3);
-  const Index start = offset_of(t, b, first, h);
   if (!force_copy && n > 0 && t.scalar_type() == c10::CppTypeToScalarType<Scalar>::value &&
       (t.stride(3) == 1 || d == 1))
-    return ConstRowsView<Scalar>(t.data_ptr<Scalar>() + start, n, d,
-                                 Eigen::OuterStride<>(n > 1 ? t.stride(1) : d));
+    return tensor_view_of<const Scalar>(t).head_rows(b, h, first, n);
+  const Index start = offset_of(t, b, first, h);
   buffer.resize(n, d);
   const void* base = t.data_ptr();
   for (Index i = 0; i < n; ++i)
@@ -424,8 +442,7 @@ fla::Result forward(const Prepared& p, const Settings& s) {
         const ConstRowsView<Scalar> Vr = read_rows<Scalar>(p.v, b, h, first, len, vb);
         if (!direct_out) ob.resize(len, p.V);
         RowsView<Scalar> out = direct_out
-            ? RowsView<Scalar>(o.template data_ptr<Scalar>() + offset_of(o, b, first, h), len, p.V,
-                               Eigen::OuterStride<>(o.stride(1)))
+            ? tensor_view_of<Scalar>(o).head_rows(b, h, first, len)
             : RowsView<Scalar>(ob.data(), len, p.V, Eigen::OuterStride<>(p.V));
         auto run = [&](const auto&... inputs) {
           if (s.chunked)
@@ -514,13 +531,9 @@ fla::Gradients linear_attn_backward(const Prepared& p, const Settings& s, const 
         const ConstRowsView<Scalar> Vr = read_rows<Scalar>(p.v, b, h, first, len, vb);
         read_rows<Scalar>(d_o, b, h, first, len, yb, true);
         yb *= dy_factor;
-        auto view = [&](const at::Tensor& t, Index d) {
-          return RowsView<Scalar>(t.data_ptr<Scalar>() + offset_of(t, b, first, h), len, d,
-                                  Eigen::OuterStride<>(t.stride(1)));
-        };
+        auto rows = [&](const at::Tensor& t) { return tensor_view_of<Scalar>(t).head_rows(b, h, first, len); };
         prefill_backward_into(attn, state, Q, Kr, Vr, yb, has_final ? &final_gradient : nullptr,
-                              GradientsRef<Scalar>{view(dq, p.K), view(dk, p.K), view(dv, p.V)},
-                              initial);
+                              GradientsRef<Scalar>{rows(dq), rows(dk), rows(dv)}, initial);
       } else if (has_final) {
         initial = final_gradient;  // no token: the initial state is the final one
       } else {

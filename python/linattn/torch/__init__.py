@@ -49,8 +49,7 @@ def _linear_attn_backward(ctx, do, dht, dzt):
     q, k, v, _, _, h0, z0, cu_seqlens = ctx.saved_tensors
     s = ctx.spec
     dq, dk, dv, dh0, dz0 = _ext.linear_attn_backward(
-        q, k, v, h0, z0, cu_seqlens, s.scale, s.normalize, s.head_first, do.contiguous()
-        if do.dtype == q.dtype else do.to(q.dtype), dht, dzt)
+        q, k, v, h0, z0, cu_seqlens, s.scale, s.normalize, s.head_first, do, dht, dzt)
     cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
     return (cast(dq, q), cast(dk, k), cast(dv, v), None, None,
             cast(dh0, h0) if h0 is not None else None,
