@@ -7,6 +7,12 @@ if(LINATTN_SANITIZE)
   message(STATUS "linattn: sanitizer build, the PyTorch component is skipped")
   return()
 endif()
+if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+  # clang 14 with libstdc++ 12 rejects Torch 1.13's headers in C++20 (std::vector<c10::IValue>
+  # instantiated while IValue is incomplete); the component is built with g++.
+  message(STATUS "linattn: the PyTorch component is built with g++ only; skipped under clang")
+  return()
+endif()
 find_package(Torch CONFIG QUIET)
 if(NOT Torch_FOUND)
   message(STATUS "linattn: Torch not found (Debian: libtorch-dev), the PyTorch component is skipped")

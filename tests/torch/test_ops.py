@@ -157,7 +157,7 @@ def assert_close_to(o, ref, bound, dtype, length, what):
 # ---- values ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rule,kind", OPS)
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_op_matches_reference_with_states(rule, kind, dtype):
     q, k, v, g, beta = make_inputs(rule, dtype)
     h0 = (torch.randn(B, H, K, V, dtype=torch.float64) * 0.5).to(dtype)
@@ -246,6 +246,27 @@ def test_carried_state_continues_a_sequence(rule, kind):
     bound = reference(rule, q, k, v, g, beta)[3]
     assert_close_to(torch.cat([o1, o2], dim=1), o_all.double(), bound, torch.float64, T, "carry")
     assert torch.allclose(h2, h_all, rtol=0, atol=1e-12 * (1 + h_all.abs().max().item()))
+
+
+@pytest.mark.parametrize("rule,kind", OPS)
+def test_thread_count_changes_no_bit(rule, kind):
+    # Each (sequence, head) is one task with its own state: the split between threads cannot
+    # change the arithmetic.
+    q, k, v, g, beta = make_inputs(rule, torch.float32)
+    results = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        results.append(call(rule, kind, q, k, v, g, beta, output_final_state=True))
+    torch.set_num_threads(2)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("rule,kind", OPS)
+def test_empty_sequences(rule, kind):
+    q, k, v, g, beta = make_inputs(rule, Tn=0)
+    h0 = torch.randn(B, H, K, V, dtype=torch.float64)
+    o, ht = call(rule, kind, q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.shape == (B, 0, H, V) and torch.equal(ht, h0)
 
 
 @pytest.mark.parametrize("kind", ["chunk", "recurrent"])

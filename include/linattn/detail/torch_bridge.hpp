@@ -26,6 +26,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace linattn::fla {
@@ -414,9 +415,12 @@ fla::Result forward(const Prepared& p, const Settings& s) {
   using Attention = RuleAttention<Identity, Rule, Scalar>;
   const Attention attn(Identity{}, options_for(s.normalize, p.scale));
   const bool direct_out = p.q.scalar_type() == scalar_type_of<Scalar>();
-  auto [o_user, o] = make_activation(p.B, p.T, p.H, p.V, p.q.scalar_type(), s.head_first);
+  // (no structured bindings: clang 14 cannot capture them in the task lambda)
+  const std::pair<at::Tensor, at::Tensor> o_pair =
+      make_activation(p.B, p.T, p.H, p.V, p.q.scalar_type(), s.head_first);
+  const at::Tensor& o = o_pair.second;
   fla::Result result;
-  result.o = o_user;
+  result.o = o_pair.first;
   const auto state_opts = at::TensorOptions().dtype(scalar_type_of<Scalar>()).device(at::kCPU);
   at::Tensor ht, zt;
   if (s.output_final_state) {
@@ -500,10 +504,11 @@ fla::Gradients linear_attn_backward(const Prepared& p, const Settings& s, const 
   const at::Tensor d_o = logical(d_o_user, s.head_first);
   check_dims(d_o, "the output gradient (logical)", {p.B, p.T, p.H, p.V}, "([B, T, H, V])");
   const at::ScalarType st = scalar_type_of<Scalar>();
-  auto [dq_user, dq] = make_activation(p.B, p.T, p.H, p.K, st, s.head_first);
-  auto [dk_user, dk] = make_activation(p.B, p.T, p.H, p.K, st, s.head_first);
-  auto [dv_user, dv] = make_activation(p.B, p.T, p.H, p.V, st, s.head_first);
-  fla::Gradients grads{dq_user, dk_user, dv_user, std::nullopt, std::nullopt};
+  const std::pair<at::Tensor, at::Tensor> dq_pair = make_activation(p.B, p.T, p.H, p.K, st, s.head_first);
+  const std::pair<at::Tensor, at::Tensor> dk_pair = make_activation(p.B, p.T, p.H, p.K, st, s.head_first);
+  const std::pair<at::Tensor, at::Tensor> dv_pair = make_activation(p.B, p.T, p.H, p.V, st, s.head_first);
+  const at::Tensor &dq = dq_pair.second, &dk = dk_pair.second, &dv = dv_pair.second;
+  fla::Gradients grads{dq_pair.first, dk_pair.first, dv_pair.first, std::nullopt, std::nullopt};
   const auto state_opts = at::TensorOptions().dtype(st).device(at::kCPU);
   at::Tensor dh0, dz0;
   if (p.h0.defined()) grads.d_initial_state = dh0 = at::empty({p.N, p.H, p.K, p.V}, state_opts);
