@@ -230,19 +230,38 @@ inline Prepared prepare(Op op, const Inputs& in, const Settings& s) {
   return p;
 }
 
-// Element e of a tensor of any supported dtype, as Scalar.
-template <class Scalar>
-Scalar element(const at::Tensor& t, const void* base, Index offset) {
+template <class Scalar, class Src>
+Scalar to_scalar(Src x) {
+  if constexpr (std::is_same_v<Src, double> || std::is_same_v<Src, float>)
+    return static_cast<Scalar>(x);
+  else
+    return static_cast<Scalar>(static_cast<float>(x));  // bf16 and f16 widen exactly to float
+}
+
+// Calls f(p) with the tensor's data as a typed pointer (float, double, c10::BFloat16 or
+// c10::Half): one dispatch per block, so the conversion loops are typed.
+template <class F>
+void with_typed_data(const at::Tensor& t, F&& f) {
   switch (t.scalar_type()) {
-    case at::kFloat: return static_cast<Scalar>(static_cast<const float*>(base)[offset]);
-    case at::kDouble: return static_cast<Scalar>(static_cast<const double*>(base)[offset]);
-    case at::kBFloat16:
-      return static_cast<Scalar>(static_cast<float>(static_cast<const c10::BFloat16*>(base)[offset]));
-    case at::kHalf:
-      return static_cast<Scalar>(static_cast<float>(static_cast<const c10::Half*>(base)[offset]));
+    case at::kFloat: f(static_cast<const float*>(t.data_ptr())); return;
+    case at::kDouble: f(static_cast<const double*>(t.data_ptr())); return;
+    case at::kBFloat16: f(static_cast<const c10::BFloat16*>(t.data_ptr())); return;
+    case at::kHalf: f(static_cast<const c10::Half*>(t.data_ptr())); return;
     default: break;
   }
   TORCH_CHECK(false, "linattn: unsupported dtype ", t.scalar_type());
+}
+
+// rows x cols elements of `t` from `start` with strides (rs, cs), converted into `out`.
+template <class Scalar>
+void convert_block(const at::Tensor& t, Index start, Index rows, Index cols, Index rs, Index cs,
+                   RowMatrix<Scalar>& out) {
+  out.resize(rows, cols);
+  with_typed_data(t, [&](const auto* base) {
+    for (Index i = 0; i < rows; ++i)
+      for (Index c = 0; c < cols; ++c)
+        out(i, c) = to_scalar<Scalar>(base[start + i * rs + c * cs]);
+  });
 }
 
 // Offset of (b, t, h, 0) in a 4-D tensor.
@@ -277,12 +296,7 @@ ConstRowsView<Scalar> read_rows(const at::Tensor& t, Index b, Index h, Index fir
   if (!force_copy && n > 0 && t.scalar_type() == c10::CppTypeToScalarType<Scalar>::value &&
       (t.stride(3) == 1 || d == 1))
     return tensor_view_of<const Scalar>(t).head_rows(b, h, first, n);
-  const Index start = offset_of(t, b, first, h);
-  buffer.resize(n, d);
-  const void* base = t.data_ptr();
-  for (Index i = 0; i < n; ++i)
-    for (Index c = 0; c < d; ++c)
-      buffer(i, c) = element<Scalar>(t, base, start + i * t.stride(1) + c * t.stride(3));
+  convert_block(t, offset_of(t, b, first, h), n, d, t.stride(1), t.stride(3), buffer);
   return ConstRowsView<Scalar>(buffer.data(), n, d, Eigen::OuterStride<>(d));
 }
 
@@ -309,16 +323,21 @@ void l2_normalize_rows(RowMatrix<Scalar>& x) {
     x.row(i) /= std::sqrt(x.row(i).squaredNorm() + static_cast<Scalar>(kL2NormEpsilon));
 }
 
-// Head matrix (K x V) or vector of state tensor `t` ([N, H, K, V] or [N, 1, H, K]) as Scalar.
+// Head matrix (K x V) or vector of state tensor `t` ([N, H, K, V] or [N, 1, H, K]) as Scalar,
+// read in place when `t` holds Scalar.
 template <class Scalar>
 RowMatrix<Scalar> read_state(const at::Tensor& t, Index n, Index h, bool is_z) {
   const Index rows = is_z ? 1 : t.size(2), cols = t.size(3);
-  RowMatrix<Scalar> out(rows, cols);
-  const void* base = t.data_ptr();
   const Index start = is_z ? n * t.stride(0) + h * t.stride(2) : n * t.stride(0) + h * t.stride(1);
   const Index rs = is_z ? 0 : t.stride(2);
-  for (Index i = 0; i < rows; ++i)
-    for (Index c = 0; c < cols; ++c) out(i, c) = element<Scalar>(t, base, start + i * rs + c * t.stride(3));
+  RowMatrix<Scalar> out;
+  if (t.scalar_type() == c10::CppTypeToScalarType<Scalar>::value) {
+    using Strides = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
+    out = Eigen::Map<const RowMatrix<Scalar>, Eigen::Unaligned, Strides>(
+        t.data_ptr<Scalar>() + start, rows, cols, Strides(rs, t.stride(3)));
+  } else {
+    convert_block(t, start, rows, cols, rs, t.stride(3), out);
+  }
   return out;
 }
 
@@ -328,20 +347,19 @@ template <class Scalar, class Src>
 void write_rows(const at::Tensor& t, Index b, Index h, Index first, const Eigen::MatrixBase<Src>& rows,
                 Scalar factor) {
   const Index n = rows.rows(), d = rows.cols();
-  const Index start = offset_of(t, b, first, h);
-  void* base = t.data_ptr();
-  for (Index i = 0; i < n; ++i)
-    for (Index c = 0; c < d; ++c) {
-      const Index at_ = start + i * t.stride(1) + c * t.stride(3);
-      const Scalar x = factor * rows(i, c);
-      switch (t.scalar_type()) {
-        case at::kFloat: static_cast<float*>(base)[at_] = static_cast<float>(x); break;
-        case at::kDouble: static_cast<double*>(base)[at_] = static_cast<double>(x); break;
-        case at::kBFloat16: static_cast<c10::BFloat16*>(base)[at_] = c10::BFloat16(static_cast<float>(x)); break;
-        case at::kHalf: static_cast<c10::Half*>(base)[at_] = c10::Half(static_cast<float>(x)); break;
-        default: TORCH_CHECK(false, "linattn: unsupported dtype ", t.scalar_type());
+  const Index start = offset_of(t, b, first, h), rs = t.stride(1), cs = t.stride(3);
+  with_typed_data(t, [&](const auto* typed) {
+    using Dst = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    Dst* base = const_cast<Dst*>(typed);  // `t` is our own output tensor
+    for (Index i = 0; i < n; ++i)
+      for (Index c = 0; c < d; ++c) {
+        const Scalar x = factor * rows(i, c);
+        if constexpr (std::is_same_v<Dst, double> || std::is_same_v<Dst, float>)
+          base[start + i * rs + c * cs] = static_cast<Dst>(x);
+        else
+          base[start + i * rs + c * cs] = Dst(static_cast<float>(x));  // rounds to nearest even
       }
-    }
+  });
 }
 
 // A tensor of `logical_shape` ([B, T, H, d]) in the user's layout, returned with its logical view.
