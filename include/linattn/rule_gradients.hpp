@@ -121,10 +121,11 @@ void rule_backward_bound(const RuleAttention<Phi, Rule, Scalar>& attn,
 template <class Phi, class Rule, class Scalar, class DQ, class DK, class DV, class DY,
           class... In>
 void rule_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
-                        const RuleState<Rule, Scalar>* state, const Eigen::MatrixBase<DQ>& Q,
-                        const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
-                        const Eigen::MatrixBase<DY>& dY,
-                        const StateGradient<Scalar>* final_gradient, GradientsRef<Scalar> out,
+                        const std::type_identity_t<RuleState<Rule, Scalar>>* state,
+                        const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                        const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DY>& dY,
+                        const std::type_identity_t<StateGradient<Scalar>>* final_gradient,
+                        std::type_identity_t<GradientsRef<Scalar>> out,
                         RuleInputGradients<Scalar>& d_in, StateGradient<Scalar>& initial,
                         const In&... in) {
   require_differentiable<Phi, Scalar>();
