@@ -734,3 +734,27 @@ TEST_CASE("parallel_backward equals prefill_backward from an empty state") {
   CHECK(dd.inputs.log_gate.size() == 0);
   CHECK(dd.initial.z.size() == dk);
 }
+
+TEST_CASE("parallel_backward_into writes strided views with parallel_backward's bits") {
+  constexpr Index T = 10, dk = 3, dv = 2, heads = 2;
+  const auto h = make_harness<EluPlusOne, Gated, double>(EluPlusOne{}, Gated{},
+                                                         Normalization::strict(), T, dk, dv, 4,
+                                                         true, 231);
+  const auto g = parallel_backward(h.attn, h.Q, h.K, h.V, h.log_gate, Mask::causal, h.WY);
+  // Head 1's columns of [T, heads d] buffers.
+  MatrixXdR dQ = MatrixXdR::Zero(T, heads * dk), dK = dQ, dV = MatrixXdR::Zero(T, heads * dv);
+  using View = Eigen::Map<MatrixXdR, 0, Eigen::OuterStride<>>;
+  View q(dQ.data() + dk, T, dk, Eigen::OuterStride<>(heads * dk));
+  View k(dK.data() + dk, T, dk, Eigen::OuterStride<>(heads * dk));
+  View v(dV.data() + dv, T, dv, Eigen::OuterStride<>(heads * dv));
+  RuleInputGradients<double> d_in;
+  StateGradient<double> initial;
+  parallel_backward_into(h.attn, h.Q, h.K, h.V, h.log_gate, Mask::causal, h.WY,
+                         GradientsRef<double>{q, k, v}, d_in, &initial);
+  CHECK(MatrixXdR(q) == g.Q);
+  CHECK(MatrixXdR(k) == g.K);
+  CHECK(MatrixXdR(v) == g.V);
+  CHECK(d_in.log_gate == g.inputs.log_gate);
+  CHECK(initial.S == g.initial.S);
+  CHECK(dQ.leftCols(dk).cwiseAbs().maxCoeff() == 0.0);  // the other head's columns untouched
+}

@@ -205,6 +205,37 @@ template <class Phi, detail::GradientRule Rule, class Scalar, class DQ, class DK
   return g;
 }
 
+/// parallel_backward_into(attn, Q, K, V, inputs..., Mask::causal, dY, out, d_inputs[, initial]):
+/// parallel_backward() writing dQ, dK, dV into `out` (a GradientsRef: views into a model's
+/// buffers, not overlapping the inputs), the inputs' gradients into `d_inputs` (a
+/// RuleInputGradients, resized as needed) and, when `initial` (a StateGradient*) is given and
+/// not null, the empty initial state's gradient there. Allocates only its scratch
+/// (rule_backward_bytes) and what d_inputs needs the first time.
+template <class Phi, detail::GradientRule Rule, class Scalar, class DQ, class DK, class DV,
+          class... Args>
+  requires(sizeof...(Args) == Rule::token_inputs + 4 ||
+           sizeof...(Args) == Rule::token_inputs + 5)
+void parallel_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
+                            const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                            const Eigen::MatrixBase<DV>& V, Args&&... args) {
+  constexpr std::size_t n = Rule::token_inputs;
+  const auto all = std::forward_as_tuple(args...);
+  static_assert(std::is_same_v<std::remove_cvref_t<std::tuple_element_t<n, decltype(all)>>,
+                               CausalMask>,
+                "the argument before dY must be Mask::causal (a write rule's read is causal)");
+  const auto& dY = std::get<n + 1>(all);
+  GradientsRef<Scalar> out = std::get<n + 2>(all);
+  RuleInputGradients<Scalar>& d_inputs = std::get<n + 3>(all);
+  StateGradient<Scalar> discarded;
+  StateGradient<Scalar>* initial = &discarded;
+  if constexpr (sizeof...(Args) == n + 5)
+    if (std::get<n + 4>(all) != nullptr) initial = std::get<n + 4>(all);
+  detail::with_first<n>(all, [&](const auto&... in) {
+    detail::rule_backward_into(attn, nullptr, Q, K, V, dY, nullptr, out, d_inputs, *initial,
+                               in...);
+  });
+}
+
 /// prefill_backward_into(attn, initial_state, Q, K, V, inputs..., dY, final_gradient, out,
 /// d_inputs, initial): the backward of attn.prefill(state, Q, K, V, inputs...) with state equal
 /// to `initial_state` before the call (read, not changed), writing dQ, dK, dV into `out` (views;
