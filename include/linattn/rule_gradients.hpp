@@ -23,15 +23,15 @@
 ///   rowsum([S_T, z_T] .* [dS_T, dz_T]) (dq, dk: gradients of the features; summed over the
 ///   channels for one gate per token).
 ///   Delta / GatedDelta: S_t = alpha_t S_{t-1} + beta_t k_t (v_t - alpha_t S_{t-1}^T k_t)^T,
-///   y_t = S_t^T q_t, differentiated in reverse token order (alpha = 1 for Delta).
+///   y_t = S_t^T q_t (alpha = 1 for Delta), differentiated through its chunked WY / UT form.
 ///
-/// Cost and memory: Decay / Gated run chunk by chunk (no T x T, no per-token pass over S):
-/// a forward sweep rebuilds the chunk-boundary states and writes dQ, a reverse sweep carries
-/// the state gradient and writes dK, dV; O(T (r dv + C (r + dv))) time (per-channel gates add
-/// O(T C r) for the in-chunk decays), 2 scalars per token plus O(C (C + r + dv) + r dv) per
-/// call (rule_backward_bytes). Delta / GatedDelta: FIRST VERSION, reverse mode through the
-/// per-token recurrence (not yet the chunked WY / UT form): O(T r dv) time, the states at chunk
-/// boundaries stored, (T / C + C + 2) r dv scalars.
+/// Cost and memory: every rule runs chunk by chunk (no T x T, no per-token pass over S): a
+/// forward sweep rebuilds the chunk-boundary states, a reverse sweep carries the state gradient.
+/// Decay / Gated: O(T (r dv + C (r + dv))) time (per-channel gates add O(T C r) for the in-chunk
+/// decays), 2 scalars per token plus O(C (C + r + dv) + r dv). Delta / GatedDelta (the WY / UT
+/// form): O(T (r dv + C (r + dv))) time plus a C x C triangular solve per chunk, the boundary
+/// states stored: r dv / C scalars per token plus O(C (C + r + dv) + r dv). Exact figures:
+/// rule_backward_bytes().
 ///
 /// The feature map must be a DifferentiableFeatureMap: gradients flow to Q and K through its
 /// backward(). Errors: ShapeError for shapes that do not fit (naming them), std::invalid_argument
