@@ -16,6 +16,7 @@
 #include <linattn/options.hpp>
 #include <linattn/random_features.hpp>
 #include <linattn/reference.hpp>
+#include <linattn/rule_gradients.hpp>
 #include <linattn/rule_state.hpp>
 #include <linattn/sequence_layout.hpp>
 #include <linattn/serialize.hpp>
