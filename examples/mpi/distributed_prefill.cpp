@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
 
     // The distributed prefill: every rank ends with the state after the whole prompt.
     auto state = layer.make_state(1);
-    const mpi::SequenceParallel<Layer> prefill(layer, MPI_COMM_WORLD, {mpi::kLastRank, true});
+    mpi::SequenceParallel<Layer> prefill(layer, MPI_COMM_WORLD, {mpi::kLastRank, true});
     const mpi::ExchangeStats sent = prefill.prefill_into(
         state, view(q), view(k), view(v), TensorView<float>::batch_first(out.data(), 1, n, kHeads, kDim));
     std::printf("rank %d of %d: tokens [%ld, %ld), sent %zu bytes (summaries %zu), received %zu; "

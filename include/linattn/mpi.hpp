@@ -30,6 +30,11 @@
 /// token and query head for the carry (decayed rules), or about twice a prefill (delta rules:
 /// A_p costs a second pass of width r). Then O(P r dv) (O(P r^2 dv), delta rules) per state
 /// head to compose the summaries. balanced_slices() sizes the slices for that difference.
+/// Memory: between its two phases a rank keeps, per query head, T_p x r values (the query
+/// features, or qf_t^T A_t) and T_p denominators, plus T_p x r key features per state head; a
+/// SequenceParallel object keeps these buffers from call to call, so repeated calls of the same
+/// shape touch no new memory. Calls on one object must not overlap (they are collectives on
+/// one communicator anyway); give each thread its own object and communicator.
 ///
 /// Errors: a call either returns on every rank or throws on every rank the same exception
 /// (type and message), and then no rank's state has changed (outputs may have been written).
@@ -203,7 +208,7 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
   template <class DQ, class DK, class DV, class... Args>
   ExchangeStats prefill_into(State& state, const Eigen::MatrixBase<DQ>& Q,
                              const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
-                             Args&&... args) const {
+                             Args&&... args) {
     static_assert(sizeof...(Args) == Rule::token_inputs + 1,
                   "prefill_into takes the state, Q, K, V, the rule's per-token inputs "
                   "(Gated: log-gates; Delta: beta; GatedDelta: beta, log_alpha) and the output");
@@ -221,7 +226,7 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
             linattn::detail::check_output(out, Q.rows(), V.cols());
             state.check_shape(attention_.feature_dim(K.cols()), K.cols(), V.cols());
             state.check_identity(attention_.state_identity());
-            work.items = std::vector<linattn::detail::SliceItem<Scalar>>(1);
+            work.reset(1);
             auto& item = work.items.front();
             item.queries.push_back(detail::rows_of<Scalar>(Q, copies));
             item.keys = detail::rows_of<Scalar>(K, copies);
@@ -233,7 +238,7 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
             work.tokens = K.rows();
           };
           return finish(linattn::detail::run_sequence_parallel(
-              comm_, attention_, K.cols(), V.cols(), config, nullptr, prepare));
+              comm_, attention_, K.cols(), V.cols(), config, nullptr, work_, prepare));
         },
         std::forward<Args>(args)...);
   }
@@ -243,7 +248,7 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
   [[nodiscard]] typename Attention::Output prefill(State& state, const Eigen::MatrixBase<DQ>& Q,
                                                    const Eigen::MatrixBase<DK>& K,
                                                    const Eigen::MatrixBase<DV>& V,
-                                                   const In&... inputs) const {
+                                                   const In&... inputs) {
     typename Attention::Output out(Q.rows(), V.cols());
     prefill_into(state, Q, K, V, inputs..., out);
     return out;
@@ -263,6 +268,7 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
   Attention attention_;
   MPI_Comm comm_;
   Carry carry_;
+  linattn::detail::RankWork<Attention> work_;
 };
 
 /// A multi-head layer: every rank passes its slice of every sequence of the batch, views
@@ -296,7 +302,7 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
   /// Collective over the communicator; B, the heads and dims must agree across ranks, T_p not.
   template <class... Args>
   ExchangeStats prefill_into(State& state, ConstView Q, ConstView K, ConstView V,
-                             Args&&... args) const {
+                             Args&&... args) {
     constexpr std::size_t N = Rule::token_inputs;
     static_assert(sizeof...(Args) == N + 1 || sizeof...(Args) == N + 2,
                   "prefill_into takes the state, Q, K, V, the rule's per-token input views, the "
@@ -324,7 +330,7 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
                                           Rule::kind == WriteKind::gated);
       linattn::detail::check_slots(state, layer_, Q.batches(), slots);
       const Index B = Q.batches(), H = heads.kv_heads, T = K.times();
-      work.items = std::vector<linattn::detail::SliceItem<Scalar>>(std::size_t(B * H));
+      work.reset(B * H);
       for (Index b = 0; b < B; ++b)
         for (Index h = 0; h < H; ++h) {
           auto& item = work.items[std::size_t(b * H + h)];
@@ -344,7 +350,7 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
     };
     const auto result = linattn::detail::run_sequence_parallel(
         comm_, layer_.attention(), heads.key_dim, heads.value_dim, config, layer_.executor(),
-        prepare);
+        work_, prepare);
     if (result.failure) detail::raise(*result.failure);
     return detail::stats_of(result.counts);
   }
@@ -353,6 +359,7 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
   Layer layer_;
   MPI_Comm comm_;
   Carry carry_;
+  linattn::detail::RankWork<HeadAttention> work_;
 };
 
 }  // namespace linattn::mpi

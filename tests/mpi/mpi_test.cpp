@@ -134,7 +134,7 @@ TEMPLATE_TEST_CASE("one head, every rule and slicing: rows and states equal one 
     for (const auto& lengths : shapes) {
       const Slice my = slice_of(lengths, w.rank);
       INFO(name << ", rank " << w.rank << " of " << P << ", rows " << my.offset << " + " << my.length);
-      const mpi::SequenceParallel<Attention> split(attention, MPI_COMM_WORLD);
+      mpi::SequenceParallel<Attention> split(attention, MPI_COMM_WORLD);
       const auto run = [&](auto& state) {
         RowMatrix<Scalar> out(my.length, dv);
         const auto cut = rows_of(my.offset, my.length, in...);
@@ -181,7 +181,7 @@ TEMPLATE_TEST_CASE("one head, every rule and slicing: rows and states equal one 
       CHECK(same_bits(run(again), out));
       CHECK(same_bits(again.S(), state.S()));
       // broadcast_final: every rank holds the last rank's final state, bit for bit.
-      const mpi::SequenceParallel<Attention> everywhere(attention, MPI_COMM_WORLD, {mpi::kLastRank, true});
+      mpi::SequenceParallel<Attention> everywhere(attention, MPI_COMM_WORLD, {mpi::kLastRank, true});
       auto final_state = attention.make_state(dk, dv);
       {
         RowMatrix<Scalar> out2(my.length, dv);
@@ -218,7 +218,7 @@ TEST_CASE("consecutive calls continue each other; an initial state held by rank 
     const auto first = slicings(T1, P).front(), second = slicings(T - T1, P).back();
     std::vector<Index> all_lengths = first;
     all_lengths.insert(all_lengths.end(), second.begin(), second.end());
-    const mpi::SequenceParallel<Attention> split(attention, MPI_COMM_WORLD);
+    mpi::SequenceParallel<Attention> split(attention, MPI_COMM_WORLD);
     auto state = attention.make_state(dk, dv);
     RowMatrix<Scalar> out(0, dv);
     for (int call = 0; call < 2; ++call) {
@@ -261,7 +261,7 @@ TEST_CASE("consecutive calls continue each other; an initial state held by rank 
       attention.prefill_into(held, qkv.Q.topRows(T1), qkv.K.topRows(T1), qkv.V.topRows(T1),
                              in.topRows(T1)..., unused);
     }
-    const mpi::SequenceParallel<Attention> from_rank0(attention, MPI_COMM_WORLD, {0, true});
+    mpi::SequenceParallel<Attention> from_rank0(attention, MPI_COMM_WORLD, {0, true});
     const Slice my = slice_of(second, w.rank);
     RowMatrix<Scalar> out2(my.length, dv);
     const auto cut = rows_of(T1 + my.offset, my.length, in...);
@@ -360,13 +360,13 @@ void check_layer(const char* name, const Attention& attention, const std::array<
     Buffer<Scalar> out(layout, B, T, Hq, dv, RowMatrix<Scalar>::Zero(1, B * T * Hq * dv));
     auto state = layer.make_state(2);
     const std::array<Index, 2> slots{1, 0};
-    const mpi::SequenceParallel<MultiHeadAttention<Attention>> split(layer, MPI_COMM_WORLD);
+    mpi::SequenceParallel<MultiHeadAttention<Attention>> split(layer, MPI_COMM_WORLD);
     [&]<std::size_t... I>(std::index_sequence<I...>) {
       split.prefill_into(state, q.rows(my.offset, my.length), k.rows(my.offset, my.length),
                          v.rows(my.offset, my.length), in[I].rows(my.offset, my.length)...,
                          out.out_rows(my.offset, my.length), std::span<const Index>(slots));
     }(std::make_index_sequence<N>{});
-    const mpi::SequenceParallel<Attention> one(attention, MPI_COMM_WORLD);
+    mpi::SequenceParallel<Attention> one(attention, MPI_COMM_WORLD);
     for (Index b = 0; b < B; ++b)
       for (Index h = 0; h < Hq; ++h) {
         const Index g = h / G;
@@ -423,7 +423,7 @@ mpi::ExchangeStats layer_exchange(const Attention& attention, Index per_rank) {
   const RowMatrix<float> beta = uniform_matrix<float>(T, Hkv, 2604, 0.0, 1.0);
   RowMatrix<float> out(T, Hq * dv);
   auto state = layer.make_state(1);
-  const mpi::SequenceParallel<MultiHeadAttention<Attention>> split(layer, MPI_COMM_WORLD);
+  mpi::SequenceParallel<MultiHeadAttention<Attention>> split(layer, MPI_COMM_WORLD);
   const auto Q = TensorView<const float>::batch_first(q.data(), 1, T, Hq, dk);
   const auto K = TensorView<const float>::batch_first(k.data(), 1, T, Hkv, dk);
   const auto V = TensorView<const float>::batch_first(v.data(), 1, T, Hkv, dv);
@@ -509,7 +509,7 @@ void good_call() {
   const auto lengths = slicings(kBadT, w.size).front();
   const Slice my = slice_of(lengths, w.rank);
   auto state = attention.make_state(kBadDk, kBadDv);
-  const mpi::SequenceParallel<LinearAttention<EluPlusOne>> split(attention, MPI_COMM_WORLD);
+  mpi::SequenceParallel<LinearAttention<EluPlusOne>> split(attention, MPI_COMM_WORLD);
   const RowMatrix<float> out = split.prefill(state, qkv.Q.middleRows(my.offset, my.length),
                                              qkv.K.middleRows(my.offset, my.length),
                                              qkv.V.middleRows(my.offset, my.length));
@@ -527,7 +527,7 @@ void slice_call(const Attention& attention, Index dk, Index dv, mpi::Carry carry
   const auto qkv = random_qkv<Scalar>(kBadT, dk, dv, 3000);
   const Slice my = slice_of(slicings(kBadT, w.size).front(), w.rank);
   auto state = attention.make_state(dk, dv);
-  const mpi::SequenceParallel<Attention> split(attention, MPI_COMM_WORLD, carry);
+  mpi::SequenceParallel<Attention> split(attention, MPI_COMM_WORLD, carry);
   static_cast<void>(split.prefill(state, qkv.Q.middleRows(my.offset, my.length),
                                   qkv.K.middleRows(my.offset, my.length),
                                   qkv.V.middleRows(my.offset, my.length)));
@@ -641,7 +641,7 @@ TEST_CASE("a denominator rejected on one rank: every rank throws it with the seq
   const auto lengths = slicings(T, w.size).front();
   const Slice my = slice_of(lengths, w.rank);
   const LinearAttention<Identity> attention;
-  const mpi::SequenceParallel<LinearAttention<Identity>> split(attention, MPI_COMM_WORLD);
+  mpi::SequenceParallel<LinearAttention<Identity>> split(attention, MPI_COMM_WORLD);
   const RowMatrix<float> K = uniform_matrix<float>(T, dk, 3200, 0.1, 1.0), V = random_matrix<float>(T, dv, 3201);
   for (Index bad_row : {T - lengths.back(), Index{0}}) {
     RowMatrix<float> Q = uniform_matrix<float>(T, dk, 3202, 0.1, 1.0);

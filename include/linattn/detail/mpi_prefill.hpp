@@ -36,14 +36,29 @@
 
 namespace linattn::detail {
 
-/// This rank's part of the call: its items (state heads, each with its query heads) and the
-/// state each item continues, filled and checked by the entry point's `prepare`.
+/// This rank's part of a call: its items (state heads, each with its query heads) and the
+/// state each item continues, filled and checked by the entry point's `prepare`. Kept by
+/// SequenceParallel between calls, so that the items' buffers are reused.
 template <class Attention>
 struct RankWork {
   using Scalar = typename Attention::scalar_type;
   std::vector<SliceItem<Scalar>> items;
   std::vector<typename Attention::State*> states;
   Index tokens = 0;  // this rank's slice length
+
+  /// `count` items, keeping the existing ones (and their buffers) when the count repeats; their
+  /// views and inputs are for the caller to set again.
+  void reset(Index count) {
+    if (static_cast<Index>(items.size()) != count)
+      items = std::vector<SliceItem<Scalar>>(static_cast<std::size_t>(count));
+    for (auto& item : items) {
+      item.queries.clear();
+      item.outputs.clear();
+      item.direct = false;
+    }
+    states.clear();
+    tokens = 0;
+  }
 };
 
 /// Bytes this rank put into the exchange and took out of it (see ExchangeStats).
@@ -73,11 +88,13 @@ void describe_attention(const Attention& attention, Index dk, Index dv, CallConf
   copy_text(config.feature_map, id.map_name);
 }
 
-/// Steps 1 to 6 of the file comment. `prepare(RankWork&)` fills the items and states.
+/// Steps 1 to 6 of the file comment. `prepare(work)` fills the items and states (after
+/// work.reset(count)); `work` is the caller's, reused from call to call.
 template <class Attention, class Prepare>
 SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& attention, Index dk,
                                              Index dv, const CallConfig& config,
-                                             Executor* executor, Prepare&& prepare) {
+                                             Executor* executor, RankWork<Attention>& work,
+                                             Prepare&& prepare) {
   using Scalar = typename Attention::scalar_type;
   using Rule = typename Attention::rule_type;
   int initialized = 0, finalized = 0;
@@ -92,7 +109,6 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
   const int rank = counts.rank, P = counts.ranks;
 
   // 1, 2: prepare, then agree.
-  RankWork<Attention> work;
   RankRecord mine;
   mine.config = config;
   try {

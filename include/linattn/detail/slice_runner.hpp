@@ -9,25 +9,30 @@
 //                were zero, and its summary (slice_summary.hpp). Where the carried state is
 //                known to be zero (the first non-empty slice of a sequence that starts empty)
 //                this is the attention's own prefill and the outputs are final. Elsewhere:
-//                  decayed and gated rules (and Additive): the numerators only,
-//                    num_t = qf_t^T B_t   (an unnormalized prefill from zero);
+//                  decayed and gated rules (and Additive): the features qf, kf once, then an
+//                    unnormalized prefill from zero over them (the rule with the Identity map)
+//                    for the numerators num_t = qf_t^T B_t, and the denominators from zero
+//                    den_t = qf_t^T z_t (z_t = g_t .* z_{t-1} + kf_t);
 //                  delta rules: one prefill of the state [I | 0] (r x (r + dv)) with values
 //                    [0 | v_t], whose outputs are [qf_t^T A_t | qf_t^T B_t] and whose final
 //                    state is [A_p | B_p]: the slice's map and its numerators in one pass.
-//   apply_carry  after the exchange, with the carried state (S_c, z_c):
-//                  y_t = (num_t + (qf_t .* d_t)^T S_c) / divisor(qf_t^T z_t)
-//                  (d_t the decay from the slice's start through t; z_t from z_c by the
-//                  recurrence z_t = g_t .* z_{t-1} + kf_t, in double), or, for the delta rules,
-//                  y_t = qf_t^T B_t + (qf_t^T A_t) S_c.
-// Cost per token beyond a single-process prefill: none where the carry is known zero; else
-// 2 r dv flops per query head (one product with S_c) plus the feature maps again and O(r) for
-// z (normalized rules), or a second pass of width r for A (delta rules: about twice a prefill).
-// Scratch is allocated once per call; the delta rules keep qf_t^T A_t (T x r per query head,
-// the size of the queries) from run_local to apply_carry.
+//   apply_carry  after the exchange, with the carried state (S_c, z_c), d_t the decay from the
+//                slice's start through t (1 for Additive):
+//                  y_t = (num_t + (qf_t .* d_t)^T S_c) / divisor(den_t + (qf_t .* d_t)^T z_c)
+//                  or, for the delta rules, y_t = qf_t^T B_t + (qf_t^T A_t) S_c.
+// Cost per token beyond a single-process prefill: none where the carry is known zero; else one
+// product with S_c, 2 r dv flops per query head (the register kernel of small_gemm.hpp, the
+// division fused into it as in the chunked kernel), and O(r) for the denominators (normalized
+// rules), or a second pass of width r for A (delta rules: about twice a prefill).
+// Scratch is allocated once per call. From run_local to apply_carry each item keeps, per query
+// head, a T x r matrix (qf_t or qf_t^T A_t: the size of the queries) and T denominators.
 
+#include <linattn/attention.hpp>
 #include <linattn/detail/slice_summary.hpp>
+#include <linattn/detail/small_gemm.hpp>
 #include <linattn/detail/token_inputs.hpp>
 #include <linattn/errors.hpp>
+#include <linattn/feature_maps.hpp>
 #include <linattn/options.hpp>
 #include <linattn/types.hpp>
 #include <linattn/write_rules.hpp>
@@ -70,8 +75,14 @@ struct SliceItem {
   std::vector<RowsSpec<Scalar>> outputs;        // G heads, T x dv
   RowsSpec<const Scalar> keys, values;          // T x dk, T x dv
   TokenInputs<Scalar> inputs;                   // the rule's per-token inputs, bound and checked
-  std::vector<RowMatrix<Scalar>> carry_reads;   // delta rules: qf_t^T A_t per query head
   bool direct = false;                          // the carried state is known to be zero
+  // Kept from run_local for apply_carry where not direct, per query head:
+  std::vector<RowMatrix<Scalar>> reads;        // T x r: qf_t (decayed rules), qf_t^T A_t (delta)
+  std::vector<ColVector<Scalar>> denominators;  // qf_t^T z_t from a zero carry (normalized reads)
+  RowMatrix<Scalar> key_features;               // T x r, scratch of run_local
+  // An item may be reused by the next call (SequenceParallel keeps its items): the buffers
+  // above keep their allocations when the sizes repeat, so a repeated call touches no new
+  // memory (a first touch costs a page fault per 4 KiB: measured, more than the features).
 };
 
 /// The per-token inputs of rows [first, first + n), as the arguments the attention's calls take.
@@ -89,18 +100,19 @@ auto input_rows(const TokenInputs<Scalar>& in, Index first, Index n) {
 }
 
 /// Both phases for one attention (see the file comment). Holds the attention and, for the
-/// rules that keep z, a copy reading unnormalized (same map, rule and chunk size: its states
-/// are the attention's).
+/// rules that keep z, the same rule over precomputed features (Identity map, unnormalized
+/// read): the slice's features are computed once, for the local prefill and for the carry.
 template <class Attention>
 class SliceRunner {
  public:
   using Scalar = typename Attention::scalar_type;
   using Rule = typename Attention::rule_type;
+  using FeatureAttention = RuleAttention<Identity, Rule, Scalar>;
   static constexpr CarryMap map = carry_map_of<Rule>();
 
   SliceRunner(const Attention& attention, Index dk, Index dv)
       : attention_(attention),
-        local_(attention.feature_map(), attention.rule(), unnormalized(attention.options())),
+        features_(Identity{}, attention.rule(), unnormalized(attention.options())),
         dk_(dk),
         dv_(dv),
         r_(attention.feature_dim(dk)),
@@ -112,48 +124,51 @@ class SliceRunner {
   /// written to `summary` (layout().scalars() values).
   void run_local(SliceItem<Scalar>& item, Scalar* summary) const {
     const SummaryRef<Scalar> s{summary, layout_};
-    const Index T = item.keys.rows, G = static_cast<Index>(item.queries.size());
-    if (T == 0 || item.direct || map != CarryMap::matrix) {
-      if (T > 0) {
-        const Attention& attention = item.direct ? attention_ : local_;
-        auto work = attention.make_state(dk_, dv_);
-        prefill(attention, work, item, 0, T, item.values, item.outputs, 0);
-        s.B() = work.S();
-        if constexpr (Rule::keeps_normalizer) s.b() = work.z();
-      } else {
-        s.B().setZero();
-        s.b().setZero();
-      }
+    const Index T = item.keys.rows;
+    if (T == 0) {
+      s.B().setZero();
+      s.b().setZero();
       write_map(item, s);
       return;
     }
-    // Delta rules with a carry: one pass of [I | 0] with values [0 | V].
-    const Index r = r_, width = r_ + dv_, L = std::min(T, kDeltaBlock);
-    auto ext = attention_.make_state(dk_, width);
-    {
-      RowMatrix<Scalar> start = RowMatrix<Scalar>::Zero(r, width);
-      start.leftCols(r).setIdentity();
-      ext.assign(start, ColVector<Scalar>(), 0);
+    if (item.direct) {
+      auto work = attention_.make_state(dk_, dv_);
+      prefill(attention_, work, item.queries, item.keys, item.values, item.inputs, 0, T,
+              item.outputs, 0);
+      s.B() = work.S();
+      if constexpr (Rule::keeps_normalizer) s.b() = work.z();
+      write_map(item, s);
+      return;
     }
-    RowMatrix<Scalar> values = RowMatrix<Scalar>::Zero(L, width);
-    std::vector<RowMatrix<Scalar>> reads(static_cast<std::size_t>(G), RowMatrix<Scalar>(L, width));
-    std::vector<RowsSpec<Scalar>> read_rows(static_cast<std::size_t>(G));
-    item.carry_reads.assign(static_cast<std::size_t>(G), RowMatrix<Scalar>(T, r));
-    for (Index first = 0; first < T; first += L) {
-      const Index n = std::min(L, T - first);
-      values.topRows(n).rightCols(dv_) = item.values.middle(first, n).view();
-      for (Index g = 0; g < G; ++g)
-        read_rows[std::size_t(g)] = RowsSpec<Scalar>::of(reads[std::size_t(g)].topRows(n));
-      prefill(attention_, ext, item, first, n, RowsSpec<const Scalar>::of(values.topRows(n)),
-              read_rows, 0);
-      for (Index g = 0; g < G; ++g) {
-        const auto& out = reads[std::size_t(g)];
-        item.carry_reads[std::size_t(g)].middleRows(first, n) = out.topRows(n).leftCols(r);
-        item.outputs[std::size_t(g)].middle(first, n).view() = out.topRows(n).rightCols(dv_);
+    if constexpr (map == CarryMap::matrix) {
+      run_extended(item, s);
+    } else {
+      // Features once: the local prefill reads them through the Identity map, and apply_carry
+      // reads the query features again (kept in item.reads).
+      const auto& phi = attention_.feature_map();
+      const std::size_t G = item.queries.size();
+      RowMatrix<Scalar>& kf = item.key_features;
+      kf.resize(T, r_);
+      {
+        Eigen::Ref<RowMatrix<Scalar>> f(kf);
+        phi.apply(item.keys.view(), f);
       }
+      item.reads.resize(G);
+      std::vector<RowsSpec<const Scalar>> qf(G);
+      for (std::size_t g = 0; g < G; ++g) {
+        item.reads[g].resize(T, r_);
+        Eigen::Ref<RowMatrix<Scalar>> f(item.reads[g]);
+        phi.apply(item.queries[g].view(), f);
+        qf[g] = RowsSpec<const Scalar>::of(item.reads[g]);
+      }
+      auto work = features_.make_state(r_, dv_);
+      prefill(features_, work, qf, RowsSpec<const Scalar>::of(kf), item.values, item.inputs, 0, T,
+              item.outputs, 0);
+      s.B() = work.S();
+      s.b() = work.z();
+      if (attention_.options().normalization.divides()) local_denominators(item, kf);
+      write_map(item, s);
     }
-    s.A() = ext.S().leftCols(r);
-    s.B() = ext.S().rightCols(dv_);
   }
 
   /// Phase 2: the carried state (S_c, z_c) added to the outputs of a slice whose first row is
@@ -162,45 +177,68 @@ class SliceRunner {
                    const ColVector<Scalar>& z_c, Index first_row) const {
     const Index T = item.keys.rows;
     if (T == 0 || item.direct) return;
-    if constexpr (map == CarryMap::matrix) {
-      for (std::size_t g = 0; g < item.queries.size(); ++g)
-        item.outputs[g].view().noalias() += item.carry_reads[g] * S_c;
-      item.carry_reads.clear();
-      static_cast<void>(z_c);
-      static_cast<void>(first_row);
-    } else {
-      apply_decayed_carry(item, S_c, z_c, first_row);
+    if constexpr (map == CarryMap::scalar || map == CarryMap::diagonal) decay_reads(item);
+    const Normalization& norm = attention_.options().normalization;
+    const bool divides = Rule::keeps_normalizer && norm.divides();
+    const Index L = std::min(T, kCarryBlock);
+    ColVector<Scalar> inverse(divides ? L : 0), late(divides ? L : 0);
+    for (std::size_t g = 0; g < item.reads.size(); ++g) {
+      const RowMatrix<Scalar>& read = item.reads[g];
+      for (Index first = 0; first < T; first += L) {
+        const Index n = std::min(L, T - first);
+        auto out = item.outputs[g].middle(first, n).view();
+        // Row scales 1 / divisor, as the chunked kernel applies them (1 where the reciprocal
+        // of a subnormal divisor overflows: those rows are divided afterwards).
+        bool any_late = false;
+        for (Index i = 0; divides && i < n; ++i) {
+          const Index t = first + i;
+          const Scalar divisor =
+              norm.divisor(item.denominators[g](t) + read.row(t).dot(z_c.transpose()), first_row + t);
+          const Scalar inv = Scalar(1) / divisor;
+          const bool is_late = !std::isfinite(inv);
+          inverse(i) = is_late ? Scalar(1) : inv;
+          late(i) = is_late ? divisor : Scalar(0);
+          any_late = any_late || is_late;
+        }
+        add_product(read.middleRows(first, n), S_c, out, divides ? inverse.data() : nullptr);
+        for (Index i = 0; any_late && i < n; ++i)
+          if (late(i) != Scalar(0)) out.row(i) /= late(i);
+      }
     }
   }
 
  private:
-  // Rows per pass of the delta rules' extended prefill and of apply_carry's blocks: enough
-  // rows for the products to run near full rate, few enough that the scratch stays in L2.
+  // Rows per pass of the delta rules' extended prefill: enough for the products to run near
+  // full rate, few enough that its scratch stays small.
   static constexpr Index kDeltaBlock = 1024;
-  static constexpr Index kCarryBlock = 128;
+  // Rows per block of apply_carry: the block of reads (kCarryBlock x r) stays in L1 while the
+  // register kernel sweeps the column panels of S_c (one product over all T rows re-streams
+  // the reads from memory once per panel: measured half the rate).
+  static constexpr Index kCarryBlock = 64;
 
   static Options unnormalized(Options options) {
     options.normalization = Normalization::unnormalized();
     return options;
   }
 
-  // attention.prefill_into over rows [first, first + n) of the item's queries and keys, with
-  // `values` (n rows) and into rows [out_first, out_first + n) of `outputs`: the single-head
-  // call for one query head, the grouped call otherwise, as MultiHeadAttention calls them.
-  void prefill(const Attention& attention, typename Attention::State& state,
-               const SliceItem<Scalar>& item, Index first, Index n,
-               const RowsSpec<const Scalar>& values, const std::vector<RowsSpec<Scalar>>& outputs,
-               Index out_first) const {
-    const auto K = item.keys.middle(first, n).view();
+  // attention.prefill_into over rows [first, first + n) of `queries` and `keys` with `values`
+  // (n rows) and the inputs' rows, into rows [out_first, out_first + n) of `outputs`: the
+  // single-head call for one query head, the grouped call otherwise, as MultiHeadAttention
+  // calls them.
+  template <class A>
+  void prefill(const A& attention, typename A::State& state,
+               const std::vector<RowsSpec<const Scalar>>& queries, const RowsSpec<const Scalar>& keys,
+               const RowsSpec<const Scalar>& values, const TokenInputs<Scalar>& inputs, Index first,
+               Index n, const std::vector<RowsSpec<Scalar>>& outputs, Index out_first) const {
+    const auto K = keys.middle(first, n).view();
     const auto V = values.view();
-    const auto in = input_rows<Rule>(item.inputs, first, n);
-    const std::size_t G = item.queries.size();
-    const auto out_rows = [&](std::size_t g) { return outputs[g].middle(out_first, n); };
+    const auto in = input_rows<Rule>(inputs, first, n);
+    const std::size_t G = queries.size();
     if (G == 1) {
       std::apply(
           [&](const auto&... x) {
-            attention.prefill_into(state, item.queries[0].middle(first, n).view(), K, V, x...,
-                                   out_rows(0).view());
+            attention.prefill_into(state, queries[0].middle(first, n).view(), K, V, x...,
+                                   outputs[0].middle(out_first, n).view());
           },
           in);
       return;
@@ -210,10 +248,113 @@ class SliceRunner {
     qs.reserve(G);
     os.reserve(G);
     for (std::size_t g = 0; g < G; ++g) {
-      qs.push_back(item.queries[g].middle(first, n).view());
-      os.push_back(out_rows(g).view());
+      qs.push_back(queries[g].middle(first, n).view());
+      os.push_back(outputs[g].middle(out_first, n).view());
     }
     std::apply([&](const auto&... x) { attention.prefill_into(state, qs, K, V, x..., os); }, in);
+  }
+
+  // The delta rules from a carry: one prefill of [I | 0] with values [0 | V], in blocks of
+  // rows; the outputs' left part (qf_t^T A_t) is kept, the right part is the numerators.
+  void run_extended(SliceItem<Scalar>& item, const SummaryRef<Scalar>& s) const {
+    const Index T = item.keys.rows, r = r_, width = r_ + dv_, L = std::min(T, kDeltaBlock);
+    const std::size_t G = item.queries.size();
+    auto ext = attention_.make_state(dk_, width);
+    {
+      RowMatrix<Scalar> start = RowMatrix<Scalar>::Zero(r, width);
+      start.leftCols(r).setIdentity();
+      ext.assign(start, ColVector<Scalar>(), 0);
+    }
+    RowMatrix<Scalar> values = RowMatrix<Scalar>::Zero(L, width);
+    std::vector<RowMatrix<Scalar>> outs(G, RowMatrix<Scalar>(L, width));
+    std::vector<RowsSpec<Scalar>> out_rows(G);
+    item.reads.resize(G);
+    for (auto& read : item.reads) read.resize(T, r);
+    for (Index first = 0; first < T; first += L) {
+      const Index n = std::min(L, T - first);
+      values.topRows(n).rightCols(dv_) = item.values.middle(first, n).view();
+      for (std::size_t g = 0; g < G; ++g) out_rows[g] = RowsSpec<Scalar>::of(outs[g].topRows(n));
+      prefill(attention_, ext, item.queries, item.keys, RowsSpec<const Scalar>::of(values.topRows(n)),
+              item.inputs, first, n, out_rows, 0);
+      for (std::size_t g = 0; g < G; ++g) {
+        item.reads[g].middleRows(first, n) = outs[g].topRows(n).leftCols(r);
+        item.outputs[g].middle(first, n).view() = outs[g].topRows(n).rightCols(dv_);
+      }
+    }
+    s.A() = ext.S().leftCols(r);
+    s.B() = ext.S().rightCols(dv_);
+  }
+
+  // The log-gate of token t, channel c (Decay: its constant).
+  double log_gate(const TokenInputs<Scalar>& in, Index t, Index c) const {
+    if constexpr (map == CarryMap::scalar) {
+      static_cast<void>(t);
+      static_cast<void>(c);
+      return static_cast<double>(in.constant_log_gate);
+    } else {
+      return static_cast<double>(in.log_gate(t, in.log_gate.cols == 1 ? 0 : c));
+    }
+  }
+  [[nodiscard]] Index gate_channels(const TokenInputs<Scalar>& in) const {
+    return map == CarryMap::diagonal && in.log_gate.cols > 1 ? r_ : 1;
+  }
+
+  // The slice's normalizers from a zero carry, z_t = g_t .* z_{t-1} + kf_t, read by each query
+  // head: denominators[g](t) = qf_t^T z_t (in Scalar, as the chunked kernels keep z).
+  void local_denominators(SliceItem<Scalar>& item, const RowMatrix<Scalar>& kf) const {
+    const Index T = kf.rows(), channels = gate_channels(item.inputs);
+    item.denominators.resize(item.reads.size());
+    for (auto& den : item.denominators) den.resize(T);
+    RowVector<Scalar> z = RowVector<Scalar>::Zero(r_);
+    for (Index t = 0; t < T; ++t) {
+      if constexpr (map != CarryMap::identity) {
+        if (channels == 1)
+          z *= static_cast<Scalar>(std::exp(log_gate(item.inputs, t, 0)));
+        else
+          for (Index c = 0; c < r_; ++c) z(c) *= static_cast<Scalar>(std::exp(log_gate(item.inputs, t, c)));
+      }
+      z += kf.row(t);
+      for (std::size_t g = 0; g < item.reads.size(); ++g)
+        item.denominators[g](t) = item.reads[g].row(t).dot(z);
+    }
+  }
+
+  // out = (out + read S) row i times row_scale[i] (when given): the register kernel where it
+  // applies (one pass over out), else Eigen's product and the scaling.
+  template <class Read, class Out>
+  static void add_product(const Read& read, const RowMatrix<Scalar>& S, Out& out,
+                          const Scalar* row_scale) {
+    const Index T = read.rows(), r = read.cols(), dv = S.cols();
+    if constexpr (has_gemm_kernel<Scalar>) {
+      if (dv % GemmTile<Scalar>::lanes == 0) {
+        small_gemm<Scalar, true>(T, dv, r, read.data(), read.outerStride(), S.data(), dv,
+                                 out.data(), out.outerStride(), Triangle::none, row_scale);
+        return;
+      }
+    }
+    out.noalias() += read * S;
+    if (row_scale != nullptr)
+      for (Index t = 0; t < T; ++t) out.row(t) *= row_scale[t];
+  }
+
+  // Query features scaled by the decay since the slice's start, d_t = exp(sum_{s<=t} log g_s)
+  // (the exponent summed in double), for the read of the carry.
+  void decay_reads(SliceItem<Scalar>& item) const {
+    const Index T = item.keys.rows, channels = gate_channels(item.inputs);
+    Eigen::VectorXd exponent = Eigen::VectorXd::Zero(channels);
+    RowVector<Scalar> d(channels);
+    for (Index t = 0; t < T; ++t) {
+      for (Index c = 0; c < channels; ++c) {
+        exponent(c) += log_gate(item.inputs, t, c);
+        d(c) = static_cast<Scalar>(std::exp(exponent(c)));
+      }
+      for (auto& read : item.reads) {
+        if (channels == 1)
+          read.row(t) *= d(0);
+        else
+          read.row(t).array() *= d.array();
+      }
+    }
   }
 
   // A of the summary: nothing (Additive), the slice's decay (Decay, Gated), or the identity
@@ -231,71 +372,8 @@ class SliceRunner {
     }
   }
 
-  // apply_carry for Additive, Decay and Gated, in blocks of rows: features again, the decay
-  // d_t and the normalizer z_t by their recurrences (double), then per query head
-  // out += (qf .* d) S_c and the division.
-  void apply_decayed_carry(SliceItem<Scalar>& item, const RowMatrix<Scalar>& S_c,
-                           const ColVector<Scalar>& z_c, Index first_row) const {
-    const Index T = item.keys.rows, r = r_, L = std::min(T, kCarryBlock);
-    const Normalization& norm = attention_.options().normalization;
-    const TokenInputs<Scalar>& in = item.inputs;
-    const bool per_channel = map == CarryMap::diagonal && in.log_gate.cols > 1;
-    const bool divides = norm.divides();
-    RowMatrix<Scalar> kf(L, r), qf(L, r), Z(divides ? L : 0, r);
-    RowMatrix<Scalar> D(map == CarryMap::identity ? 0 : L, per_channel ? r : 1);
-    Eigen::VectorXd z = z_c.template cast<double>(), log_decay = Eigen::VectorXd::Zero(D.cols());
-    Eigen::VectorXd den(L);
-    const auto& phi = attention_.feature_map();
-    for (Index first = 0; first < T; first += L) {
-      const Index n = std::min(L, T - first);
-      if (divides) {
-        Eigen::Ref<RowMatrix<Scalar>> kf_rows(kf.topRows(n));
-        phi.apply(item.keys.middle(first, n).view(), kf_rows);
-      }
-      for (Index t = 0; t < n; ++t) {
-        if constexpr (map != CarryMap::identity) {
-          for (Index c = 0; c < D.cols(); ++c) {
-            const double lg = map == CarryMap::scalar ? double(in.constant_log_gate)
-                                                      : double(in.log_gate(first + t, c));
-            log_decay(c) += lg;
-            D(t, c) = static_cast<Scalar>(std::exp(log_decay(c)));
-            if (divides) {
-              const double g = std::exp(lg);
-              if (per_channel)
-                z(c) *= g;
-              else
-                z *= g;
-            }
-          }
-        }
-        if (divides) {
-          z += kf.row(t).transpose().template cast<double>();
-          Z.row(t) = z.transpose().template cast<Scalar>();
-        }
-      }
-      for (std::size_t g = 0; g < item.queries.size(); ++g) {
-        Eigen::Ref<RowMatrix<Scalar>> qf_rows(qf.topRows(n));
-        phi.apply(item.queries[g].middle(first, n).view(), qf_rows);
-        if (divides)
-          for (Index t = 0; t < n; ++t)
-            den(t) = qf.row(t).template cast<double>().dot(Z.row(t).template cast<double>());
-        if constexpr (map != CarryMap::identity) {
-          if (per_channel)
-            qf.topRows(n).array() *= D.topRows(n).array();
-          else
-            qf.topRows(n).array().colwise() *= D.topRows(n).col(0).array();
-        }
-        auto out = item.outputs[g].middle(first, n).view();
-        out.noalias() += qf.topRows(n) * S_c;
-        if (divides)
-          for (Index t = 0; t < n; ++t)
-            out.row(t) /= norm.divisor(static_cast<Scalar>(den(t)), first_row + first + t);
-      }
-    }
-  }
-
   Attention attention_;
-  Attention local_;
+  FeatureAttention features_;
   Index dk_, dv_, r_;
   SummaryLayout layout_;
 };
