@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The main job: build the benchmarks (Release, -march=native), run bench_paths, write the raw
-# JSON, print a summary table and render docs/img/bench_paths.png.
+# JSON, print a summary table and render docs/img/bench_paths.png; then the write rules'
+# section (bench_write_rules) and the gradients' section (bench_gradients, a subset).
 #
-#   bash scripts/bench.sh            default sweep, about three minutes on a 2-core machine
+#   bash scripts/bench.sh            default sweep, about eight minutes on a 2-core machine
+#   bash scripts/bench.sh --paths-only   bench_paths only (about three minutes)
 #   bash scripts/bench.sh --full     T = 256 ... 16384 in powers of two, 5 repetitions each
 #   bash scripts/bench.sh --build-only   build every benchmark program, run nothing (CI)
 #   bash scripts/bench.sh --avx2     build for AVX2+FMA instead of the host's own instruction set
@@ -13,13 +15,15 @@ set -euo pipefail
 
 full=0
 build_only=0
+paths_only=0
 avx2=0
 for arg in "$@"; do
   case "$arg" in
     --full) full=1 ;;
     --build-only) build_only=1 ;;
+    --paths-only) paths_only=1 ;;
     --avx2) avx2=1 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "bench.sh: unknown option '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -64,7 +68,9 @@ if [ "$build_only" -eq 1 ]; then
   echo "bench.sh: built every benchmark in $build"
   exit 0
 fi
-cmake --build "$build" -j "$jobs" --target bench_paths
+targets=(bench_paths)
+[ "$paths_only" -eq 1 ] || targets+=(bench_write_rules bench_gradients)
+cmake --build "$build" -j "$jobs" --target "${targets[@]}"
 
 # ---- run --------------------------------------------------------------------------------------
 json="$build/bench_paths.json"
@@ -90,3 +96,27 @@ else
 fi
 "$python" "$root/scripts/summarize_bench.py" "$json" --plot "$plot" | tee "$build/bench_summary.txt"
 echo "bench.sh: summary saved to $build/bench_summary.txt, plot to $plot"
+
+[ "$paths_only" -eq 1 ] && exit 0
+
+# ---- write rules and gradients ------------------------------------------------------------------
+# Three repetitions each (paired ratios, so the medians hold on a noisy machine); the gradients'
+# rows are the subset the targets read: T = 2048 and 16384, one head and 8 heads on 1 and 2
+# threads, the paired scaling row and the memory row.
+summary="$build/bench_summary.txt"
+rules_json="$build/bench_write_rules.json"
+echo "bench.sh: running bench_write_rules (raw results: $rules_json)"
+"$build/bench/bench_write_rules" --benchmark_out="$rules_json" --benchmark_out_format=json \
+  --benchmark_min_time=0.05 --benchmark_repetitions=3 \
+  --benchmark_enable_random_interleaving=true >"$build/bench_write_rules.log"
+echo | tee -a "$summary"
+"$python" "$root/scripts/summarize_rules.py" "$rules_json" | tee -a "$summary"
+
+grad_json="$build/bench_gradients.json"
+echo "bench.sh: running bench_gradients (raw results: $grad_json)"
+"$build/bench/bench_gradients" --benchmark_out="$grad_json" --benchmark_out_format=json \
+  --benchmark_filter='^(memory|scaling|train/d:(64|128)/T:(2048|16384)/)' \
+  --benchmark_min_time=0.05 --benchmark_repetitions=3 >"$build/bench_gradients.log"
+echo | tee -a "$summary"
+"$python" "$root/scripts/summarize_gradients.py" "$grad_json" | tee -a "$summary"
+echo "bench.sh: full summary saved to $summary"

@@ -959,15 +959,22 @@ TEMPLATE_TEST_CASE("per-token inputs holding Scalar are bound in place, others c
     for (Index t = 0; t < T; ++t) CHECK(in.beta(t) == beta(t) * Scalar(0.5));
   }
   {
-    // Per-channel gates, column-major: in place, rows 1 apart and channels T apart.
+    // Per-channel gates: the kernels read each token's r gates as one contiguous row, so
+    // row-major gates are bound in place and column-major ones copied once into rows.
     const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> G =
         -linattn_test::uniform_matrix<Scalar>(T, r, 2102, 0.0, 1.0);
     detail::TokenInputs<Scalar> in;
     detail::bind_token_inputs<Scalar>(Gated{}, std::forward_as_tuple(G), T, r, in);
-    CHECK(in.log_gate.data == G.data());
+    CHECK(in.log_gate.data == in.copies[0].data());
     CHECK(in.log_gate.cols == r);
+    CHECK(in.log_gate.col_stride == 1);
     for (Index t = 0; t < T; ++t)
       for (Index c = 0; c < r; ++c) CHECK(in.log_gate(t, c) == G(t, c));
+    const RowMatrix<Scalar> rows = G;
+    detail::TokenInputs<Scalar> in_rows;
+    detail::bind_token_inputs<Scalar>(Gated{}, std::forward_as_tuple(rows), T, r, in_rows);
+    CHECK(in_rows.log_gate.data == rows.data());
+    CHECK(in_rows.copies[0].size() == 0);
   }
   {
     // GatedDelta: each of its two inputs bound on its own (one in place, one copied).
@@ -978,4 +985,13 @@ TEMPLATE_TEST_CASE("per-token inputs holding Scalar are bound in place, others c
     CHECK(in.beta.data == beta.data());
     CHECK(in.log_alpha.data == in.copies[1].data());
   }
+}
+
+TEST_CASE("one log-gate per token may be a column or a row", "[gated][inputs]") {
+  const auto X = linattn_test::random_matrix<float>(6, 3, 77);
+  const RowMatrix<float> col = RowMatrix<float>::Constant(6, 1, -0.3f);
+  const RowMatrix<float> row = col.transpose();
+  const RuleAttention<EluPlusOne, Gated> gated;
+  CHECK(gated.parallel(X, X, X, col, Mask::causal) == gated.parallel(X, X, X, row, Mask::causal));
+  CHECK_THROWS_AS(gated.parallel(X, X, X, RowMatrix<float>::Constant(2, 3, -0.3f), Mask::causal), ShapeError);
 }

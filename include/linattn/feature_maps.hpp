@@ -12,6 +12,12 @@
 ///   void apply(const In& x, Out& out) const;           // out (T x r) = phi of each row of x (T x d)
 /// `In` is any Eigen expression with T rows; `out` is already sized T x r (an Eigen::Ref to
 /// row-major storage), so apply must not resize it.
+///
+/// To train through the map (linattn/gradients.hpp), also provide its derivative:
+///   template <class In, class F, class DF, class DX>
+///   void backward(const In& x, const F& features, const DF& d_features, DX& d_x) const;
+/// d_x (T x d, pre-sized, row-major Ref) = J_t^T d_features_t for each row t, J_t = d phi / d x
+/// at x_t; `features` are phi(x) as apply() gave them. DifferentiableFeatureMap checks it.
 
 #include <linattn/detail/elu_kernel.hpp>
 #include <linattn/types.hpp>
@@ -47,6 +53,11 @@ struct Identity {
   template <class In, class Out>
   void apply(const In& x, Out& out) const {
     out = x;
+  }
+  /// d_x = d_features (J = I).
+  template <class In, class F, class DF, class DX>
+  void backward(const In& /*x*/, const F& /*features*/, const DF& d_features, DX& d_x) const {
+    d_x = d_features;
   }
 };
 
@@ -113,6 +124,15 @@ struct EluPlusOne {
       out.array() = f(out.array());
     }
   }
+  /// d_x = d_features * phi'(x) elementwise: phi'(x) = 1 for x > 0, exp(x) = phi(x) otherwise,
+  /// i.e. min(phi(x), 1) (phi = x + 1 > 1 for x > 0, exp(x) <= 1 otherwise), which needs no
+  /// branch and vectorizes (a select() is a scalar, mispredicted branch per element). NaN
+  /// propagates (Eigen's min returns its NaN first operand). Cost: 2 T*d flops.
+  template <class In, class F, class DF, class DX>
+  void backward(const In& /*x*/, const F& features, const DF& d_features, DX& d_x) const {
+    using Scalar = typename F::Scalar;
+    d_x = (d_features.array() * features.array().min(Scalar(1))).matrix();
+  }
 };
 
 /// phi(x) = x / |x|_2 per row (a zero row stays zero; NaN or Inf in a row gives NaN). The usual
@@ -147,6 +167,33 @@ struct L2Normalize {
       }
     }
   }
+  /// d_x = (d_f - phi (phi . d_f)) / |x| per row, the Jacobian (I - phi phi^T) / |x| of x / |x|
+  /// applied to d_f = d_features. A zero row (where x / |x| has no derivative) gets d_x = 0, a
+  /// row with NaN or Inf gets NaN; |x| is formed as apply() forms it, rescaled where needed.
+  /// Cost: about 5 T*d flops.
+  template <class In, class F, class DF, class DX>
+  void backward(const In& x, const F& features, const DF& d_features, DX& d_x) const {
+    using Real = typename Eigen::NumTraits<typename In::Scalar>::Real;
+    const Real low = std::sqrt(std::numeric_limits<Real>::min() / std::numeric_limits<Real>::epsilon());
+    for (Index t = 0; t < x.rows(); ++t) {
+      auto row = x.row(t);
+      Real norm = row.norm();
+      if (!(norm >= low && norm <= std::numeric_limits<Real>::max())) {
+        const Real largest = row.cwiseAbs().maxCoeff();
+        if (std::isnan(norm) || !std::isfinite(largest)) {
+          d_x.row(t).setConstant(std::numeric_limits<Real>::quiet_NaN());
+          continue;
+        }
+        if (largest == 0) {
+          d_x.row(t).setZero();
+          continue;
+        }
+        norm = largest * (row / largest).norm();
+      }
+      const Real along = features.row(t).dot(d_features.row(t));
+      d_x.row(t) = (d_features.row(t) - along * features.row(t)) / norm;
+    }
+  }
 };
 
 /// Optional extension of the protocol: features reported in a shifted log domain, for maps
@@ -163,6 +210,21 @@ concept LogScaledFeatureMap =
     FeatureMap<Phi, Scalar> && requires { requires Phi::log_scaled; } &&
     requires(const Phi& phi, const RowMatrix<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out,
              Eigen::Ref<ColVector<Scalar>> log_scale) { phi.apply_scaled(x, out, log_scale); };
+
+/// A feature map with a derivative: `backward(x, features, d_features, d_x)` as described at
+/// the top of this file, so gradients flow through it to the inputs (linattn/gradients.hpp).
+/// A LogScaledFeatureMap's backward must give the same d_x when a row's features are
+/// multiplied by c > 0 and its d_features divided by c: the log-domain kernels pass the scaled
+/// features f_t (phi(x_t) = exp(l_t) f_t) with exp(l_t) d_phi_t, which never overflow. For
+/// features exp(l(x)) f(x) that holds when d_x is written with the products of features and
+/// d_features, since J^T d_phi = exp(l) (Jf^T d_phi + (f . d_phi) grad l).
+template <class Phi, class Scalar = float>
+concept DifferentiableFeatureMap =
+    FeatureMap<Phi, Scalar> &&
+    requires(const Phi& phi, const RowMatrix<Scalar>& x, const RowMatrix<Scalar>& features,
+             const RowMatrix<Scalar>& d_features, Eigen::Ref<RowMatrix<Scalar>> d_x) {
+      phi.backward(x, features, d_features, d_x);
+    };
 
 namespace detail {
 

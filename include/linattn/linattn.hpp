@@ -8,6 +8,7 @@
 #include <linattn/errors.hpp>
 #include <linattn/executor.hpp>
 #include <linattn/feature_maps.hpp>
+#include <linattn/gradients.hpp>
 #include <linattn/head_config.hpp>
 #include <linattn/multihead.hpp>
 #include <linattn/normalization.hpp>

@@ -24,6 +24,7 @@
 /// unscaled features, which do overflow or underflow for such inputs.
 
 #include <linattn/detail/bytes.hpp>
+#include <linattn/detail/feature_backward.hpp>
 #include <linattn/detail/random.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/feature_maps.hpp>
@@ -249,6 +250,18 @@ class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
     }
   }
 
+  /// d_x = J^T d_features per row: with G = d_features * features elementwise,
+  /// d_x_t = sqrt(tau) sum_i (G_ti - G_t,m+i) w_i - tau x_t sum_j G_tj (the G_t,m+i term only
+  /// when hyperbolic). Only the products G enter, so the scaled features of apply_scaled() with
+  /// d_features times exp(log_scale) give the same d_x: its shifts cancel. O(T m d).
+  template <class In, class F, class DF, class DX>
+    requires std::same_as<typename In::Scalar, Scalar>
+  void backward(const In& x, const F& features, const DF& d_features, DX& d_x) const {
+    this->check_input_dim(x.cols());
+    detail::positive_features_backward(this->projection(), this->scale(), hyperbolic(), x,
+                                       features, d_features, d_x);
+  }
+
  private:
   Scalar log_norm() const {
     return static_cast<Scalar>(
@@ -305,6 +318,17 @@ class TrigRandomFeatures : public detail::RandomProjection<Scalar> {
                                 x.rows());
     trig(x, out);
     for (Index t = 0; t < x.rows(); ++t) log_scale(t) = row_log_scale(x, t);
+  }
+
+  /// d_x = J^T d_features per row: with features [s, c] and d_features [d_s, d_c],
+  /// d_x_t = sqrt(tau) sum_i (d_s_ti c_ti - d_c_ti s_ti) w_i + tau x_t (d_features_t . features_t).
+  /// Products only, so the scaled features of apply_scaled() serve as well. O(T m d).
+  template <class In, class F, class DF, class DX>
+    requires std::same_as<typename In::Scalar, Scalar>
+  void backward(const In& x, const F& features, const DF& d_features, DX& d_x) const {
+    this->check_input_dim(x.cols());
+    detail::trig_features_backward(this->projection(), this->scale(), x, features, d_features,
+                                   d_x);
   }
 
  private:

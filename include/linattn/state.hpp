@@ -14,6 +14,8 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <cmath>
+#include <stdexcept>
 #include <limits>
 
 namespace linattn {
@@ -91,14 +93,20 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
   /// Whether this state keeps S and z log-scaled (made for a LogScaledFeatureMap).
   [[nodiscard]] bool log_domain() const noexcept { return log_domain_; }
 
-  /// Sets the state to S (r x dv) and z (length r), true values (a carried or learned initial
-  /// state), with `tokens` absorbed tokens: no pending token, log-scale 0. Throws ShapeError for
-  /// other shapes or a count outside [0, 2^62], std::invalid_argument for NaN or Inf. O(r dv).
+  /// Sets the state to S (r x dv) and z (length r) with `tokens` absorbed tokens and no pending
+  /// token: a carried or learned initial state. For a log-scaled state S and z are the stored
+  /// sums at log-scale M = `log_scale` (true S = exp(M) S); an ordinary state takes M = 0 only.
+  /// Throws ShapeError for other shapes or a count outside [0, 2^62], std::invalid_argument for
+  /// NaN or Inf in S or z, or an M this state cannot hold. O(r dv).
   template <class DS, class DZ>
-  void assign(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DZ>& z, Index tokens = 0) {
+  void assign(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DZ>& z, Index tokens = 0,
+              Scalar log_scale = 0) {
+    if (!(log_domain_ ? std::isfinite(log_scale) : log_scale == 0))
+      throw std::invalid_argument("linattn: assign() needs a finite log-scale for a log-scaled "
+                                  "state and 0 otherwise");
     this->assign_sums(S, z, tokens);
     pending_.count = 0;
-    log_scale_ = 0;
+    log_scale_ = log_scale;
   }
 
   /// Back to the empty state; keeps the allocation and the decode block.

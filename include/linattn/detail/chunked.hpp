@@ -15,6 +15,25 @@
 
 namespace linattn::detail {
 
+/// The row scale that divides an output row by `divisor` inside a product: 1 / divisor, or,
+/// where that reciprocal overflows (a subnormal divisor), 1 with the divisor kept in `late` (0
+/// otherwise) for divide_late_rows() after the product. So every chunked read divides by the
+/// divisor it accepted, as the recurrent and full paths do, and returns their finite result.
+template <class Scalar>
+Scalar reciprocal_or_late(Scalar divisor, Scalar& late) noexcept {
+  const Scalar inverse = Scalar(1) / divisor;
+  late = std::isfinite(inverse) ? Scalar(0) : divisor;
+  return late != Scalar(0) ? Scalar(1) : inverse;
+}
+
+/// Divides the rows i < n of `out` (row stride ld, dv columns) whose late[i] is not 0 by it.
+template <class Scalar>
+void divide_late_rows(Scalar* out, Index ld, Index n, Index dv, const Scalar* late) noexcept {
+  for (Index i = 0; i < n; ++i)
+    if (late[i] != Scalar(0))
+      for (Index c = 0; c < dv; ++c) out[i * ld + c] /= late[i];
+}
+
 /// Chunked causal linear attention of T tokens continuing from (S, z), on Eigen's GEMM: the
 /// form for scalar types Eigen does not vectorize and value widths that are not a multiple of
 /// the packet width (causal_chunked below dispatches). S, z and `tokens` absorb the tokens.
@@ -173,17 +192,11 @@ void causal_chunked(const Phi& phi, Index group, const QueryAt& query, const DK&
         // Each query head runs the same sum (a few r adds per row), so every head's
         // denominators have the bits of a single-head call.
         running_z = z.transpose();
-        bool any_late = false;
         for (Index i = 0; i < n; ++i) {
           running_z += kf.row(i);
-          if (norm.divides()) {
-            const Scalar divisor = norm.divisor(qf.row(i).dot(running_z), first + i);
-            const Scalar inv = Scalar(1) / divisor;
-            const bool late = !std::isfinite(inv);
-            inverse(i) = late ? Scalar(1) : inv;
-            late_divisor(i) = late ? divisor : Scalar(0);
-            any_late = any_late || late;
-          }
+          if (norm.divides())
+            inverse(i) = reciprocal_or_late(norm.divisor(qf.row(i).dot(running_z), first + i),
+                                            late_divisor(i));
         }
         small_gemm<Scalar, false>(n, n_padded, r, qf.data(), r, kf_t.data(), padded,
                                   scores.data(), padded, Triangle::lower_result);
@@ -197,10 +210,7 @@ void causal_chunked(const Phi& phi, Index group, const QueryAt& query, const DK&
         small_gemm<Scalar, false>(n, dv, r, qf.data(), r, S.data(), dv, o, ld_out);
         small_gemm<Scalar, true>(n, dv, n, scores.data(), padded, v_chunk, ld_v, o, ld_out,
                                  Triangle::lower_lhs, norm.divides() ? inverse.data() : nullptr);
-        if (any_late)
-          for (Index i = 0; i < n; ++i)
-            if (late_divisor(i) != Scalar(0))
-              for (Index c = 0; c < dv; ++c) o[i * ld_out + c] /= late_divisor(i);
+        if (norm.divides()) divide_late_rows(o, ld_out, n, dv, late_divisor.data());
       }
       small_gemm<Scalar, true>(r, dv, n, kf_t.data(), padded, v_chunk, ld_v, S.data(), dv);
       z = running_z.transpose();

@@ -101,6 +101,14 @@ LogDomainRead<Scalar> log_domain_read(const Normalization& norm, Scalar den, Sca
   return read;
 }
 
+/// The factor by which a row's read scales its numerator, d y / d num: 1 / divisor, or exp(L)
+/// unnormalized (the backward's quotient rule; throws as log_domain_read).
+template <class Scalar>
+Scalar log_domain_reciprocal(const Normalization& norm, Scalar den, Scalar log_scale, Index row) {
+  const auto read = log_domain_read(norm, den, log_scale, row);
+  return read.divides ? static_cast<Scalar>(1.0 / read.divisor) : read.multiplier;
+}
+
 /// One recurrent token on scaled features: qf, kf are 1 x r with log-scales lq, lk.
 ///   M' = max(M, lk),  S = exp(M - M') S + exp(lk - M') kf^T v,  z likewise,
 ///   y = log_domain_read(qf z, lq + M') applied to qf S.

@@ -1,12 +1,15 @@
 #pragma once
 // The paths of the write rules other than Additive (Decay, Gated, Delta, GatedDelta) behind
 // RuleAttention: the chunked causal pass, the recurrent pass and the decode step, for one query
-// head or for the query heads of one key/value head. The per-rule kernels live in
-// rule_kernels.hpp; per-token inputs arrive bound and validated (token_inputs.hpp).
+// head or for the query heads of one key/value head. The kernels live in gated_kernels.hpp and
+// delta_kernels.hpp; per-token inputs arrive bound and validated (token_inputs.hpp).
 
 #include <linattn/detail/additive_paths.hpp>
+#include <linattn/detail/chunked.hpp>
+#include <linattn/detail/delta_kernels.hpp>
+#include <linattn/detail/gated_kernels.hpp>
 #include <linattn/detail/recurrent_sweep.hpp>
-#include <linattn/detail/rule_kernels.hpp>
+#include <linattn/detail/rule_common.hpp>
 #include <linattn/detail/state_core.hpp>
 #include <linattn/detail/token_inputs.hpp>
 #include <linattn/normalization.hpp>
@@ -21,23 +24,22 @@
 
 namespace linattn::detail {
 
-/// The log-gates of chunk rows [first, first + n): the caller's (Gated) or the constant
-/// log(gamma) (Decay, from `constant`, a column of at least n entries).
+template <class Rule>
+inline constexpr bool is_delta_rule = Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta;
+
+/// Token values from `first` on of a bound one-column input (beta, log-alpha, scalar gates).
 template <class Scalar>
-auto chunk_gates(const TokenInputs<Scalar>& in, const ColVector<Scalar>& constant, Index first,
-                 Index n) {
-  using Strides = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
-  using View = Eigen::Map<const RowMatrix<Scalar>, Eigen::Unaligned, Strides>;
-  if (in.log_gate.empty()) return View(constant.data(), n, 1, Strides(1, 1));
-  return in.log_gate.middle_rows(first, n).map();
+TokenValues<Scalar> values_from(const TokenArray<Scalar>& a, Index first) {
+  if (a.empty()) return {};
+  return {a.data + first * a.row_stride, a.row_stride};
 }
 
 /// The chunked causal pass of a decayed, gated or delta rule for `group` query heads over one
-/// K, V with bound per-token inputs `in`, continuing `state`, which absorbs K, V once. Each
-/// head's rows are normalized before the state absorbs their chunk, so after a
-/// DenominatorError the state holds exactly the chunks before the failing one. Scratch is
-/// allocated once per call. With G > 1 heads the chunk kernels run once per head on a copy of
-/// the incoming state and once (the last head) on the state itself.
+/// K, V with bound per-token inputs `in`, continuing `state`, which absorbs K, V once. Per chunk
+/// the kernel prepares the key side once (features, decays, the delta rule's corrected values),
+/// reads each head (each with a single-head call's bits), then updates the state. Each head's
+/// rows are normalized before the state absorbs their chunk, so after a DenominatorError the
+/// state holds exactly the chunks before the failing one. Scratch allocated once per call.
 template <class Scalar, class Rule, class Phi, class QueryAt, class DK, class DV, class OutputAt>
 void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, Index group,
                   const QueryAt& query, const DK& K, const DV& V, const TokenInputs<Scalar>& in,
@@ -47,51 +49,169 @@ void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, I
   auto& S = StateAccess::S(state);
   auto& z = StateAccess::z(state);
   const Index C = std::min(chunk_size, T);
-  RowMatrix<Scalar> qf(C, r), kf(C, r), S_copy;
-  ColVector<Scalar> z_copy;
-  ColVector<Scalar> constant = ColVector<Scalar>::Constant(C, in.constant_log_gate);
-  RuleScratch<Scalar> scratch(C, r, dv);
-  constexpr bool delta_family =
-      Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta;
-  for (Index first = 0; first < T; first += C) {
-    const Index n = std::min(C, T - first);
-    const auto k_rows = map_rows<Scalar>(phi, K, first, n, kf);
-    for (Index g = 0; g < group; ++g) {
-      const bool last = g + 1 == group;
-      if (!last) {
-        S_copy = S;
-        z_copy = z;
-      }
-      RowMatrix<Scalar>& s = last ? S : S_copy;
-      ColVector<Scalar>& zz = last ? z : z_copy;
-      const auto q_rows = map_rows<Scalar>(phi, query(g), first, n, qf);
-      Eigen::Ref<RowMatrix<Scalar>> out = output(g);
-      auto o = out.middleRows(first, n);
-      if constexpr (delta_family) {
-        const auto beta = in.beta.middle_rows(first, n).map().col(0);
-        if constexpr (Rule::kind == WriteKind::gated_delta)
-          delta_chunk(s, q_rows, k_rows, V.middleRows(first, n), beta,
-                      in.log_alpha.middle_rows(first, n).map().col(0), o, scratch);
+  RowMatrix<Scalar> qf(C, r), kf(C, r), v_buffer(has_row_major_storage<DV>() ? 0 : C, dv);
+  const auto chunks = [&](auto& kernel, const auto& prepare) {
+    for (Index first = 0; first < T; first += C) {
+      const Index n = std::min(C, T - first);
+      map_rows<Scalar>(phi, K, first, n, kf);
+      const auto [v, ld_v] = row_major_rows(V, first, n, v_buffer);
+      prepare(kernel, n, v, ld_v, first);
+      for (Index g = 0; g < group; ++g) {
+        map_rows<Scalar>(phi, query(g), first, n, qf);
+        Eigen::Ref<RowMatrix<Scalar>> out = output(g);
+        const Index ld_out = out.outerStride();
+        if constexpr (is_delta_rule<Rule>)
+          kernel.read(qf.data(), r, S, out.data() + first * ld_out, ld_out);
         else
-          delta_chunk(s, q_rows, k_rows, V.middleRows(first, n), beta,
-                      constant.segment(0, 0), o, scratch);
-        static_cast<void>(zz);
-      } else {
-        const auto lg = chunk_gates(in, constant, first, n);
-        if (lg.cols() == 1)
-          scalar_gated_chunk(s, zz, q_rows, k_rows, V.middleRows(first, n), lg.col(0), o,
-                             scratch, norm, first);
-        else
-          channel_gated_chunk(s, zz, q_rows, k_rows, V.middleRows(first, n), lg, o, scratch,
-                              norm, first);
+          kernel.read(qf.data(), r, S, z, out.data() + first * ld_out, ld_out, norm, first);
       }
+      if constexpr (is_delta_rule<Rule>)
+        kernel.absorb(S);
+      else
+        kernel.absorb(S, z);
+      StateAccess::tokens(state) += n;
     }
-    StateAccess::tokens(state) += n;
+  };
+  if constexpr (is_delta_rule<Rule>) {
+    DeltaChunk<Scalar> kernel(C, r, dv);
+    chunks(kernel, [&](auto& k, Index n, const Scalar* v, Index ld_v, Index first) {
+      k.prepare(n, kf.data(), r, v, ld_v, values_from(in.beta, first),
+                values_from(in.log_alpha, first), S);
+    });
+  } else if (in.log_gate.cols > 1) {
+    ChannelGatedChunk<Scalar> kernel(C, r, dv);
+    chunks(kernel, [&](auto& k, Index n, const Scalar* v, Index ld_v, Index first) {
+      k.prepare(n, kf.data(), r, v, ld_v,
+                TokenRows<Scalar>{in.log_gate.data + first * in.log_gate.row_stride,
+                                  in.log_gate.row_stride});
+    });
+  } else {
+    ScalarGatedChunk<Scalar> kernel(C, r, dv);
+    chunks(kernel, [&](auto& k, Index n, const Scalar* v, Index ld_v, Index first) {
+      // Decay: the constant log(gamma) with stride 0 (the kernel builds its decays once).
+      const TokenValues<Scalar> gates = in.log_gate.empty()
+                                            ? TokenValues<Scalar>{&in.constant_log_gate, 0}
+                                            : values_from(in.log_gate, first);
+      k.prepare(n, kf.data(), r, v, ld_v, gates);
+    });
   }
 }
 
+/// The recurrent pass over T tokens of a decayed, gated or delta rule continuing `state`: two
+/// tokens per sweep of S (GatedRecurrence, DeltaRecurrence), features in blocks of 32 rows, the
+/// state exact when the call ends however it ends. After a DenominatorError the state holds the
+/// tokens before the failing row. No allocation per token.
+template <class Scalar, class Rule, class Phi, class DQ, class DK, class DV, class Out>
+void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, const DK& K,
+                    const DV& V, const TokenInputs<Scalar>& in, RuleState<Rule, Scalar>& state,
+                    Out& out) {
+  const Index T = Q.rows(), r = state.feature_dim(), dv = state.value_dim();
+  if (T == 0) return;
+  auto& S = StateAccess::S(state);
+  auto& tokens = StateAccess::tokens(state);
+  const Index block = std::min<Index>(T, 32);
+  RowMatrix<Scalar> qf(block, r), kf(block, r), v_buffer(has_row_major_storage<DV>() ? 0 : block, dv);
+  const auto prefetch_next = [&](Index t) {
+    // Output rows of the next sweep, requested now so that they arrive during this one.
+    for (Index ahead = t + 2; ahead < std::min(t + 4, T); ++ahead)
+      prefetch_for_write(out.row(ahead).data(), dv);
+  };
+  if constexpr (is_delta_rule<Rule>) {
+    DeltaRecurrence<Scalar> recurrence(r, dv);
+    struct Finish {  // applies the update still pending in the recurrence however the loop ends
+      DeltaRecurrence<Scalar>& recurrence;
+      RowMatrix<Scalar>& S;
+      ~Finish() { recurrence.finish(S, false); }
+    } finish{recurrence, S};
+    const auto alpha = [&](Index t) {
+      return in.log_alpha.empty() ? Scalar(1) : std::exp(in.log_alpha(t));
+    };
+    for (Index first = 0; first < T; first += block) {
+      const Index n = std::min(block, T - first);
+      map_rows<Scalar>(phi, Q, first, n, qf);
+      map_rows<Scalar>(phi, K, first, n, kf);
+      const auto [v, ld_v] = row_major_rows(V, first, n, v_buffer);
+      Index i = 0;
+      for (; i + 1 < n; i += 2) {
+        const Index t = first + i;
+        prefetch_next(t);
+        const Scalar* const vs[2] = {v + i * ld_v, v + (i + 1) * ld_v};
+        const Scalar* const q[2] = {qf.row(i).data(), qf.row(i + 1).data()};
+        const Scalar* const k[2] = {kf.row(i).data(), kf.row(i + 1).data()};
+        const Scalar b[2] = {in.beta(t), in.beta(t + 1)}, a[2] = {alpha(t), alpha(t + 1)};
+        Scalar* const y[2] = {out.row(t).data(), out.row(t + 1).data()};
+        recurrence.pair(S, q, k, vs, b, a, y, (t / 2) % 2 != 0);
+        tokens += 2;
+      }
+      if (i < n) {
+        const Index t = first + i;
+        recurrence.single(S, qf.row(i).data(), kf.row(i).data(), v + i * ld_v, in.beta(t),
+                          alpha(t), out.row(t).data(), (t / 2) % 2 != 0);
+        ++tokens;
+      }
+    }
+  } else {
+    auto& z = StateAccess::z(state);
+    const bool per_channel = in.log_gate.cols > 1;
+    const bool fixed = in.log_gate.empty();  // Decay: one gate for every token
+    RowMatrix<Scalar> gates(per_channel ? block : 0, r);
+    GatedRecurrence<Scalar> recurrence(r, dv);
+    struct Finish {
+      GatedRecurrence<Scalar>& recurrence;
+      RowMatrix<Scalar>& S;
+      ~Finish() { recurrence.finish(S); }
+    } finish{recurrence, S};
+    const Scalar fixed_gate = fixed ? std::exp(in.constant_log_gate) : Scalar(1);
+    for (Index first = 0; first < T; first += block) {
+      const Index n = std::min(block, T - first);
+      map_rows<Scalar>(phi, Q, first, n, qf);
+      map_rows<Scalar>(phi, K, first, n, kf);
+      if (per_channel)
+        for (Index i = 0; i < n; ++i)
+          gates_from_logs(&in.log_gate.data[(first + i) * in.log_gate.row_stride], 1,
+                          gates.row(i).data(), r);
+      const auto [v, ld_v] = row_major_rows(V, first, n, v_buffer);
+      const auto token = [&](Index i) {
+        GatedToken<Scalar> tk;
+        tk.qf = qf.row(i).data();
+        tk.kf = kf.row(i).data();
+        tk.v = v + i * ld_v;
+        if (per_channel)
+          tk.gates = gates.row(i).data();
+        else
+          tk.gate = fixed ? fixed_gate : std::exp(in.log_gate(first + i));
+        tk.y = out.row(first + i).data();
+        return tk;
+      };
+      Index i = 0;
+      for (; i + 1 < n; i += 2) {
+        const Index t = first + i;
+        prefetch_next(t);
+        const GatedToken<Scalar> pair[2] = {token(i), token(i + 1)};
+        recurrence.pair(S, z, pair, norm, t, tokens, t + 2 >= T);
+      }
+      if (i < n) recurrence.single(S, z, token(i), norm, first + i, tokens, true);
+    }
+  }
+}
+
+/// One decode step's gated token: features and value of the rows, gates from the bound inputs
+/// (a per-channel row, or one gate).
+template <class Scalar>
+GatedToken<Scalar> step_token(const StepScratch<Scalar>& scratch, const StepInputs<Scalar>& in,
+                              const Scalar* v) {
+  GatedToken<Scalar> tk;
+  tk.kf = scratch.key_features.data();
+  tk.v = v;
+  if (in.per_channel)
+    tk.gates = scratch.gates.data();
+  else
+    tk.gate = scratch.gates(0, 0);
+  return tk;
+}
+
 /// One decode token of a decayed, gated or delta rule for one query, on the rows q, k, v
-/// (1 x d) into y; gates already in the state's scratch (bind_step_inputs). Strong guarantee.
+/// (1 x d, contiguous) into y: one fused sweep (gated_token, delta_token). Strong guarantee.
 template <class Scalar, class Rule, class Phi, class Rq, class Rk, class Rv, class Ry>
 void rule_token(const Phi& phi, const Normalization& norm, RuleState<Rule, Scalar>& state,
                 const Rq& q, const Rk& k, const Rv& v, const StepInputs<Scalar>& in, Ry&& y,
@@ -100,93 +220,62 @@ void rule_token(const Phi& phi, const Normalization& norm, RuleState<Rule, Scala
   Eigen::Ref<RowMatrix<Scalar>> qf(scratch.query_features), kf(scratch.key_features);
   phi.apply(q, qf);
   phi.apply(k, kf);
-  if constexpr (Rule::kind == WriteKind::decay || Rule::kind == WriteKind::gated) {
-    gated_token<Scalar>(StateAccess::S(state), StateAccess::z(state), scratch.z_next, qf.row(0),
-                        kf.row(0), scratch.gates.row(0), v, y, norm, row);
-  } else {
-    delta_token<Scalar>(StateAccess::S(state), scratch.prediction, qf.row(0), kf.row(0), v,
-                        in.beta, in.alpha, y);
-  }
-  ++StateAccess::tokens(state);
-}
-
-/// The recurrent pass over T tokens of a decayed, gated or delta rule continuing `state`.
-/// Allocates nothing per token. After a DenominatorError the state holds the earlier tokens.
-template <class Scalar, class Rule, class Phi, class DQ, class DK, class DV, class Out>
-void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, const DK& K,
-                    const DV& V, const TokenInputs<Scalar>& in, RuleState<Rule, Scalar>& state,
-                    Out& out) {
-  auto& gates = StateAccess::scratch(state).gates;
-  for (Index t = 0; t < Q.rows(); ++t) {
-    StepInputs<Scalar> step;
-    if constexpr (Rule::kind == WriteKind::decay) {
-      gates.setConstant(std::exp(in.constant_log_gate));
-    } else if constexpr (Rule::kind == WriteKind::gated) {
-      if (in.log_gate.cols == 1)
-        gates.setConstant(std::exp(in.log_gate(t)));
-      else
-        for (Index c = 0; c < gates.cols(); ++c) gates(0, c) = std::exp(in.log_gate(t, c));
-    } else {
-      step.beta = in.beta(t);
-      if constexpr (Rule::kind == WriteKind::gated_delta) step.alpha = std::exp(in.log_alpha(t));
-    }
-    rule_token(phi, norm, state, Q.row(t), K.row(t), V.row(t), step, out.row(t), t);
-  }
-}
-
-/// absorb(): the rule's update of one token without a read (features kf, value row v).
-template <class Scalar, class Rule, class Kf, class Vr>
-void rule_absorb_features(RuleState<Rule, Scalar>& state, const Kf& kf, const Vr& v,
-                          const StepInputs<Scalar>& in) {
   auto& S = StateAccess::S(state);
-  auto& scratch = StateAccess::scratch(state);
-  if constexpr (Rule::kind == WriteKind::decay || Rule::kind == WriteKind::gated) {
-    auto& z = StateAccess::z(state);
-    const auto g = scratch.gates.row(0);
-    for (Index i = 0; i < S.rows(); ++i) S.row(i) = g(i) * S.row(i) + kf(0, i) * v;
-    z = z.cwiseProduct(g.transpose()) + kf.transpose();
+  auto& tokens = StateAccess::tokens(state);
+  if constexpr (is_delta_rule<Rule>) {
+    delta_token<Scalar>(S, scratch.prediction.data(), qf.data(), kf.data(), v.data(), in.beta,
+                        in.alpha, y.data(), tokens % 2 != 0);
+    ++tokens;
   } else {
-    auto& u = scratch.prediction;
-    u.noalias() = kf * S;
-    u = in.beta * (v - in.alpha * u);
-    S *= in.alpha;
-    S.noalias() += kf.transpose() * u;
+    GatedToken<Scalar> tk = step_token(scratch, in, v.data());
+    tk.qf = qf.data();
+    tk.y = y.data();
+    gated_token(S, StateAccess::z(state), scratch.z_next, tk, norm, row, tokens);
   }
-  ++StateAccess::tokens(state);
 }
 
-/// One decode token for the query heads qs of one state: absorbs (k, v) once, then reads
-/// qs[g] into ys[g] (normalized for the decayed and gated rules). Strong guarantee: every
-/// head's denominator is checked before the state changes. Uses the state's own scratch.
+/// One decode token for the query heads qs of one state: absorbs (k, v) once (gated_absorb,
+/// delta_absorb), then reads qs[g] into ys[g] with the read-only sweep (normalized for the
+/// decayed and gated rules): gated_token's bits for each head. Strong guarantee: every head's
+/// denominator is checked before the state changes. Uses the state's own scratch.
 template <class Scalar, class Rule, class Phi, class Queries, class Outputs, class Rk, class Rv>
 void rule_step_group(const Phi& phi, const Normalization& norm, RuleState<Rule, Scalar>& state,
                      const Queries& qs, const Rk& k_row, const Rv& v_row,
                      const StepInputs<Scalar>& in, const Outputs& ys) {
   auto& scratch = StateAccess::scratch(state);
-  const Index r = state.feature_dim();
+  auto& S = StateAccess::S(state);
+  auto& tokens = StateAccess::tokens(state);
+  const Index r = state.feature_dim(), dv = state.value_dim();
   Eigen::Ref<RowMatrix<Scalar>> kf(scratch.key_features), qf(scratch.query_features);
   phi.apply(k_row, kf);
-  constexpr bool normalized = Rule::keeps_normalizer;
-  if constexpr (normalized) {
-    scratch.z_next = StateAccess::z(state).cwiseProduct(scratch.gates.row(0).transpose()) +
-                     kf.transpose();
+  const bool reverse = tokens % 2 != 0;
+  if constexpr (is_delta_rule<Rule>) {
+    delta_absorb<Scalar>(S, scratch.prediction.data(), kf.data(), v_row.data(), in.beta, in.alpha,
+                         reverse);
+  } else {
+    auto& z = StateAccess::z(state);
+    GatedToken<Scalar> tk = step_token(scratch, in, v_row.data());
     if (norm.divides())
       for (Index g = 0; g < qs.size(); ++g) {
         phi.apply(qs[g], qf);
-        static_cast<void>(
-            norm.divisor(ordered_dot(qf.data(), scratch.z_next.data(), r), state.tokens()));
+        tk.qf = qf.data();
+        static_cast<void>(norm.divisor(gate_keys_and_dot(z.data(), tk, scratch.z_next.data(), r),
+                                       tokens));
       }
+    tk.qf = nullptr;
+    gated_absorb(S, z, scratch.z_next, tk, reverse);
   }
-  rule_absorb_features(state, kf, v_row, in);
+  ++tokens;
   for (Index g = 0; g < qs.size(); ++g) {
     phi.apply(qs[g], qf);
-    auto y = ys[g];
-    y.noalias() = qf * StateAccess::S(state);
-    if constexpr (normalized) {
-      if (norm.divides())
-        y /= norm.divisor(ordered_dot(qf.data(), StateAccess::z(state).data(), r),
-                          state.tokens() - 1);
+    SweepToken<Scalar> read{qf.data(), nullptr, nullptr, ys[g].data(), Scalar(1)};
+    bool divide = false;
+    if constexpr (!is_delta_rule<Rule>) {
+      divide = norm.divides();
+      if (divide)
+        read.divisor = norm.divisor(ordered_dot(qf.data(), StateAccess::z(state).data(), r), tokens - 1);
     }
+    sweep_tokens<1, Scalar, false>(S.data(), dv, r, dv, &read, divide, reverse);
   }
 }
 

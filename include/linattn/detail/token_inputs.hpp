@@ -79,6 +79,17 @@ void check_betas(const TokenArray<Scalar>& beta, Index first_row = 0) {
 /// <= 0 (a gate in (0, 1]).
 template <class Scalar>
 void check_log_gates(const TokenArray<Scalar>& log_gate, const char* what, Index first_row = 0) {
+  // All valid in two vectorized reductions per row (x * 0 is 0 for finite x, NaN otherwise);
+  // only a row that fails is walked element by element for the message.
+  if (log_gate.col_stride == 1) {
+    bool valid = true;
+    for (Index t = 0; t < log_gate.rows && valid; ++t) {
+      const Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>> row(
+          log_gate.data + t * log_gate.row_stride, log_gate.cols);
+      valid = (row * Scalar(0)).sum() == Scalar(0) && row.maxCoeff() <= Scalar(0);
+    }
+    if (valid) return;
+  }
   for (Index t = 0; t < log_gate.rows; ++t)
     for (Index c = 0; c < log_gate.cols; ++c) {
       const double g = static_cast<double>(log_gate(t, c));
@@ -126,10 +137,17 @@ void bind_token_inputs(const Rule& rule, const Tuple& inputs, Index T, Index r,
     out.constant_log_gate = static_cast<Scalar>(std::log(rule.gamma()));
   } else if constexpr (Rule::kind == WriteKind::gated) {
     const auto& g = std::get<0>(inputs);
-    if (g.rows() != T || !(g.cols() == 1 || g.cols() == r))
-      throw_shape_error("log-gates must be T x 1 or T x r = ", T, "x1 or ", T, "x", r, ", got ",
-                        shape_of(g));
-    out.log_gate = bind_array<Scalar>(g, T, g.cols(), out.copies[0]);
+    // One gate per token may also come as a row (1 x T, T > 1): per-channel gates have T rows.
+    const bool row_of_gates = T > 1 && g.rows() == 1 && g.cols() == T;
+    if (!row_of_gates && (g.rows() != T || !(g.cols() == 1 || g.cols() == r)))
+      throw_shape_error("log-gates must be T x 1 (or 1 x T) or T x r = ", T, "x1 or ", T, "x", r,
+                        ", got ", shape_of(g));
+    out.log_gate = bind_array<Scalar>(g, T, row_of_gates ? 1 : g.cols(), out.copies[0]);
+    // The kernels read a token's per-channel gates as one contiguous row.
+    if (out.log_gate.cols > 1 && out.log_gate.col_stride != 1) {
+      out.copies[0] = out.log_gate.map();
+      out.log_gate = {out.copies[0].data(), T, out.log_gate.cols, out.log_gate.cols, 1};
+    }
     check_log_gates(out.log_gate, "a log-gate");
   } else if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta) {
     bind_vector(std::get<0>(inputs), T, "beta", out.beta, out.copies[0]);
@@ -152,11 +170,12 @@ concept StepInput = std::is_arithmetic_v<std::remove_cvref_t<T>> ||
                     requires(const T& x) { []<class D>(const Eigen::MatrixBase<D>&) {}(x); };
 
 /// The inputs of one decode step: the gates g = exp(log_gate) as r values (written into the
-/// state's 1 x r `gates` row; all equal for a scalar gate) and beta, alpha.
+/// state's 1 x r `gates` row; all equal, and per_channel false, for one gate) and beta, alpha.
 template <class Scalar>
 struct StepInputs {
   Scalar beta = 1;
   Scalar alpha = 1;
+  bool per_channel = false;
 };
 
 /// One number as a checked double: finite log-gate <= 0, or beta in [0, 1].
@@ -195,6 +214,7 @@ StepInputs<Scalar> bind_step_inputs(const Rule& rule, RowMatrix<Scalar>& gates, 
       for (Index c = 0; c < g.size(); ++c)
         gates(0, c) = std::exp(static_cast<Scalar>(g.rows() == 1 ? g(0, c) : g(c, 0)));
       if (g.size() == 1) gates.setConstant(gates(0, 0));
+      out.per_channel = g.size() > 1;
     }
   } else if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta) {
     const auto all = std::forward_as_tuple(in...);

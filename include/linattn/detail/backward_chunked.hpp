@@ -1,0 +1,490 @@
+#pragma once
+// Backward passes of the additive linear-attention read (linattn/gradients.hpp): the chunked
+// causal backward (REFERENCES.md section 7) and the full one by associativity, for ordinary
+// and log-scaled (random-feature) maps, every Normalization.
+//
+// One kernel for every normalization: the read is O' = [num, den] = A [V, 1] with A the masked
+// scores (plus the carried state's part), and the output y = num * a(den) with a = 1 / divisor
+// (1 when unnormalized). By the quotient rule the gradient of O' is
+//   G_i = [a_i dy_i, b_i],  b_i = -(dy_i . num_i) a_i^2 = -(dy_i . y_i) a_i,
+// with b_i = 0 where the divisor does not depend on den (unnormalized; clamped rows with
+// den < eps, whose divisor is the constant eps). The rest is the backward of O' = A V', V' =
+// [V, 1], where the column of ones is never stored: its share is b.
+//
+// Log-scaled maps: phi(x_t) = exp(l_t) f_t. The kernels work on f and on shifted gradients
+// whose shifts are the forward's running maxima m_i (so every exponent below is <= 0, for every
+// row it weighs, as in detail/log_domain.hpp): with true gradient G_i = exp(-lq_i - m_i) Ghat_i,
+// the gradient of f(q_i) is exp(lq_i) dphi(q_i), that of f(k_j) is exp(lk_j) dphi(k_j), and
+//   d f(q_i) = sum_{j <= i} (Ghat_i . v'_j) exp(lk_j - m_i) f(k_j) + exp(M_{c-1} - m_i) Ghat_i S'^T
+//   d f(k_j) = sum_{i >= j} (Ghat_i . v'_j) exp(lk_j - m_i) f(q_i) + exp(lk_j - M_c) H v'_j
+//   d v'_j   = sum_{i >= j} exp(lk_j - m_i) (f(q_i) . f(k_j)) Ghat_i + exp(lk_j - M_c) f(k_j)^T H
+// where S' = [S, z] is the stored state before chunk c (log-scale M_{c-1}) and H the gradient
+// of the stored state after chunk c (log-scale M_c). The running maxima and the feature maps'
+// own shifts are constants: they only choose how the same true quantities are stored, so their
+// derivatives cancel. Ordinary maps are the case l = 0, M = 0.
+//
+// Where the boundary states come from: dQ needs the state before each chunk, dK and dV only the
+// gradient H after it. So a forward sweep (pass 1) rebuilds S chunk by chunk and computes dQ
+// and each row's (a_i, b_i) as it goes, and a reverse sweep (pass 2) carries H from the end and
+// computes dK, dV from the stored (a, b). No chunk-boundary state is stored: per token the
+// backward keeps a_i, b_i (and m_i for log-scaled maps), 2 or 3 scalars.
+
+#include <linattn/detail/chunked.hpp>
+#include <linattn/detail/log_domain.hpp>
+#include <linattn/detail/small_gemm.hpp>
+#include <linattn/feature_maps.hpp>
+#include <linattn/normalization.hpp>
+#include <linattn/types.hpp>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+
+namespace linattn::detail {
+
+/// Lanes of the register kernel for Scalar (1 where it does not apply): buffers that feed
+/// small_gemm have their column counts rounded up to a multiple of it.
+template <class Scalar>
+constexpr Index kernel_lanes() {
+  if constexpr (has_gemm_kernel<Scalar>)
+    return GemmTile<Scalar>::lanes;
+  else
+    return 1;
+}
+
+/// C (m x n) = ((Accumulate ? C : 0) + A (m x depth) B (depth x n)) * diag(row_scale), all
+/// row-major with leading dimensions: the register kernel where it applies (n a multiple of the
+/// packet width), Eigen's product on Maps elsewhere. With Triangle::lower_result only the
+/// entries j <= i are sure to be written.
+template <class Scalar, bool Accumulate>
+void product(Index m, Index n, Index depth, const Scalar* A, Index lda, const Scalar* B,
+             Index ldb, Scalar* C, Index ldc, Triangle triangle = Triangle::none,
+             const Scalar* row_scale = nullptr) {
+  if constexpr (has_gemm_kernel<Scalar>) {
+    if (n % GemmTile<Scalar>::lanes == 0) {
+      small_gemm<Scalar, Accumulate>(m, n, depth, A, lda, B, ldb, C, ldc, triangle, row_scale);
+      return;
+    }
+  }
+  using Stride = Eigen::OuterStride<>;
+  const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> a(A, m, depth, Stride(lda));
+  const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> b(B, depth, n, Stride(ldb));
+  Eigen::Map<RowMatrix<Scalar>, 0, Stride> c(C, m, n, Stride(ldc));
+  if constexpr (Accumulate)
+    c.noalias() += a * b;
+  else
+    c.noalias() = a * b;
+  if (row_scale != nullptr)
+    for (Index i = 0; i < m; ++i) c.row(i) *= row_scale[i];
+}
+
+/// dst (cols x rows) = src^T, row-major with leading dimensions; transpose_into where the
+/// register kernel applies.
+template <class Scalar>
+void transpose_block(Index rows, Index cols, const Scalar* src, Index lds, Scalar* dst,
+                     Index ldd) {
+  if constexpr (has_gemm_kernel<Scalar>) {
+    transpose_into(rows, cols, src, lds, dst, ldd);
+  } else {
+    using Stride = Eigen::OuterStride<>;
+    Eigen::Map<RowMatrix<Scalar>, 0, Stride>(dst, cols, rows, Stride(ldd)) =
+        Eigen::Map<const RowMatrix<Scalar>, 0, Stride>(src, rows, cols, Stride(lds)).transpose();
+  }
+}
+
+/// C (n x cols) = (Accumulate ? C : 0) + M^T B for M (n x n) lower triangular, so M^T is
+/// upper triangular. On the register kernel by reversing the order of rows: with
+/// R(i, k) = M(n-1-k, n-1-i), lower triangular and built in `reversed` (row stride ld_r), row
+/// n-1-i of M^T B is sum_k R(i, k) B(n-1-k), so R times B read from its last row up (negative
+/// row stride) written to C from its last row up is M^T B, and the kernel skips R's zero upper
+/// half (Triangle::lower_lhs). Eigen's product on Maps where the kernel does not apply.
+template <class Scalar, bool Accumulate>
+void upper_product(Index n, Index cols, const Scalar* M, Index ld_m, const Scalar* B, Index ldb,
+                   Scalar* C, Index ldc, Scalar* reversed, Index ld_r) {
+  if (n == 0) return;
+  if constexpr (has_gemm_kernel<Scalar>) {
+    if (cols % GemmTile<Scalar>::lanes == 0) {
+      for (Index i = 0; i < n; ++i)
+        for (Index k = 0; k < n; ++k)
+          reversed[i * ld_r + k] = k <= i ? M[(n - 1 - k) * ld_m + (n - 1 - i)] : Scalar(0);
+      small_gemm<Scalar, Accumulate>(n, cols, n, reversed, ld_r, B + (n - 1) * ldb, -ldb,
+                                     C + (n - 1) * ldc, -ldc, Triangle::lower_lhs);
+      return;
+    }
+  }
+  using Stride = Eigen::OuterStride<>;
+  const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> m(M, n, n, Stride(ld_m));
+  const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> b(B, n, cols, Stride(ldb));
+  Eigen::Map<RowMatrix<Scalar>, 0, Stride> c(C, n, cols, Stride(ldc));
+  if constexpr (Accumulate)
+    c.noalias() += m.transpose() * b;
+  else
+    c.noalias() = m.transpose() * b;
+}
+
+/// One row's share of the quotient rule: G = [numerator * dy, denominator].
+template <class Scalar>
+struct ReadGradient {
+  Scalar numerator;    // a = dy_out / d num (1 / divisor; 1 or exp(L) when unnormalized)
+  Scalar denominator;  // b = dL / d den
+};
+
+/// (a, b) of a row with (scaled) denominator `den`, dy . num = `dy_num` and, for a log-scaled
+/// map, L = `log_scale` (query log-scale plus running maximum). The forward's divisor, its
+/// DenominatorError included: log_domain_reciprocal for log-scaled maps, Normalization::divisor
+/// otherwise. Clamped rows whose den was replaced by eps (as written: den < eps) get b = 0.
+template <class Scalar, bool LogScaled>
+ReadGradient<Scalar> read_gradient(const Normalization& norm, Scalar den, Scalar dy_num,
+                                   Scalar log_scale, Index row) {
+  using Kind = Normalization::Kind;
+  Scalar a = 1;
+  bool through_den = norm.divides();
+  if constexpr (LogScaled) {
+    a = log_domain_reciprocal(norm, den, log_scale, row);
+    if (norm.kind() == Kind::clamped) {
+      // The test log_domain_reciprocal makes, on the same doubles.
+      const double eps_scaled =
+          std::exp(std::log(norm.epsilon()) - static_cast<double>(log_scale));
+      through_den = !(static_cast<double>(den) < eps_scaled);
+    }
+  } else {
+    if (!norm.divides()) return {Scalar(1), Scalar(0)};
+    a = Scalar(1) / norm.divisor(den, row);
+    if (norm.kind() == Kind::clamped)  // Normalization::divisor's test
+      through_den = !(std::isfinite(den) && den < static_cast<Scalar>(norm.epsilon()));
+  }
+  return {a, through_den ? -(dy_num * a) * a : Scalar(0)};
+}
+
+/// Everything the causal backward allocates, once per call: per-chunk buffers (C rows, or
+/// r x C transposes), the two r x dv sweeps' matrices, and per token (a, b) and, for log-scaled
+/// maps, m. `padded` is C rounded up to the register kernel's packet width; padding columns are
+/// zero-filled once and only ever hold finite values.
+template <class Scalar>
+struct BackwardScratch {
+  Index C = 0, padded = 0;
+  RowMatrix<Scalar> qf, kf;                // C x r features (scaled ones for log-scaled maps)
+  RowMatrix<Scalar> qf_t, kf_t, v_t;       // r x padded, r x padded, dv x padded transposes
+  RowMatrix<Scalar> scores, d_scores;      // C x padded: A and D-hat of the chunk
+  RowMatrix<Scalar> scores_t, d_scores_t;  // their reversed transposes (pass 2, upper_product)
+  RowMatrix<Scalar> weights;               // C x C, exp(lk_j - m_i) (log-scaled maps only)
+  RowMatrix<Scalar> rows_r, d_features;    // C x r: X = dY S^T or dk; dq
+  RowMatrix<Scalar> rows_v, v_copy, dy_copy;  // C x dv: a dY; copies of rows that are not
+                                              // row-major (0 rows when not needed)
+  RowMatrix<Scalar> state_t, H;            // dv x r (S^T, then H^T), r x dv (H)
+  ColVector<Scalar> z, hz, lq, lk, scale;  // r, r, C, C, C
+  ColVector<Scalar> a, b, m;               // T, T, T (m: log-scaled only)
+
+  BackwardScratch(Index T, Index chunk, Index r, Index dv, bool log_scaled, bool copy_v,
+                  bool copy_dy) {
+    const Index lanes = kernel_lanes<Scalar>();
+    C = std::min(chunk, std::max<Index>(T, 1));
+    padded = (C + lanes - 1) / lanes * lanes;
+    qf.resize(C, r);
+    kf.resize(C, r);
+    qf_t = RowMatrix<Scalar>::Zero(r, padded);
+    kf_t = RowMatrix<Scalar>::Zero(r, padded);
+    v_t = RowMatrix<Scalar>::Zero(dv, padded);
+    scores = RowMatrix<Scalar>::Zero(C, padded);
+    d_scores = RowMatrix<Scalar>::Zero(C, padded);
+    scores_t = RowMatrix<Scalar>::Zero(C, padded);
+    d_scores_t = RowMatrix<Scalar>::Zero(C, padded);
+    weights.resize(log_scaled ? C : 0, log_scaled ? C : 0);
+    rows_r.resize(C, r);
+    d_features.resize(C, r);
+    rows_v.resize(C, dv);
+    v_copy.resize(copy_v ? C : 0, dv);
+    dy_copy.resize(copy_dy ? C : 0, dv);
+    state_t.resize(dv, r);
+    H.resize(r, dv);
+    z.resize(r);
+    hz.resize(r);
+    lq.resize(C);
+    lk.resize(C);
+    scale.resize(C);
+    a.resize(T);
+    b.resize(T);
+    m.resize(log_scaled ? T : 0);
+  }
+
+  /// Bytes the constructor allocates for these arguments, without allocating them:
+  /// per token 2 scalars (3 when log_scaled); per call 2 C r + 2 r P + dv P + 4 C P
+  /// (+ C^2 when log_scaled) + 2 C r + C dv (+ C dv per copy) + 2 r dv + 2 r + 3 C, with
+  /// C = min(chunk, T) and P = C rounded up to the packet width.
+  [[nodiscard]] static std::size_t bytes_for(Index T, Index chunk, Index r, Index dv,
+                                             bool log_scaled, bool copy_v, bool copy_dy) {
+    const Index lanes = kernel_lanes<Scalar>();
+    const Index C = std::min(chunk, std::max<Index>(T, 1));
+    const Index P = (C + lanes - 1) / lanes * lanes;
+    const Index per_call = 2 * C * r + 2 * r * P + dv * P + 4 * C * P +
+                           (log_scaled ? C * C : 0) + 2 * C * r + C * dv +
+                           (copy_v ? C * dv : 0) + (copy_dy ? C * dv : 0) + 2 * r * dv + 2 * r +
+                           3 * C;
+    const Index per_token = log_scaled ? 3 : 2;
+    return static_cast<std::size_t>(per_call + per_token * T) * sizeof(Scalar);
+  }
+
+  /// Bytes held by the buffers above (bytes_for() of the constructor's arguments).
+  [[nodiscard]] std::size_t bytes() const {
+    const Index scalars = qf.size() + kf.size() + qf_t.size() + kf_t.size() + v_t.size() +
+                          scores.size() + d_scores.size() + scores_t.size() +
+                          d_scores_t.size() + weights.size() + rows_r.size() +
+                          d_features.size() + rows_v.size() + v_copy.size() + dy_copy.size() +
+                          state_t.size() + H.size() + z.size() + hz.size() + lq.size() +
+                          lk.size() + scale.size() + a.size() + b.size() + m.size();
+    return static_cast<std::size_t>(scalars) * sizeof(Scalar);
+  }
+};
+
+/// Features of rows [first, first + n) of X into the top n rows of `out` (and, for a
+/// log-scaled map, their log-scales into `log_scale`).
+template <class Scalar, bool LogScaled, class Phi, class DX>
+void chunk_features(const Phi& phi, const DX& X, Index first, Index n, RowMatrix<Scalar>& out,
+                    ColVector<Scalar>& log_scale) {
+  Eigen::Ref<RowMatrix<Scalar>> f(out.topRows(n));
+  if constexpr (LogScaled)
+    phi.apply_scaled(X.middleRows(first, n), f, Eigen::Ref<ColVector<Scalar>>(log_scale.head(n)));
+  else
+    phi.apply(X.middleRows(first, n), f);
+}
+
+/// The chunk's score block A = tril(f(Q) f(K)^T), weighted by exp(lk_j - m_i) for log-scaled
+/// maps, and the raw D = tril(dY V^T) in d_scores; kf_t and v_t get the transposes.
+/// `m` holds the chunk's running maxima (log-scaled only).
+template <class Scalar, bool LogScaled>
+void chunk_scores(BackwardScratch<Scalar>& w, Index n, Index r, Index dv, const Scalar* v,
+                  Index ld_v, const Scalar* dy, Index ld_dy, const Scalar* m) {
+  const Index lanes = kernel_lanes<Scalar>();
+  const Index n_padded = (n + lanes - 1) / lanes * lanes;
+  transpose_block(n, r, w.kf.data(), r, w.kf_t.data(), w.padded);
+  transpose_block(n, dv, v, ld_v, w.v_t.data(), w.padded);
+  product<Scalar, false>(n, n_padded, r, w.qf.data(), r, w.kf_t.data(), w.padded,
+                         w.scores.data(), w.padded, Triangle::lower_result);
+  product<Scalar, false>(n, n_padded, dv, dy, ld_dy, w.v_t.data(), w.padded, w.d_scores.data(),
+                         w.padded, Triangle::lower_result);
+  for (Index i = 0; i + 1 < n; ++i) {
+    w.scores.row(i).segment(i + 1, n - i - 1).setZero();
+    w.d_scores.row(i).segment(i + 1, n - i - 1).setZero();
+  }
+  if constexpr (LogScaled) {
+    for (Index i = 0; i < n; ++i)
+      for (Index j = 0; j <= i; ++j) w.weights(i, j) = rescale_factor(w.lk(j), m[i]);
+    for (Index i = 0; i < n; ++i)
+      w.scores.row(i).head(i + 1).array() *= w.weights.row(i).head(i + 1).array();
+  }
+}
+
+/// D-hat_ij = (a_i D_ij + b_i) exp(lk_j - m_i) for j <= i, in place in d_scores.
+template <class Scalar, bool LogScaled>
+void weight_score_gradients(BackwardScratch<Scalar>& w, Index n, const Scalar* a,
+                            const Scalar* b) {
+  for (Index i = 0; i < n; ++i) {
+    auto row = w.d_scores.row(i).head(i + 1).array();
+    row = a[i] * row + b[i];
+    if constexpr (LogScaled) row *= w.weights.row(i).head(i + 1).array();
+  }
+}
+
+/// Gradients of the causal read continuing the stored state (S0, z0) at log-scale M0 (0 for
+/// ordinary maps), in chunks of `chunk_size` rows, given the output gradient dY and the
+/// gradient (dS_T, dz_T) of the stored final state (null: zero). Writes dQ, dK, dV (T x dk,
+/// T x dk, T x dv; may be strided views) and the gradient of the stored initial state into
+/// (dS0, dz0). Pass 1 (forward) rebuilds S and writes dQ and (a, b); pass 2 (reverse) carries H
+/// and writes dK, dV. Per token about 10 r dv + C (3 r + 2 dv) flops (6 r dv in the register
+/// kernel's products against the state, 4 r dv in pass 2) plus the feature maps and their
+/// derivatives twice; memory: BackwardScratch, O(C (r + C + dv) + r dv) plus 2 or 3 scalars per
+/// token. DenominatorError as the forward read would throw it (nothing then is meaningful).
+template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
+void causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
+                     const RowMatrix<Scalar>& S0, const ColVector<Scalar>& z0, Scalar M0,
+                     const RowMatrix<Scalar>* dS_T, const ColVector<Scalar>* dz_T,
+                     Index chunk_size, const Normalization& norm,
+                     Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
+                     Eigen::Ref<RowMatrix<Scalar>> dV, RowMatrix<Scalar>& dS0,
+                     ColVector<Scalar>& dz0) {
+  constexpr bool LogScaled = LogScaledFeatureMap<Phi, Scalar>;
+  const Index T = Q.rows(), r = S0.rows(), dv = S0.cols();
+  BackwardScratch<Scalar> w(T, chunk_size, r, dv, LogScaled, !has_row_major_storage<DV>(),
+                            !has_row_major_storage<DY>());
+  const Index C = w.C;
+
+  // ---- pass 1: forward over the chunks, S^T in state_t, z, M; dQ and (a, b) per row ----
+  w.state_t = S0.transpose();
+  w.z = z0;
+  Scalar M = M0;
+  for (Index first = 0; first < T; first += C) {
+    const Index n = std::min(C, T - first);
+    chunk_features<Scalar, LogScaled>(phi, Q, first, n, w.qf, w.lq);
+    chunk_features<Scalar, LogScaled>(phi, K, first, n, w.kf, w.lk);
+    Scalar* m = LogScaled ? w.m.data() + first : nullptr;
+    if constexpr (LogScaled) {
+      Scalar running = M;
+      for (Index i = 0; i < n; ++i) m[i] = running = running_max(running, w.lk(i));
+      for (Index i = 0; i < n; ++i) w.scale(i) = rescale_factor(M, m[i]);  // state's weight
+    }
+    const auto [v, ld_v] = row_major_rows(V, first, n, w.v_copy);
+    const auto [dy, ld_dy] = row_major_rows(dY, first, n, w.dy_copy);
+    chunk_scores<Scalar, LogScaled>(w, n, r, dv, v, ld_v, dy, ld_dy, m);
+    // X = dY S^T: the state's share of dy . num, and of dq.
+    product<Scalar, false>(n, r, dv, dy, ld_dy, w.state_t.data(), r, w.rows_r.data(), r);
+    Scalar* a = w.a.data() + first;
+    Scalar* b = w.b.data() + first;
+    for (Index i = 0; i < n; ++i) {
+      const Scalar s = LogScaled ? w.scale(i) : Scalar(1);
+      const auto A_i = w.scores.row(i).head(i + 1);
+      const Scalar den = s * w.qf.row(i).dot(w.z.transpose()) + A_i.sum();
+      const Scalar dy_num = s * w.qf.row(i).dot(w.rows_r.row(i)) +
+                            A_i.dot(w.d_scores.row(i).head(i + 1));
+      const Scalar L = LogScaled ? Scalar(w.lq(i) + m[i]) : Scalar(0);
+      const ReadGradient<Scalar> g = read_gradient<Scalar, LogScaled>(norm, den, dy_num, L, first + i);
+      a[i] = g.numerator;
+      b[i] = g.denominator;
+    }
+    weight_score_gradients<Scalar, LogScaled>(w, n, a, b);
+    // dq = D-hat f(K) + s (a X + b z^T)
+    for (Index i = 0; i < n; ++i) {
+      const Scalar s = LogScaled ? w.scale(i) : Scalar(1);
+      w.d_features.row(i) = (s * a[i]) * w.rows_r.row(i) + (s * b[i]) * w.z.transpose();
+    }
+    product<Scalar, true>(n, r, n, w.d_scores.data(), w.padded, w.kf.data(), r,
+                          w.d_features.data(), r, Triangle::lower_lhs);
+    {
+      Eigen::Ref<RowMatrix<Scalar>> dq_rows(dQ.middleRows(first, n));
+      phi.backward(Q.middleRows(first, n), w.qf.topRows(n), w.d_features.topRows(n), dq_rows);
+    }
+    // The state absorbs the chunk (as detail::log_domain_causal_chunk for log-scaled maps).
+    if constexpr (LogScaled) {
+      const Scalar M_new = m[n - 1];
+      const Scalar alpha = rescale_factor(M, M_new);
+      if (alpha != Scalar(1)) {
+        w.state_t *= alpha;
+        w.z *= alpha;
+      }
+      for (Index j = 0; j < n; ++j) w.kf.row(j) *= rescale_factor(w.lk(j), M_new);
+      M = M_new;
+    }
+    product<Scalar, true>(dv, r, n, w.v_t.data(), w.padded, w.kf.data(), r, w.state_t.data(), r);
+    w.z += w.kf.topRows(n).colwise().sum().transpose();
+  }
+
+  // ---- pass 2: reverse over the chunks, H (gradient of the stored state after the chunk) ----
+  if (dS_T != nullptr)
+    w.H = *dS_T;
+  else
+    w.H.setZero();
+  if (dz_T != nullptr)
+    w.hz = *dz_T;
+  else
+    w.hz.setZero();
+  const Index last_first = T == 0 ? -1 : (T - 1) / C * C;
+  for (Index first = last_first; first >= 0; first -= C) {
+    const Index n = std::min(C, T - first);
+    chunk_features<Scalar, LogScaled>(phi, Q, first, n, w.qf, w.lq);
+    chunk_features<Scalar, LogScaled>(phi, K, first, n, w.kf, w.lk);
+    const Scalar* m = LogScaled ? w.m.data() + first : nullptr;
+    const auto [v, ld_v] = row_major_rows(V, first, n, w.v_copy);
+    const auto [dy, ld_dy] = row_major_rows(dY, first, n, w.dy_copy);
+    chunk_scores<Scalar, LogScaled>(w, n, r, dv, v, ld_v, dy, ld_dy, m);
+    const Scalar* a = w.a.data() + first;
+    const Scalar* b = w.b.data() + first;
+    weight_score_gradients<Scalar, LogScaled>(w, n, a, b);
+    Scalar M_before = 0, M_after = 0;
+    if constexpr (LogScaled) {
+      M_before = first == 0 ? M0 : w.m(first - 1);
+      M_after = m[n - 1];
+      for (Index j = 0; j < n; ++j) w.scale(j) = rescale_factor(w.lk(j), M_after);
+    }
+    const Scalar* key_scale = LogScaled ? w.scale.data() : nullptr;
+
+    // dk = diag(scale) (V H^T + 1 hz^T) + D-hat^T f(Q)
+    transpose_block(r, dv, w.H.data(), dv, w.state_t.data(), r);
+    product<Scalar, false>(n, r, dv, v, ld_v, w.state_t.data(), r, w.rows_r.data(), r);
+    for (Index j = 0; j < n; ++j) {
+      w.rows_r.row(j) += w.hz.transpose();
+      if constexpr (LogScaled) w.rows_r.row(j) *= w.scale(j);
+    }
+    upper_product<Scalar, true>(n, r, w.d_scores.data(), w.padded, w.qf.data(), r,
+                                w.rows_r.data(), r, w.d_scores_t.data(), w.padded);
+    {
+      Eigen::Ref<RowMatrix<Scalar>> dk_rows(dK.middleRows(first, n));
+      phi.backward(K.middleRows(first, n), w.kf.topRows(n), w.rows_r.topRows(n), dk_rows);
+    }
+
+    // dv = diag(scale) f(K) H + A^T diag(a) dY
+    Scalar* dv_rows = dV.data() + first * dV.outerStride();
+    product<Scalar, false>(n, dv, r, w.kf.data(), r, w.H.data(), dv, dv_rows, dV.outerStride(),
+                           Triangle::none, key_scale);
+    for (Index i = 0; i < n; ++i)
+      w.rows_v.row(i) = a[i] * Eigen::Map<const RowVector<Scalar>>(dy + i * ld_dy, dv);
+    upper_product<Scalar, true>(n, dv, w.scores.data(), w.padded, w.rows_v.data(), dv, dv_rows,
+                                dV.outerStride(), w.scores_t.data(), w.padded);
+
+    // H before the chunk = exp(M_before - M_after) H + f(Q)^T diag(exp(M_before - m)) [a dY, b]
+    if constexpr (LogScaled) {
+      const Scalar decay = rescale_factor(M_before, M_after);
+      w.H *= decay;
+      w.hz *= decay;
+      for (Index i = 0; i < n; ++i) {
+        w.scale(i) = rescale_factor(M_before, m[i]);
+        w.rows_v.row(i) *= w.scale(i);
+      }
+    }
+    transpose_block(n, r, w.qf.data(), r, w.qf_t.data(), w.padded);
+    product<Scalar, true>(r, dv, n, w.qf_t.data(), w.padded, w.rows_v.data(), dv, w.H.data(), dv);
+    for (Index i = 0; i < n; ++i)
+      w.hz += (LogScaled ? Scalar(b[i] * w.scale(i)) : b[i]) * w.qf.row(i).transpose();
+  }
+  dS0 = w.H;
+  dz0 = w.hz;
+}
+
+/// Gradients of the full (non-causal) read by associativity, O((Tq + Tk) r dv): with
+/// Shat = f(K)^T diag(e) V and zhat = f(K)^T e (e_j = exp(lk_j - M), M = max lk; e = 1 for
+/// ordinary maps), X = dY Shat^T gives dy . num = f(q_i) . X_i and
+///   d f(Q) = diag(a) X + b zhat^T,  H = f(Q)^T diag(a) dY,  h = f(Q)^T b,
+///   d f(K) = diag(e) (V H^T + 1 h^T),  dV = diag(e) f(K) H.
+/// Allocates the features of all rows (as the forward's full read does) and O(r dv).
+template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
+void full_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
+                   const Normalization& norm, Eigen::Ref<RowMatrix<Scalar>> dQ,
+                   Eigen::Ref<RowMatrix<Scalar>> dK, Eigen::Ref<RowMatrix<Scalar>> dV) {
+  constexpr bool LogScaled = LogScaledFeatureMap<Phi, Scalar>;
+  const Index Tq = Q.rows(), Tk = K.rows(), r = phi.feature_dim(K.cols());
+  RowMatrix<Scalar> qf(Tq, r), kf(Tk, r);
+  ColVector<Scalar> lq(Tq), lk(Tk), e = ColVector<Scalar>::Ones(Tk);
+  chunk_features<Scalar, LogScaled>(phi, Q, 0, Tq, qf, lq);
+  chunk_features<Scalar, LogScaled>(phi, K, 0, Tk, kf, lk);
+  Scalar M = 0;
+  if constexpr (LogScaled) {
+    M = -std::numeric_limits<Scalar>::infinity();
+    for (Index j = 0; j < Tk; ++j) M = running_max(M, lk(j));
+    for (Index j = 0; j < Tk; ++j) e(j) = rescale_factor(lk(j), M);
+  }
+  const RowMatrix<Scalar> kf_scaled = e.asDiagonal() * kf;
+  const RowMatrix<Scalar> S = kf_scaled.transpose() * V;
+  const ColVector<Scalar> z = kf_scaled.colwise().sum().transpose();
+  RowMatrix<Scalar> X = dY * S.transpose();
+  ColVector<Scalar> a(Tq), b(Tq);
+  for (Index i = 0; i < Tq; ++i) {
+    const Scalar L = LogScaled ? Scalar(lq(i) + M) : Scalar(0);
+    const ReadGradient<Scalar> g = read_gradient<Scalar, LogScaled>(
+        norm, qf.row(i).dot(z.transpose()), qf.row(i).dot(X.row(i)), L, i);
+    a(i) = g.numerator;
+    b(i) = g.denominator;
+  }
+  X = a.asDiagonal() * X;
+  X.noalias() += b * z.transpose();
+  phi.backward(Q, qf, X, dQ);
+  const RowMatrix<Scalar> H = qf.transpose() * (a.asDiagonal() * dY);
+  const ColVector<Scalar> h = qf.transpose() * b;
+  RowMatrix<Scalar> dkf = V * H.transpose();
+  dkf.rowwise() += h.transpose();
+  dkf = e.asDiagonal() * dkf;
+  phi.backward(K, kf, dkf, dK);
+  dV.noalias() = kf_scaled * H;
+}
+
+}  // namespace linattn::detail
