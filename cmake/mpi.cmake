@@ -23,6 +23,7 @@ set_target_properties(linattn_mpi PROPERTIES EXPORT_NAME mpi)
 target_link_libraries(linattn_mpi INTERFACE linattn MPI::MPI_CXX)
 file(GLOB LINATTN_MPI_HEADERS CONFIGURE_DEPENDS
      "${PROJECT_SOURCE_DIR}/include/linattn/mpi.hpp"
+     "${PROJECT_SOURCE_DIR}/include/linattn/mpi_*.hpp"
      "${PROJECT_SOURCE_DIR}/include/linattn/detail/mpi_*.hpp")
 target_sources(linattn_mpi INTERFACE
   FILE_SET HEADERS BASE_DIRS "${PROJECT_SOURCE_DIR}/include" FILES ${LINATTN_MPI_HEADERS})
