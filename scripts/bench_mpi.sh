@@ -41,7 +41,8 @@ fi
 
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DLINATTN_BUILD_BENCH=ON \
   -DLINATTN_NATIVE=ON -DLINATTN_MPI=ON -DLINATTN_BUILD_TESTS=OFF -DLINATTN_BUILD_EXAMPLES=OFF >/dev/null
-if ! cmake --build "$build" --target help 2>/dev/null | grep -q bench_mpi; then
+targets="$(cmake --build "$build" --target help 2>/dev/null || true)"
+if ! grep -q bench_mpi <<<"$targets"; then
   echo "mpi: skipped (CMake found no MPI for C++; Debian: apt-get install libopenmpi-dev)"
   exit 0
 fi
