@@ -170,7 +170,10 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
         for (Index i = 0; i < n; ++i)
           gates_from_logs(&in.log_gate.data[(first + i) * in.log_gate.row_stride], 1,
                           gates.row(i).data(), r);
-      const auto [v, ld_v] = row_major_rows(V, first, n, v_buffer);
+      // Plain variables, not structured bindings: clang 14 cannot capture those in a lambda.
+      const std::pair<const Scalar*, Index> v_rows = row_major_rows(V, first, n, v_buffer);
+      const Scalar* const v = v_rows.first;
+      const Index ld_v = v_rows.second;
       const auto token = [&](Index i) {
         GatedToken<Scalar> tk;
         tk.qf = qf.row(i).data();
