@@ -9,6 +9,8 @@
 #   bash scripts/bench.sh --build-only   build every benchmark program, run nothing (CI)
 #   bash scripts/bench.sh --avx2     build for AVX2+FMA instead of the host's own instruction set
 #                                    (into build-bench-avx2; the plot is not replaced)
+# Where MPI is installed, the summary ends with one line from scripts/bench_mpi.sh: the
+# sequence-parallel prefill (T = 65536, H = 8, d = 128) on 1 and 2 ranks (about a minute).
 #
 # Environment: BUILD_DIR (default build-bench), JOBS (default: number of CPUs).
 set -euo pipefail
@@ -119,4 +121,11 @@ echo "bench.sh: running bench_gradients (raw results: $grad_json)"
   --benchmark_min_time=0.05 --benchmark_repetitions=3 >"$build/bench_gradients.log"
 echo | tee -a "$summary"
 "$python" "$root/scripts/summarize_gradients.py" "$grad_json" | tee -a "$summary"
+
+# ---- MPI (only where it is installed; bench_mpi.sh prints a "skipped" line otherwise) ----------
+# Not with --avx2: bench_mpi.sh configures the build directory for the host's instruction set.
+if [ "$avx2" -eq 0 ]; then
+  echo | tee -a "$summary"
+  BUILD_DIR="$build" JOBS="$jobs" bash "$root/scripts/bench_mpi.sh" | tee -a "$summary"
+fi
 echo "bench.sh: full summary saved to $summary"

@@ -11,6 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
 ensure_packages cmake make g++ libeigen3-dev catch2
+(ensure_packages openmpi-bin libopenmpi-dev) || echo "linattn: no MPI: linattn::mpi's tests are skipped" >&2
 
 if [ "${1:-}" = "--sanitize" ]; then
   ensure_packages clang libclang-rt-14-dev

@@ -1,0 +1,188 @@
+// Sequence-parallel prefill over MPI: one sequence of T tokens, H heads of dimension d, split
+// across the ranks of MPI_COMM_WORLD (linattn/mpi.hpp), against a single-process prefill of
+// the whole sequence. Run it under mpirun with 1 rank (the baseline, and the split call on one
+// rank) and with 2 or more; scripts/bench_mpi.sh does both and prints the speed-up.
+//
+//   mpirun -np 2 bench_mpi [--tokens 65536] [--heads 8] [--dim 128] [--rule additive]
+//                          [--split even|balanced] [--carry-cost 0.35] [--repeat 3]
+//
+// Rules: additive, decay, gated, delta, gated_delta. Every rank holds only its slice of the
+// [1, T, H, d] buffers (distinct random data per head and token). A timed call is the slowest
+// rank's wall time between two barriers; the best of --repeat calls is reported. One line per
+// measurement on rank 0:
+//   bench_mpi rule=additive ranks=2 split=balanced T=65536 H=8 d=128 seconds=0.70 ...
+// with what each rank exchanged (ExchangeStats) and each rank's own time.
+// This is not a Google Benchmark program: the timing must span processes.
+
+#include <linattn/mpi.hpp>
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+using namespace linattn;
+
+namespace {
+
+struct Config {
+  Index tokens = 65536, heads = 8, dim = 128;
+  std::string rule = "additive", split = "even";
+  double carry_cost = 0.35;
+  int repeat = 3;
+};
+
+Config parse(int argc, char** argv) {
+  Config c;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string key = argv[i], value = argv[i + 1];
+    if (key == "--tokens") c.tokens = std::atol(value.c_str());
+    else if (key == "--heads") c.heads = std::atol(value.c_str());
+    else if (key == "--dim") c.dim = std::atol(value.c_str());
+    else if (key == "--rule") c.rule = value;
+    else if (key == "--split") c.split = value;
+    else if (key == "--carry-cost") c.carry_cost = std::atof(value.c_str());
+    else if (key == "--repeat") c.repeat = std::atoi(value.c_str());
+    else throw std::invalid_argument("bench_mpi: unknown option " + key);
+  }
+  return c;
+}
+
+// Uniform values in [lo, hi) from a counter-based hash: each element depends only on its
+// position in the whole sequence, so every split sees the same data.
+void fill(std::vector<float>& v, Index first_element, std::uint64_t stream, float lo, float hi) {
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    std::uint64_t x = (std::uint64_t(first_element) + i) * 0x9E3779B97F4A7C15ULL + stream;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ULL;
+    x ^= x >> 29;
+    v[i] = lo + (hi - lo) * float(x >> 40) * 0x1.0p-24f;
+  }
+}
+
+struct Timing {
+  double seconds = 0;                // slowest rank
+  std::vector<double> rank_seconds;  // each rank's own, in the best call
+  mpi::ExchangeStats stats;
+};
+
+// Best of `repeat` calls of `call()`, each between barriers.
+template <class Call>
+Timing best_of(int repeat, Call&& call) {
+  int ranks = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  Timing best;
+  best.seconds = 1e300;
+  for (int i = 0; i < repeat; ++i) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double t0 = MPI_Wtime();
+    const mpi::ExchangeStats stats = call();
+    double mine = MPI_Wtime() - t0, slowest = 0;
+    MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    std::vector<double> all(static_cast<std::size_t>(ranks));
+    MPI_Allgather(&mine, 1, MPI_DOUBLE, all.data(), 1, MPI_DOUBLE, MPI_COMM_WORLD);
+    if (slowest < best.seconds) best = {slowest, all, stats};
+  }
+  return best;
+}
+
+template <class Attention>
+void run(const Config& c, const Attention& attention, int rank, int ranks) {
+  using Layer = MultiHeadAttention<Attention>;
+  constexpr int inputs = Attention::rule_type::token_inputs;
+  const Index H = c.heads, d = c.dim;
+  const std::vector<Index> lengths =
+      mpi::balanced_slices(c.tokens, ranks, c.split == "balanced" ? c.carry_cost : 0.0);
+  Index first = 0;
+  for (int p = 0; p < rank; ++p) first += lengths[std::size_t(p)];
+  const Index T = lengths[std::size_t(rank)];
+  std::vector<float> q(std::size_t(T * H * d)), k(q.size()), v(q.size()), out(q.size());
+  std::vector<float> beta(std::size_t(T * H)), gate(beta.size());
+  fill(q, first * H * d, 1, -1, 1);
+  fill(k, first * H * d, 2, -1, 1);
+  fill(v, first * H * d, 3, -1, 1);
+  fill(beta, first * H, 4, 0, 1);
+  fill(gate, first * H, 5, -0.05f, 0);
+  const auto view = [&](const std::vector<float>& x, Index n, Index width) {
+    return TensorView<const float>::batch_first(x.data(), 1, n, H, width);
+  };
+  const auto Q = view(q, T, d), K = view(k, T, d), V = view(v, T, d);
+  const auto O = TensorView<float>::batch_first(out.data(), 1, T, H, d);
+  const auto B = view(beta, T, 1), Gt = view(gate, T, 1);
+  const Layer layer({H, H, d, d}, attention);
+  mpi::SequenceParallel<Layer> split(layer, MPI_COMM_WORLD);
+  auto state = layer.make_state(1);
+  const auto call_split = [&] {
+    state.sequence(0).reset();
+    if constexpr (inputs == 0)
+      return split.prefill_into(state, Q, K, V, O);
+    else if constexpr (inputs == 1)
+      return split.prefill_into(state, Q, K, V, Attention::rule_type::kind == WriteKind::gated ? Gt : B, O);
+    else
+      return split.prefill_into(state, Q, K, V, B, Gt, O);
+  };
+  const auto print = [&](const char* what, const Timing& t) {
+    if (rank != 0) return;
+    std::printf("bench_mpi rule=%s ranks=%d split=%s T=%ld H=%ld d=%ld call=%s seconds=%.4f "
+                "tokens_per_second=%.0f summary_bytes=%zu sent_bytes=%zu received_bytes=%zu "
+                "rank_seconds=",
+                c.rule.c_str(), ranks, c.split.c_str(), long(c.tokens), long(H), long(d), what,
+                t.seconds, double(c.tokens) / t.seconds, t.stats.summary_bytes,
+                t.stats.sent_bytes(), t.stats.received_bytes);
+    for (std::size_t p = 0; p < t.rank_seconds.size(); ++p)
+      std::printf("%s%.4f", p ? "," : "", t.rank_seconds[p]);
+    std::printf(" slices=");
+    for (std::size_t p = 0; p < lengths.size(); ++p) std::printf("%s%ld", p ? "," : "", long(lengths[p]));
+    std::printf("\n");
+    std::fflush(stdout);
+  };
+  if (ranks == 1) {
+    // The baseline: the layer's own prefill of the whole sequence, no MPI in the call.
+    const Timing single = best_of(c.repeat, [&] {
+      state.sequence(0).reset();
+      if constexpr (inputs == 0)
+        layer.prefill_into(state, Q, K, V, O);
+      else if constexpr (inputs == 1)
+        layer.prefill_into(state, Q, K, V, Attention::rule_type::kind == WriteKind::gated ? Gt : B, O);
+      else
+        layer.prefill_into(state, Q, K, V, B, Gt, O);
+      return mpi::ExchangeStats{};
+    });
+    print("single_process", single);
+  }
+  print("sequence_parallel", best_of(c.repeat, call_split));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0, ranks = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  int rc = 0;
+  try {
+    const Config c = parse(argc, argv);
+    if (c.rule == "additive")
+      run(c, LinearAttention<EluPlusOne>(), rank, ranks);
+    else if (c.rule == "decay")
+      run(c, RuleAttention<EluPlusOne, Decay>(EluPlusOne{}, Decay(0.999)), rank, ranks);
+    else if (c.rule == "gated")
+      run(c, RuleAttention<EluPlusOne, Gated>(), rank, ranks);
+    else if (c.rule == "delta")
+      run(c, RuleAttention<L2Normalize, Delta>(), rank, ranks);
+    else if (c.rule == "gated_delta")
+      run(c, RuleAttention<L2Normalize, GatedDelta>(), rank, ranks);
+    else
+      throw std::invalid_argument("bench_mpi: unknown rule " + c.rule);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_mpi (rank %d): %s\n", rank, e.what());
+    rc = 1;
+  }
+  MPI_Finalize();
+  return rc;
+}

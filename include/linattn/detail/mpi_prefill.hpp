@@ -1,0 +1,259 @@
+#pragma once
+// The flow of one sequence-parallel prefill over MPI, shared by the single-head and the
+// multi-head entry points of linattn/mpi.hpp. On every rank, in this order:
+//   1. prepare: bind and check this rank's inputs (nothing changes yet); any exception is
+//      recorded, not thrown.
+//   2. MPI_Allgather of one record per rank (configuration, slice length, initial-state facts,
+//      error): every rank reads the same records and either goes on or returns the same
+//      failure.
+//   3. MPI_Bcast of the initial state from its holder, only where it is not zero.
+//   4. run_local for every item (state head), then MPI_Allgather of the packed summaries (a
+//      status word, then items x SummaryLayout::scalars() values).
+//   5. For every item, the summaries of the ranks before this one composed in rank order
+//      (CarryScan): the carry, applied to this rank's outputs; then this rank's own summary
+//      (or every rank's, with broadcast_final): the state after the slice.
+//   6. MPI_Allgather of the records again, for errors of steps 4 and 5; then, only if no rank
+//      failed, the states are assigned. So a call either succeeds on every rank or fails on
+//      every rank with the same exception, and then no rank's state has changed.
+// Bytes a rank puts into the exchange are independent of the slice length: two records, one
+// summary per item and, on the holder of a non-zero initial state, that state.
+
+#include <linattn/detail/mpi_exchange.hpp>
+#include <linattn/detail/slice_runner.hpp>
+#include <linattn/detail/slice_summary.hpp>
+#include <linattn/detail/state_core.hpp>
+#include <linattn/executor.hpp>
+#include <linattn/types.hpp>
+
+#include <Eigen/Core>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <vector>
+
+namespace linattn::detail {
+
+/// This rank's part of a call: its items (state heads, each with its query heads) and the
+/// state each item continues, filled and checked by the entry point's `prepare`. Kept by
+/// SequenceParallel between calls, so that the items' buffers are reused.
+template <class Attention>
+struct RankWork {
+  using Scalar = typename Attention::scalar_type;
+  std::vector<SliceItem<Scalar>> items;
+  std::vector<typename Attention::State*> states;
+  Index tokens = 0;  // this rank's slice length
+
+  /// `count` items, keeping the existing ones (and their buffers) when the count repeats; their
+  /// views and inputs are for the caller to set again.
+  void reset(Index count) {
+    if (static_cast<Index>(items.size()) != count)
+      items = std::vector<SliceItem<Scalar>>(static_cast<std::size_t>(count));
+    for (auto& item : items) {
+      item.queries.clear();
+      item.outputs.clear();
+      item.direct = false;
+    }
+    states.clear();
+    tokens = 0;
+  }
+};
+
+/// Bytes this rank put into the exchange and took out of it (see ExchangeStats).
+struct ExchangeCounts {
+  int ranks = 1, rank = 0;
+  std::size_t record_bytes = 0, summary_bytes = 0, initial_state_bytes = 0, received_bytes = 0;
+};
+
+struct SequenceParallelResult {
+  ExchangeCounts counts;
+  std::optional<Failure> failure;  // the same on every rank
+};
+
+/// The fields of CallConfig that follow from the attention.
+template <class Attention>
+void describe_attention(const Attention& attention, Index dk, Index dv, CallConfig& config) {
+  const StateIdentity& id = attention.state_identity();
+  config.scalar_bytes = sizeof(typename Attention::scalar_type);
+  config.normalization = static_cast<std::int32_t>(attention.options().normalization.kind());
+  config.normalization_epsilon = attention.options().normalization.epsilon();
+  config.rule_parameter = id.rule_parameter;
+  config.feature_map_fingerprint = id.map_fingerprint;
+  config.key_dim = dk;
+  config.value_dim = dv;
+  config.feature_dim = attention.feature_dim(dk);
+  copy_text(config.rule, id.rule_name);
+  copy_text(config.feature_map, id.map_name);
+}
+
+/// Steps 1 to 6 of the file comment. `prepare(work)` fills the items and states (after
+/// work.reset(count)); `work` is the caller's, reused from call to call.
+template <class Attention, class Prepare>
+SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& attention, Index dk,
+                                             Index dv, const CallConfig& config,
+                                             Executor* executor, RankWork<Attention>& work,
+                                             Prepare&& prepare) {
+  using Scalar = typename Attention::scalar_type;
+  using Rule = typename Attention::rule_type;
+  int initialized = 0, finalized = 0;
+  check_mpi(MPI_Initialized(&initialized), "MPI_Initialized");
+  check_mpi(MPI_Finalized(&finalized), "MPI_Finalized");
+  if (!initialized || finalized)
+    throw std::logic_error("linattn::mpi: MPI is not initialized (or already finalized)");
+  SequenceParallelResult result;
+  ExchangeCounts& counts = result.counts;
+  check_mpi(MPI_Comm_rank(comm, &counts.rank), "MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(comm, &counts.ranks), "MPI_Comm_size");
+  const int rank = counts.rank, P = counts.ranks;
+
+  // 1, 2: prepare, then agree.
+  RankRecord mine;
+  mine.config = config;
+  try {
+    prepare(work);
+    mine.tokens = work.tokens;
+    mine.initial_tokens = work.states.empty() ? 0 : work.states.front()->tokens();
+    for (const auto* state : work.states) {
+      bool zero = (state->S().array() == Scalar(0)).all();
+      if constexpr (Rule::keeps_normalizer) zero = zero && (state->z().array() == Scalar(0)).all();
+      if (!zero || state->tokens() != mine.initial_tokens) mine.initial_nonzero = 1;
+    }
+  } catch (...) {
+    record_failure(mine);
+  }
+  counts.record_bytes = 2 * sizeof(RankRecord);
+  counts.received_bytes = 2 * std::size_t(P - 1) * sizeof(RankRecord);
+  const std::vector<RankRecord> records = gather_records(comm, mine, P);
+  if ((result.failure = first_failure(records))) return result;
+  if ((result.failure = first_disagreement(records))) return result;
+  if (config.initial_rank < -1 || config.initial_rank >= P) {
+    result.failure = Failure{FailureKind::invalid_argument,
+                             "linattn::mpi: Carry::initial_rank is " +
+                                 std::to_string(config.initial_rank) + ", outside [-1, " +
+                                 std::to_string(P) + ") for a communicator of " +
+                                 std::to_string(P) + " ranks"};
+    return result;
+  }
+  const int holder = config.initial_rank == -1 ? P - 1 : config.initial_rank;
+  std::vector<Index> lengths(std::size_t(P), 0), offsets(std::size_t(P) + 1, 0);
+  for (int q = 0; q < P; ++q) {
+    lengths[std::size_t(q)] = records[std::size_t(q)].tokens;
+    offsets[std::size_t(q) + 1] = offsets[std::size_t(q)] + lengths[std::size_t(q)];
+  }
+  const Index total = offsets.back(), items = static_cast<Index>(work.items.size());
+  SliceRunner<Attention> runner(attention, dk, dv);
+  const SummaryLayout layout = runner.layout();
+  const Index m = layout.scalars(), per_state = layout.a_offset();
+  if (records[std::size_t(holder)].initial_tokens > kMaxTokens - total ||
+      1 + items * m > Index{2147483647} || items * per_state > Index{2147483647}) {
+    result.failure = Failure{FailureKind::shape,
+                             "linattn::mpi: the call is too large: " + std::to_string(total) +
+                                 " tokens after " +
+                                 std::to_string(records[std::size_t(holder)].initial_tokens) +
+                                 ", or summaries of more than 2^31 values"};
+    return result;
+  }
+
+  // 3: the initial state, from its holder, where it is not zero.
+  const bool initial_nonzero = records[std::size_t(holder)].initial_nonzero != 0;
+  std::vector<Scalar> initial;
+  std::vector<std::int64_t> initial_tokens(std::size_t(items),
+                                           records[std::size_t(holder)].initial_tokens);
+  std::vector<char> initial_zero(std::size_t(items), 1);
+  if (initial_nonzero) {
+    initial.resize(std::size_t(items * per_state));
+    if (rank == holder) {
+      for (Index i = 0; i < items; ++i) {
+        const auto& state = *work.states[std::size_t(i)];
+        Eigen::Map<RowMatrix<Scalar>>(initial.data() + i * per_state, layout.r, layout.dv) =
+            state.S();
+        if constexpr (Rule::keeps_normalizer)
+          Eigen::Map<ColVector<Scalar>>(initial.data() + i * per_state + layout.z_offset(),
+                                        layout.r) = state.z();
+        initial_tokens[std::size_t(i)] = state.tokens();
+      }
+    }
+    check_mpi(MPI_Bcast(initial.data(), static_cast<int>(items * per_state), mpi_type<Scalar>(),
+                        holder, comm),
+              "MPI_Bcast (initial state)");
+    check_mpi(MPI_Bcast(initial_tokens.data(), static_cast<int>(items), MPI_INT64_T, holder, comm),
+              "MPI_Bcast (initial token counts)");
+    const std::size_t bytes = initial.size() * sizeof(Scalar) + initial_tokens.size() * 8;
+    (rank == holder ? counts.initial_state_bytes : counts.received_bytes) += bytes;
+    for (Index i = 0; i < items; ++i) {
+      const Scalar* p = initial.data() + i * per_state;
+      initial_zero[std::size_t(i)] = std::all_of(p, p + per_state, [](Scalar x) { return x == 0; });
+    }
+  }
+
+  // 4: local passes and summaries.
+  const Index count = 1 + items * m;
+  std::vector<Scalar> send(std::size_t(count), Scalar(0)), all(std::size_t(count) * std::size_t(P));
+  counts.summary_bytes = std::size_t(count) * sizeof(Scalar);
+  counts.received_bytes += std::size_t(P - 1) * counts.summary_bytes;
+  RankRecord late;
+  const double flops = 8.0 * double(layout.r) * double(dv) * double(work.tokens);
+  try {
+    parallel_for(items, executor, flops, [&](Index i) {
+      auto& item = work.items[std::size_t(i)];
+      item.direct = initial_zero[std::size_t(i)] && offsets[std::size_t(rank)] == 0;
+      runner.run_local(item, send.data() + 1 + i * m);
+    });
+  } catch (...) {
+    record_failure(late);
+    std::fill(send.begin(), send.end(), Scalar(0));
+    send[0] = 1;
+  }
+  check_mpi(MPI_Allgather(send.data(), static_cast<int>(count), mpi_type<Scalar>(), all.data(),
+                          static_cast<int>(count), mpi_type<Scalar>(), comm),
+            "MPI_Allgather (summaries)");
+  bool every_rank_ok = true;
+  for (int q = 0; q < P; ++q) every_rank_ok = every_rank_ok && all[std::size_t(q) * std::size_t(count)] == 0;
+
+  // 5: carries in rank order, applied; the states after the slice (or the whole sequence).
+  const int through = config.broadcast_final != 0 ? P : rank + 1;
+  std::vector<RowMatrix<Scalar>> end_S(static_cast<std::size_t>(items));
+  std::vector<ColVector<Scalar>> end_z(static_cast<std::size_t>(items));
+  if (every_rank_ok) {
+    try {
+      parallel_for(items, executor, flops, [&](Index i) {
+        CarryScan<Scalar> scan(layout);
+        const Scalar* start = initial_nonzero ? initial.data() + i * per_state : nullptr;
+        if (start == nullptr || initial_zero[std::size_t(i)])
+          scan.start(RowMatrix<Scalar>(), ColVector<Scalar>(), true);
+        else
+          scan.start(Eigen::Map<const RowMatrix<Scalar>>(start, layout.r, layout.dv),
+                     Eigen::Map<const ColVector<Scalar>>(start + layout.z_offset(),
+                                                         layout.keeps_z ? layout.r : 0),
+                     false);
+        for (int q = 0; q < through; ++q) {
+          if (q == rank)
+            runner.apply_carry(work.items[std::size_t(i)], scan.S(), scan.z(),
+                               offsets[std::size_t(rank)]);
+          scan.advance(all.data() + std::size_t(q) * std::size_t(count) + 1 + i * m,
+                       lengths[std::size_t(q)]);
+        }
+        if (!scan.S().allFinite() || !scan.z().allFinite())
+          throw std::domain_error("linattn::mpi: the state after the slice is not finite "
+                                  "(an input held Inf or NaN, or the sums overflowed)");
+        end_S[std::size_t(i)] = scan.S();
+        end_z[std::size_t(i)] = scan.z();
+      });
+    } catch (...) {
+      record_failure(late);
+    }
+  }
+
+  // 6: agree once more, then change the states.
+  if ((result.failure = first_failure(gather_records(comm, late, P)))) return result;
+  for (Index i = 0; i < items; ++i) {
+    const Index end = through == P ? total : offsets[std::size_t(rank) + 1];
+    work.states[std::size_t(i)]->assign(end_S[std::size_t(i)], end_z[std::size_t(i)],
+                                        initial_tokens[std::size_t(i)] + end);
+  }
+  return result;
+}
+
+}  // namespace linattn::detail

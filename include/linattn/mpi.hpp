@@ -1,0 +1,365 @@
+#pragma once
+/// \file mpi.hpp
+/// SequenceParallel: causal prefill of one long sequence (or a batch of them) split into
+/// contiguous slices across the ranks of an MPI communicator (CMake target linattn::mpi; the
+/// core never includes this header). docs/distributed.md says when it pays and how to run it.
+///
+/// Math (REFERENCES.md section 8; LASP, Sun et al. 2024): every write rule maps the state
+/// affinely over a slice p of the sequence, S -> A_p S + B_p (z likewise where kept), so rank p
+/// needs only the summaries (A_q, B_q) of the ranks q < p to know the state its slice starts
+/// from: C_p = A_{p-1} (... (A_0 S_init + B_0) ...) + B_{p-1}. Each rank computes its slice's
+/// outputs from a zero carry and its summary, the summaries are gathered on every rank
+/// (MPI_Allgather) and composed in rank order, and each rank adds the read of its carry:
+///   y_t = (qf_t^T B_t + (qf_t .* d_t)^T C_p) / divisor(qf_t^T z_t)   (decayed rules; d_t the
+///         decay since the slice's start, 1 for Additive), or qf_t^T B_t + (qf_t^T A_t) C_p
+///         (delta rules).
+/// The composition runs in the same order on every rank from the same gathered bytes, so the
+/// results do not depend on how MPI moves them: the same P and slices give the same bits.
+/// They agree with a single-process prefill of the whole sequence to rounding (the sums are
+/// grouped differently, over at most P more terms); the first non-empty slice of a sequence
+/// that starts empty is computed as a single process computes it (the same bits where the
+/// slice holds whole chunks).
+///
+/// Exchanged per rank, whatever the slice length: one summary per state head of
+/// r dv + r scalars (Additive), r dv + r + 1 (Decay), r dv + 2 r (Gated), r dv + r r (Delta,
+/// GatedDelta), plus two records of about 700 bytes, plus the initial state from its holder
+/// where it is not zero. MPI_Allgather delivers each summary to the P - 1 other ranks.
+///
+/// Compute per rank, for a slice of T_p tokens: a single-process prefill of T_p tokens on the
+/// first non-empty rank of a sequence that starts empty; elsewhere that plus 2 r dv flops per
+/// token and query head for the carry (decayed rules), or about twice a prefill (delta rules:
+/// A_p costs a second pass of width r). Then O(P r dv) (O(P r^2 dv), delta rules) per state
+/// head to compose the summaries. balanced_slices() sizes the slices for that difference.
+/// Memory: between its two phases a rank keeps, per query head, T_p x r values (the query
+/// features, or qf_t^T A_t) and T_p denominators, plus T_p x r key features per state head; a
+/// SequenceParallel object keeps these buffers from call to call, so repeated calls of the same
+/// shape touch no new memory. Calls on one object must not overlap (they are collectives on
+/// one communicator anyway); give each thread its own object and communicator.
+///
+/// Errors: a call either returns on every rank or throws on every rank the same exception
+/// (type and message), and then no rank's state has changed (outputs may have been written).
+/// Before any data moves, the ranks gather one record each: a rank whose inputs are wrong
+/// makes every rank throw its error (ShapeError, StateMismatchError, std::invalid_argument...
+/// naming the rank); ranks that disagree on the configuration (attention, rule or parameter,
+/// feature map, normalization, dims, heads, sequences, scalar type, Carry) make every rank throw
+/// RankMismatchError naming the first field and the ranks. A DenominatorError names the row in
+/// the whole sequence. Every rank of the communicator must make the call (a rank that never
+/// calls leaves the others waiting, as with any MPI collective), from one thread.
+
+#include <linattn/attention.hpp>
+#include <linattn/batch_state.hpp>
+#include <linattn/detail/checks.hpp>
+#include <linattn/detail/eigen_utils.hpp>
+#include <linattn/detail/mpi_exchange.hpp>
+#include <linattn/detail/mpi_prefill.hpp>
+#include <linattn/detail/multihead_views.hpp>
+#include <linattn/detail/slice_runner.hpp>
+#include <linattn/multihead.hpp>
+#include <linattn/tensor_view.hpp>
+#include <linattn/types.hpp>
+
+#include <Eigen/Core>
+#include <mpi.h>
+
+#include <cstddef>
+#include <new>
+#include <span>
+#include <stdexcept>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace linattn::mpi {
+
+/// Carry::initial_rank's default: the last rank, where a call leaves the final state.
+inline constexpr int kLastRank = -1;
+
+/// Where the state before the call comes from and where the state after it goes.
+struct Carry {
+  /// The rank whose state argument holds the sequence's state before the first token of rank
+  /// 0's slice (kLastRank: the last rank, so that consecutive calls continue each other); the
+  /// other ranks' states only need this attention's shape and identity.
+  int initial_rank = kLastRank;
+  /// After the call every rank's state holds the state after the whole sequence (composed
+  /// from the same summaries on every rank: no extra message, the same bits everywhere).
+  /// Otherwise rank p's holds the state after its own slice, and the last rank's the final one.
+  bool broadcast_final = false;
+};
+
+/// What one call put into the exchange and took out of it, for this rank, in bytes.
+struct ExchangeStats {
+  int ranks = 1;
+  int rank = 0;
+  /// The two records every rank contributes (configuration and errors).
+  std::size_t record_bytes = 0;
+  /// This rank's summaries: a status word and one summary per state head. Independent of T.
+  std::size_t summary_bytes = 0;
+  /// The initial state this rank broadcast (its holder, when that state is not zero).
+  std::size_t initial_state_bytes = 0;
+  /// Everything this rank received: P - 1 records twice, P - 1 summaries, the initial state.
+  std::size_t received_bytes = 0;
+  /// What this rank contributed: records, summaries and any initial state.
+  [[nodiscard]] std::size_t sent_bytes() const noexcept {
+    return record_bytes + summary_bytes + initial_state_bytes;
+  }
+};
+
+/// Thrown on every rank when the ranks disagree on a call's configuration.
+class RankMismatchError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// Slice lengths for `tokens` tokens over `ranks` ranks (contiguous, in rank order) that even
+/// out the work of a sequence that starts empty: rank 0 computes its slice as a single process
+/// would, every other rank also reads its carry, at `carry_cost` times the cost of its own
+/// prefill. Rank 0 gets 1 + carry_cost shares, the others one each; remainders go to the
+/// first ranks. carry_cost = 0 splits evenly. Throws std::invalid_argument for tokens < 0,
+/// ranks < 1 or carry_cost < 0. O(ranks).
+[[nodiscard]] inline std::vector<Index> balanced_slices(Index tokens, int ranks,
+                                                        double carry_cost) {
+  if (tokens < 0 || ranks < 1 || !(carry_cost >= 0))
+    throw std::invalid_argument("linattn::mpi: balanced_slices needs tokens >= 0, ranks >= 1 "
+                                "and carry_cost >= 0");
+  std::vector<Index> lengths(static_cast<std::size_t>(ranks), 0);
+  const double share = static_cast<double>(tokens) / (ranks + carry_cost);
+  Index given = 0;
+  for (int p = 1; p < ranks; ++p) given += lengths[std::size_t(p)] = static_cast<Index>(share);
+  lengths[0] = tokens - given;
+  return lengths;
+}
+
+namespace detail {
+/// Throws the failure every rank agreed on, as its own exception type.
+[[noreturn]] inline void raise(const linattn::detail::Failure& f) {
+  using Kind = linattn::detail::FailureKind;
+  switch (f.kind) {
+    case Kind::shape:
+      throw ShapeError(f.message);
+    case Kind::state_mismatch:
+      throw StateMismatchError(f.message);
+    case Kind::invalid_argument:
+      throw std::invalid_argument(f.message);
+    case Kind::denominator:
+      throw DenominatorError(f.message, f.row, f.value);
+    case Kind::domain:
+      throw std::domain_error(f.message);
+    case Kind::out_of_range:
+      throw std::out_of_range(f.message);
+    case Kind::rank_mismatch:
+      throw RankMismatchError(f.message);
+    case Kind::none:
+    case Kind::out_of_memory:
+    case Kind::other:
+      break;
+  }
+  throw std::runtime_error(f.message);
+}
+
+inline ExchangeStats stats_of(const linattn::detail::ExchangeCounts& c) {
+  return {c.ranks, c.rank, c.record_bytes, c.summary_bytes, c.initial_state_bytes,
+          c.received_bytes};
+}
+
+/// Rows of `x` (T x d) as row views: in place when they are contiguous rows of Scalar, else
+/// a copy appended to `copies` (kept for the call).
+template <class Scalar, class D>
+linattn::detail::RowsSpec<const Scalar> rows_of(const Eigen::MatrixBase<D>& x,
+                                                std::vector<RowMatrix<Scalar>>& copies) {
+  if constexpr ((D::Flags & Eigen::DirectAccessBit) != 0 && D::IsRowMajor &&
+                D::InnerStrideAtCompileTime == 1 && std::is_same_v<typename D::Scalar, Scalar>) {
+    return linattn::detail::RowsSpec<const Scalar>::of(x.derived());
+  } else {
+    copies.push_back(x.template cast<Scalar>());
+    return linattn::detail::RowsSpec<const Scalar>::of(copies.back());
+  }
+}
+}  // namespace detail
+
+/// Sequence-parallel prefill with `Attention`: a RuleAttention (one head) or a
+/// MultiHeadAttention (a batch of sequences, all heads); see the file comment.
+template <class Attention>
+class SequenceParallel;
+
+/// One head: every rank passes its slice Q_p, K_p (T_p x dk), V_p (T_p x dv) and the rule's
+/// per-token inputs for those rows; T_p may differ between ranks, and may be 0.
+template <class Phi, class Rule, class Scalar>
+class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
+ public:
+  using Attention = RuleAttention<Phi, Rule, Scalar>;
+  using State = typename Attention::State;
+  static_assert(!Attention::log_scaled,
+                "sequence-parallel prefill needs an ordinary feature map: a log-scaled map "
+                "(random features) keeps S scaled by a running maximum, which has no summary");
+
+  /// Runs `attention` across the ranks of `comm` (not duplicated: the caller's communicator,
+  /// used for collectives only).
+  SequenceParallel(Attention attention, MPI_Comm comm, Carry carry = {})
+      : attention_(std::move(attention)), comm_(comm), carry_(carry) {}
+
+  [[nodiscard]] const Attention& attention() const noexcept { return attention_; }
+  [[nodiscard]] MPI_Comm communicator() const noexcept { return comm_; }
+  [[nodiscard]] const Carry& carry() const noexcept { return carry_; }
+
+  /// prefill_into(state, Q, K, V, inputs..., out): this rank's T_p x dv outputs of the causal
+  /// attention of the whole sequence, and `state` as Carry says. Inputs are any Eigen
+  /// expressions (copied once unless they are contiguous rows of Scalar); out binds to
+  /// Eigen::Ref<RowMatrix<Scalar>>. Collective over the communicator.
+  template <class DQ, class DK, class DV, class... Args>
+  ExchangeStats prefill_into(State& state, const Eigen::MatrixBase<DQ>& Q,
+                             const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                             Args&&... args) {
+    static_assert(sizeof...(Args) == Rule::token_inputs + 1,
+                  "prefill_into takes the state, Q, K, V, the rule's per-token inputs "
+                  "(Gated: log-gates; Delta: beta; GatedDelta: beta, log_alpha) and the output");
+    return linattn::detail::with_last(
+        [&](const auto& inputs, auto&& out_arg) {
+          typename Attention::OutputRef out(out_arg);
+          std::vector<RowMatrix<Scalar>> copies;
+          copies.reserve(3);
+          linattn::detail::CallConfig config;
+          config.call = 1;
+          config.sequences = config.q_heads = config.kv_heads = 1;
+          configure(config, K.cols(), V.cols());
+          const auto prepare = [&](auto& work) {
+            linattn::detail::check_inputs(Q, K, V, true);
+            linattn::detail::check_output(out, Q.rows(), V.cols());
+            state.check_shape(attention_.feature_dim(K.cols()), K.cols(), V.cols());
+            state.check_identity(attention_.state_identity());
+            work.reset(1);
+            auto& item = work.items.front();
+            item.queries.push_back(detail::rows_of<Scalar>(Q, copies));
+            item.keys = detail::rows_of<Scalar>(K, copies);
+            item.values = detail::rows_of<Scalar>(V, copies);
+            item.outputs.push_back(linattn::detail::RowsSpec<Scalar>::of(out));
+            linattn::detail::bind_token_inputs<Scalar>(
+                attention_.rule(), inputs, K.rows(), attention_.feature_dim(K.cols()), item.inputs);
+            work.states.push_back(&state);
+            work.tokens = K.rows();
+          };
+          return finish(linattn::detail::run_sequence_parallel(
+              comm_, attention_, K.cols(), V.cols(), config, nullptr, work_, prepare));
+        },
+        std::forward<Args>(args)...);
+  }
+
+  /// prefill(state, Q, K, V, inputs...): prefill_into() returning this rank's outputs.
+  template <class DQ, class DK, class DV, class... In>
+  [[nodiscard]] typename Attention::Output prefill(State& state, const Eigen::MatrixBase<DQ>& Q,
+                                                   const Eigen::MatrixBase<DK>& K,
+                                                   const Eigen::MatrixBase<DV>& V,
+                                                   const In&... inputs) {
+    typename Attention::Output out(Q.rows(), V.cols());
+    prefill_into(state, Q, K, V, inputs..., out);
+    return out;
+  }
+
+ private:
+  void configure(linattn::detail::CallConfig& config, Index dk, Index dv) const {
+    linattn::detail::describe_attention(attention_, dk, dv, config);
+    config.initial_rank = carry_.initial_rank;
+    config.broadcast_final = carry_.broadcast_final ? 1 : 0;
+  }
+  static ExchangeStats finish(const linattn::detail::SequenceParallelResult& result) {
+    if (result.failure) detail::raise(*result.failure);
+    return detail::stats_of(result.counts);
+  }
+
+  Attention attention_;
+  MPI_Comm comm_;
+  Carry carry_;
+  linattn::detail::RankWork<Attention> work_;
+};
+
+/// A multi-head layer: every rank passes its slice of every sequence of the batch, views
+/// [B, T_p, H, d] as MultiHeadAttention::prefill_into takes them (any strides with a
+/// contiguous last axis, so batch-first and head-first buffers alike), and the layer's batch
+/// state; grouped heads share a state per key/value head. Every batch entry is one sequence
+/// (the batch layout). The layer's executor runs the state heads of this rank.
+template <class HeadAttention>
+class SequenceParallel<MultiHeadAttention<HeadAttention>> {
+ public:
+  using Layer = MultiHeadAttention<HeadAttention>;
+  using Scalar = typename Layer::scalar_type;
+  using Rule = typename Layer::rule_type;
+  using State = typename Layer::State;
+  using ConstView = typename Layer::ConstView;
+  using View = typename Layer::View;
+  static_assert(Layer::shares_states,
+                "sequence-parallel prefill needs an ordinary feature map: a log-scaled map "
+                "(random features) keeps S scaled by a running maximum, which has no summary");
+
+  SequenceParallel(Layer layer, MPI_Comm comm, Carry carry = {})
+      : layer_(std::move(layer)), comm_(comm), carry_(carry) {}
+
+  [[nodiscard]] const Layer& layer() const noexcept { return layer_; }
+  [[nodiscard]] MPI_Comm communicator() const noexcept { return comm_; }
+  [[nodiscard]] const Carry& carry() const noexcept { return carry_; }
+
+  /// prefill_into(state, Q, K, V, in..., out, slots = {}): Q [B, T_p, H_q, dk],
+  /// K [B, T_p, H_kv, dk], V [B, T_p, H_kv, dv], per-token input views [B, T_p, H_kv, 1 or r],
+  /// out [B, T_p, H_q, dv]; batch entry i continues the state at position slots[i] (or i).
+  /// Collective over the communicator; B, the heads and dims must agree across ranks, T_p not.
+  template <class... Args>
+  ExchangeStats prefill_into(State& state, ConstView Q, ConstView K, ConstView V,
+                             Args&&... args) {
+    constexpr std::size_t N = Rule::token_inputs;
+    static_assert(sizeof...(Args) == N + 1 || sizeof...(Args) == N + 2,
+                  "prefill_into takes the state, Q, K, V, the rule's per-token input views, the "
+                  "output and optionally slots");
+    auto all = std::forward_as_tuple(args...);
+    const auto inputs = linattn::detail::token_views<N, Scalar>(all);
+    const View out = std::get<N>(all);
+    std::span<const Index> slots;
+    if constexpr (sizeof...(Args) == N + 2) slots = std::get<N + 1>(all);
+    const HeadConfig& heads = layer_.heads();
+    const Index G = layer_.group_size(), r = layer_.feature_dim();
+    linattn::detail::CallConfig config;
+    config.call = 2;
+    config.sequences = Q.batches();
+    config.q_heads = heads.q_heads;
+    config.kv_heads = heads.kv_heads;
+    linattn::detail::describe_attention(layer_.attention(), heads.key_dim, heads.value_dim,
+                                        config);
+    config.initial_rank = carry_.initial_rank;
+    config.broadcast_final = carry_.broadcast_final ? 1 : 0;
+    const auto prepare = [&](auto& work) {
+      linattn::detail::check_views(heads, r, Q, K, V, out, SequenceLayout::batch(), true);
+      for (const auto& in : inputs)
+        linattn::detail::check_token_view(in, K, heads.kv_heads, r,
+                                          Rule::kind == WriteKind::gated);
+      linattn::detail::check_slots(state, layer_, Q.batches(), slots);
+      const Index B = Q.batches(), H = heads.kv_heads, T = K.times();
+      work.reset(B * H);
+      for (Index b = 0; b < B; ++b)
+        for (Index h = 0; h < H; ++h) {
+          auto& item = work.items[std::size_t(b * H + h)];
+          for (Index g = h * G; g < (h + 1) * G; ++g) {
+            item.queries.push_back(linattn::detail::RowsSpec<const Scalar>::of(Q.head_matrix(b, g)));
+            item.outputs.push_back(linattn::detail::RowsSpec<Scalar>::of(out.head_matrix(b, g)));
+          }
+          item.keys = linattn::detail::RowsSpec<const Scalar>::of(K.head_matrix(b, h));
+          item.values = linattn::detail::RowsSpec<const Scalar>::of(V.head_matrix(b, h));
+          linattn::detail::bind_token_inputs<Scalar>(
+              layer_.attention().rule(), linattn::detail::rows_inputs(inputs, b, h, 0, T), T, r,
+              item.inputs);
+          const Index position = slots.empty() ? b : slots[std::size_t(b)];
+          work.states.push_back(&state.sequence(position).head(h));
+        }
+      work.tokens = T;
+    };
+    const auto result = linattn::detail::run_sequence_parallel(
+        comm_, layer_.attention(), heads.key_dim, heads.value_dim, config, layer_.executor(),
+        work_, prepare);
+    if (result.failure) detail::raise(*result.failure);
+    return detail::stats_of(result.counts);
+  }
+
+ private:
+  Layer layer_;
+  MPI_Comm comm_;
+  Carry carry_;
+  linattn::detail::RankWork<HeadAttention> work_;
+};
+
+}  // namespace linattn::mpi

@@ -1,0 +1,177 @@
+#pragma once
+/// \file mpi_gradients.hpp
+/// mpi::prefill_backward: the gradients of a sequence-parallel causal prefill of the additive
+/// rule (LinearAttention), one head, each rank holding a contiguous slice of the sequence
+/// (CMake target linattn::mpi). The write rules' gradients do not exist yet (gradients.hpp has
+/// the additive rule only), so neither does their distributed backward.
+///
+/// Math (gradients.hpp; REFERENCES.md sections 7 and 8). With rank p's slice of T_p tokens,
+/// kf_t = phi(k_t), v'_t = [v_t, 1], the state gradient H flowing into the state after the
+/// slice, and the single-process backward of the slice from its carried state C_p:
+///   dS_before = L_p + H,   L_p = sum_t phi(q_t) G_t^T  (independent of H),
+///   dV_t += H_S^T kf_t,    d kf_t += [H_S, H_z] v'_t   (the only terms of dQ, dK, dV in H).
+/// So every rank runs its slice's backward with H = 0 at once, the ranks exchange L_p, and each
+/// rank forms its own H_p = dS_final + sum_{q > p} L_q (a reverse scan, composed in the fixed
+/// order q = P-1 down to p + 1 on every rank from the same gathered bytes: the same P and
+/// slices give the same bits, whatever MPI's algorithms) and adds the terms above. The carried
+/// states C_p come the same way from the slices' sums S_q = kf^T V_q, z_q = kf^T 1, composed in
+/// rank order: C_p = S_init + S_0 + ... + S_{p-1}.
+///
+/// Cost per rank: the single-process backward of T_p tokens, plus 2 T_p r dv flops for S_p and
+/// 4 T_p r dv for the H terms and the feature map's chain rule once more; three gathers of
+/// (r dv + r) scalars (slice sums and L_p) and two records, two broadcasts of r dv + r scalars
+/// (the initial state from rank 0, the final-state gradient from the last rank): independent
+/// of T.
+///
+/// Errors: as SequenceParallel (linattn/mpi.hpp): every rank returns, or every rank throws the
+/// same exception (naming the rank whose input was wrong); ranks that disagree on the
+/// attention or dims throw mpi::RankMismatchError.
+
+#include <linattn/attention.hpp>
+#include <linattn/detail/mpi_exchange.hpp>
+#include <linattn/detail/mpi_prefill.hpp>
+#include <linattn/gradients.hpp>
+#include <linattn/mpi.hpp>
+#include <linattn/types.hpp>
+
+#include <Eigen/Core>
+#include <mpi.h>
+
+#include <vector>
+
+namespace linattn::mpi {
+
+/// Gradients of this rank's slice of Y = attn.prefill(state, Q, K, V) run over the whole
+/// sequence split across the ranks of `comm` in rank order (as SequenceParallel splits it),
+/// given dY (T_p x dv) for this rank's rows. `initial_state` is the state before the sequence,
+/// read on rank 0 (other ranks pass any state of this attention and shape, e.g.
+/// attn.make_state(dk, dv)); `final_gradient`, the loss's gradient with respect to the state
+/// after the sequence, is read on the last rank (null there: zero). Returns this rank's dQ, dK,
+/// dV and, as `initial`, the gradient with respect to the state its slice starts from (on rank
+/// 0: with respect to initial_state). Equal to linattn::prefill_backward over the whole sequence
+/// to rounding. Collective over `comm`; needs an ordinary, differentiable feature map. Slices
+/// may be empty. Complexity in the file comment.
+template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
+[[nodiscard]] Gradients<Scalar> prefill_backward(
+    MPI_Comm comm, const LinearAttention<Phi, Scalar>& attn,
+    const typename LinearAttention<Phi, Scalar>::State& initial_state,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DY>& dY, const StateGradient<Scalar>* final_gradient = nullptr) {
+  static_assert(!LogScaledFeatureMap<Phi, Scalar>,
+                "the sequence-parallel backward needs an ordinary feature map: a log-scaled map "
+                "(random features) keeps S scaled by a running maximum, which has no summary");
+  linattn::detail::require_differentiable<Phi, Scalar>();
+  namespace ld = linattn::detail;
+  int rank = 0, P = 1;
+  ld::check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  ld::check_mpi(MPI_Comm_size(comm, &P), "MPI_Comm_size");
+  const Index dk = K.cols(), dv = V.cols(), T = K.rows();
+  const Index r = attn.feature_map().feature_dim(dk), m = r * dv + r;
+  const auto agree = [&](const ld::RankRecord& record) {
+    const auto records = ld::gather_records(comm, record, P);
+    if (auto failure = ld::first_failure(records)) detail::raise(*failure);
+    return records;
+  };
+
+  // 1. Check this rank's inputs; agree on them and on the configuration.
+  ld::RankRecord mine;
+  ld::describe_attention(attn, dk, dv, mine.config);
+  mine.config.call = 3;
+  mine.tokens = T;
+  try {
+    ld::check_backward_shapes(Q, K, V, dY, Mask::causal);
+    if (rank == 0) {
+      initial_state.check_shape(r, dk, dv);
+      initial_state.check_identity(attn.state_identity());
+      mine.initial_tokens = initial_state.tokens();
+    }
+    if (rank == P - 1 && final_gradient != nullptr &&
+        (final_gradient->S.rows() != r || final_gradient->S.cols() != dv ||
+         final_gradient->z.size() != r))
+      ld::throw_shape_error("final state gradient has S ", ld::shape_of(final_gradient->S),
+                            " and z of length ", final_gradient->z.size(), ", expected S ", r,
+                            "x", dv, " and z of length ", r);
+  } catch (...) {
+    ld::record_failure(mine);
+  }
+  const auto records = agree(mine);
+  if (auto mismatch = ld::first_disagreement(records)) detail::raise(*mismatch);
+  Index offset = records[0].initial_tokens;
+  for (int q = 0; q < rank; ++q) offset += records[std::size_t(q)].tokens;
+  const int count = ld::mpi_count(m, "a state");
+
+  // 2. The initial state and the final-state gradient, each from its holder.
+  std::vector<Scalar> initial(static_cast<std::size_t>(m), Scalar(0)),
+      final_grad(static_cast<std::size_t>(m), Scalar(0));
+  if (rank == 0) {
+    Eigen::Map<RowMatrix<Scalar>>(initial.data(), r, dv) = initial_state.S();
+    Eigen::Map<ColVector<Scalar>>(initial.data() + r * dv, r) = initial_state.z();
+  }
+  if (rank == P - 1 && final_gradient != nullptr) {
+    Eigen::Map<RowMatrix<Scalar>>(final_grad.data(), r, dv) = final_gradient->S;
+    Eigen::Map<ColVector<Scalar>>(final_grad.data() + r * dv, r) = final_gradient->z;
+  }
+  ld::check_mpi(MPI_Bcast(initial.data(), count, ld::mpi_type<Scalar>(), 0, comm),
+                "MPI_Bcast (initial state)");
+  ld::check_mpi(MPI_Bcast(final_grad.data(), count, ld::mpi_type<Scalar>(), P - 1, comm),
+                "MPI_Bcast (final-state gradient)");
+
+  // 3. The slices' sums, gathered; the carried state composed in rank order.
+  const auto& Qm = ld::materialize(Q);
+  const auto& Km = ld::materialize(K);
+  const auto& Vm = ld::materialize(V);
+  const auto& dYm = ld::materialize(dY);
+  RowMatrix<Scalar> kf(T, r);
+  std::vector<Scalar> sums(static_cast<std::size_t>(m)), all(static_cast<std::size_t>(m * P));
+  {
+    Eigen::Ref<RowMatrix<Scalar>> f(kf);
+    attn.feature_map().apply(Km, f);
+    Eigen::Map<RowMatrix<Scalar>>(sums.data(), r, dv).noalias() = kf.transpose() * Vm;
+    Eigen::Map<ColVector<Scalar>>(sums.data() + r * dv, r) = kf.colwise().sum().transpose();
+  }
+  ld::check_mpi(MPI_Allgather(sums.data(), count, ld::mpi_type<Scalar>(), all.data(), count,
+                              ld::mpi_type<Scalar>(), comm),
+                "MPI_Allgather (slice sums)");
+  Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> carried(initial.data(), m);
+  for (int q = 0; q < rank; ++q)
+    carried += Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(all.data() + q * m, m);
+
+  // 4. This slice's backward from its carried state with no gradient after it.
+  Gradients<Scalar> grads;
+  ld::RankRecord late;
+  try {
+    auto start = attn.make_state(dk, dv);
+    start.assign(Eigen::Map<const RowMatrix<Scalar>>(initial.data(), r, dv),
+                 Eigen::Map<const ColVector<Scalar>>(initial.data() + r * dv, r), offset);
+    grads = linattn::prefill_backward(attn, start, Qm, Km, Vm, dYm);
+  } catch (...) {
+    ld::record_failure(late);
+  }
+  agree(late);
+
+  // 5. The reverse scan: H = dS_final + L_{P-1} + ... + L_{p+1}, then H's terms.
+  Eigen::Map<RowMatrix<Scalar>>(sums.data(), r, dv) = grads.initial.S;
+  Eigen::Map<ColVector<Scalar>>(sums.data() + r * dv, r) = grads.initial.z;
+  ld::check_mpi(MPI_Allgather(sums.data(), count, ld::mpi_type<Scalar>(), all.data(), count,
+                              ld::mpi_type<Scalar>(), comm),
+                "MPI_Allgather (state gradients)");
+  Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> H(final_grad.data(), m);
+  for (int q = P - 1; q > rank; --q)
+    H += Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(all.data() + q * m, m);
+  const Eigen::Map<const RowMatrix<Scalar>> H_S(final_grad.data(), r, dv);
+  const Eigen::Map<const RowVector<Scalar>> H_z(final_grad.data() + r * dv, r);
+  if (T > 0 && (H != Scalar(0)).any()) {
+    grads.V.noalias() += kf * H_S;
+    RowMatrix<Scalar> d_features = Vm * H_S.transpose();
+    d_features.rowwise() += H_z;
+    RowMatrix<Scalar> d_keys(T, dk);
+    Eigen::Ref<RowMatrix<Scalar>> d_x(d_keys);
+    attn.feature_map().backward(Km, kf, d_features, d_x);
+    grads.K += d_keys;
+  }
+  grads.initial.S += H_S;
+  grads.initial.z += H_z.transpose();
+  return grads;
+}
+
+}  // namespace linattn::mpi

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Sequence-parallel prefill over MPI (bench/mpi/bench_mpi.cpp, linattn/mpi.hpp): one sequence of
+# T = 65536 tokens, H = 8 heads, d = 128, in one process and split over 2 ranks; prints one
+# summary line (speed-up and bytes sent per rank) for the main command (scripts/bench.sh).
+#
+#   bash scripts/bench_mpi.sh               build, run, print the summary line
+#   bash scripts/bench_mpi.sh --all-rules   also Decay, Gated, Delta and GatedDelta (one line each)
+#   bash scripts/bench_mpi.sh --raw         also print the benchmark's own lines
+#
+# Environment: BUILD_DIR (default build-bench, shared with scripts/bench.sh), TOKENS (65536),
+# REPEAT (3: best of), RANKS (2), CARRY_COST (0.35: rank 0's extra share in the balanced split,
+# see mpi::balanced_slices), JOBS. Where MPI is not installed it prints a "skipped" line and
+# exits 0, so the main command can call it unconditionally.
+# The machine is shared: the line reports the load average, and the speed-up is a ratio of
+# runs made one after the other in this invocation.
+set -euo pipefail
+
+all_rules=0
+raw=0
+for arg in "$@"; do
+  case "$arg" in
+    --all-rules) all_rules=1 ;;
+    --raw) raw=1 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "bench_mpi.sh: unknown option '$arg' (try --help)" >&2; exit 2 ;;
+  esac
+done
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${BUILD_DIR:-$root/build-bench}"
+tokens="${TOKENS:-65536}"
+repeat="${REPEAT:-3}"
+ranks="${RANKS:-2}"
+carry_cost="${CARRY_COST:-0.35}"
+jobs="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
+
+if ! command -v mpirun >/dev/null 2>&1 || ! command -v mpicxx >/dev/null 2>&1; then
+  echo "mpi: skipped (MPI not installed; Debian: apt-get install openmpi-bin libopenmpi-dev)"
+  exit 0
+fi
+
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DLINATTN_BUILD_BENCH=ON \
+  -DLINATTN_NATIVE=ON -DLINATTN_MPI=ON -DLINATTN_BUILD_TESTS=OFF -DLINATTN_BUILD_EXAMPLES=OFF >/dev/null
+targets="$(cmake --build "$build" --target help 2>/dev/null || true)"
+if ! grep -q bench_mpi <<<"$targets"; then
+  echo "mpi: skipped (CMake found no MPI for C++; Debian: apt-get install libopenmpi-dev)"
+  exit 0
+fi
+cmake --build "$build" -j "$jobs" --target bench_mpi >/dev/null
+
+flags=()
+if mpirun --version 2>/dev/null | grep -q "Open MPI"; then
+  [ "$(id -u)" -eq 0 ] && flags+=(--allow-run-as-root)
+  flags+=(--bind-to core)
+fi
+run() {  # run <ranks> <args...>: the benchmark's lines
+  local n="$1"
+  shift
+  mpirun "${flags[@]}" -np "$n" "$build/bench_mpi" --tokens "$tokens" --repeat "$repeat" "$@"
+}
+field() {  # field <name> <line>
+  sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2"
+}
+
+rules=(additive)
+[ "$all_rules" -eq 1 ] && rules=(additive decay gated delta gated_delta)
+for rule in "${rules[@]}"; do
+  load="$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo '?')"
+  one="$(run 1 --rule "$rule")"
+  even="$(run "$ranks" --rule "$rule" --split even)"
+  balanced="$(run "$ranks" --rule "$rule" --split balanced --carry-cost "$carry_cost")"
+  [ "$raw" -eq 1 ] && printf '%s\n%s\n%s\n' "$one" "$even" "$balanced"
+  single="$(grep 'call=single_process' <<<"$one")"
+  t1="$(field seconds "$single")"
+  te="$(field seconds "$even")"
+  tb="$(field seconds "$balanced")"
+  sent="$(field sent_bytes "$balanced")"
+  summary="$(field summary_bytes "$balanced")"
+  awk -v rule="$rule" -v T="$tokens" -v P="$ranks" -v t1="$t1" -v te="$te" -v tb="$tb" \
+      -v c="$carry_cost" -v sent="$sent" -v summary="$summary" -v load="$load" 'BEGIN {
+    printf "mpi: prefill T=%d H=8 d=128 %s (float): 1 process %.3f s; %d ranks %.3f s even " \
+           "(%.2fx), %.3f s balanced c=%s (%.2fx); sent per rank %.1f KiB (summaries %.1f KiB, " \
+           "independent of T); load %s\n", T, rule, t1, P, te, t1 / te, tb, c, t1 / tb,
+           sent / 1024, summary / 1024, load
+  }'
+done

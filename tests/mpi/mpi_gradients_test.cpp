@@ -1,0 +1,252 @@
+// linattn/mpi_gradients.hpp across real MPI processes (ctest runs this program under mpiexec
+// with 2, 3 and 4 ranks). Every rank holds the whole sequence (same seeds everywhere), passes
+// its slice to mpi::prefill_backward, and compares its dQ, dK, dV and its initial-state
+// gradient with a plain double-precision loop written from the formulas of gradients.hpp, to
+// a bound derived below; single-process linattn::prefill_backward is held to the same bound;
+// a second call gives the same bits; bad input makes every rank throw the same exception.
+
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <linattn/mpi_gradients.hpp>
+
+#include "slice_reference.hpp"
+#include "test_support.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+using namespace linattn;
+using namespace linattn_test;
+
+namespace {
+
+int rank_of() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int ranks_of() {
+  int p = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &p);
+  return p;
+}
+bool same_on_every_rank(const std::string& text) {
+  std::uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ULL;
+  std::vector<std::uint64_t> all(static_cast<std::size_t>(ranks_of()));
+  MPI_Allgather(&h, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD);
+  for (auto x : all)
+    if (x != h) return false;
+  return true;
+}
+
+// Gradients of the causal read continuing (S0, z0), in double, from gradients.hpp's formulas
+// (w_ij = qf_i . kf_j, v'_j = [v_j, 1], G_i = [dy_i / den_i, -(dy_i . y_i) / den_i], or
+// [dy_i, 0] unnormalized), each with its magnitude: the same sums over |terms|.
+struct Reference {
+  MatrixXdR dQ, dK, dV;
+  MatrixXdR mQ, mK, mV;
+  std::vector<MatrixXdR> dS_at, mS_at;  // gradient w.r.t. the state before row t, t = 0..T
+  std::vector<Eigen::VectorXd> dz_at, mz_at;
+};
+
+Reference reference(bool elu, bool normalized, const MatrixXdR& Q, const MatrixXdR& K,
+                    const MatrixXdR& V, const MatrixXdR& dY, const MatrixXdR& S0,
+                    const Eigen::VectorXd& z0, const MatrixXdR& dS_T, const Eigen::VectorXd& dz_T) {
+  const Index T = Q.rows(), r = Q.cols(), dv = V.cols();
+  const auto phi = [&](double x) { return elu ? elu_plus_one(x) : x; };
+  const auto dphi = [&](double x) { return elu ? (x > 0 ? 1.0 : std::exp(x)) : 1.0; };
+  MatrixXdR qf = Q.unaryExpr(phi), kf = K.unaryExpr(phi);
+  MatrixXdR G(T, dv + 1), mG(T, dv + 1);  // with magnitudes
+  for (Index i = 0; i < T; ++i) {
+    Eigen::RowVectorXd num = qf.row(i) * S0, mnum = qf.row(i).cwiseAbs() * S0.cwiseAbs();
+    double den = qf.row(i).dot(z0);
+    for (Index j = 0; j <= i; ++j) {
+      const double w = qf.row(i).dot(kf.row(j)), mw = qf.row(i).cwiseAbs().dot(kf.row(j).cwiseAbs());
+      num += w * V.row(j);
+      mnum += mw * V.row(j).cwiseAbs();
+      den += w;
+    }
+    if (normalized) {
+      const Eigen::RowVectorXd y = num / den, my = mnum / den;
+      G.row(i) << dY.row(i) / den, -dY.row(i).dot(y) / den;
+      mG.row(i) << dY.row(i).cwiseAbs() / den, dY.row(i).cwiseAbs().dot(my) / den;
+    } else {
+      G.row(i) << dY.row(i), 0.0;
+      mG.row(i) << dY.row(i).cwiseAbs(), 0.0;
+    }
+  }
+  MatrixXdR Vp(T, dv + 1), mVp(T, dv + 1), Sz0(r, dv + 1), SzT(r, dv + 1);
+  Vp << V, Eigen::VectorXd::Ones(T);
+  mVp << V.cwiseAbs(), Eigen::VectorXd::Ones(T);
+  Sz0 << S0, z0;
+  SzT << dS_T, dz_T;
+  Reference ref;
+  MatrixXdR dqf = G * Sz0.transpose(), mqf = mG * Sz0.cwiseAbs().transpose();
+  MatrixXdR dkf = Vp * SzT.transpose(), mkf = mVp * SzT.cwiseAbs().transpose();
+  ref.dV = kf * dS_T;
+  ref.mV = kf.cwiseAbs() * dS_T.cwiseAbs();
+  for (Index i = 0; i < T; ++i)
+    for (Index j = 0; j <= i; ++j) {
+      const double gv = G.row(i).dot(Vp.row(j)), mgv = mG.row(i).dot(mVp.row(j));
+      const double w = qf.row(i).dot(kf.row(j)), mw = qf.row(i).cwiseAbs().dot(kf.row(j).cwiseAbs());
+      dqf.row(i) += gv * kf.row(j);
+      mqf.row(i) += mgv * kf.row(j).cwiseAbs();
+      dkf.row(j) += gv * qf.row(i);
+      mkf.row(j) += mgv * qf.row(i).cwiseAbs();
+      ref.dV.row(j) += w * G.row(i).head(dv);
+      ref.mV.row(j) += mw * mG.row(i).head(dv);
+    }
+  const MatrixXdR dQ_chain = Q.unaryExpr(dphi), dK_chain = K.unaryExpr(dphi);
+  ref.dQ = dqf.cwiseProduct(dQ_chain);
+  ref.mQ = mqf.cwiseProduct(dQ_chain.cwiseAbs());
+  ref.dK = dkf.cwiseProduct(dK_chain);
+  ref.mK = mkf.cwiseProduct(dK_chain.cwiseAbs());
+  // [dS, dz] before row t: sum_{i >= t} qf_i G_i^T + [dS_T, dz_T].
+  ref.dS_at.assign(std::size_t(T + 1), dS_T);
+  ref.mS_at.assign(std::size_t(T + 1), dS_T.cwiseAbs());
+  ref.dz_at.assign(std::size_t(T + 1), dz_T);
+  ref.mz_at.assign(std::size_t(T + 1), dz_T.cwiseAbs());
+  for (Index t = T; t-- > 0;) {
+    const auto k = std::size_t(t);
+    ref.dS_at[k] = ref.dS_at[k + 1] + qf.row(t).transpose() * G.row(t).head(dv);
+    ref.mS_at[k] = ref.mS_at[k + 1] + qf.row(t).cwiseAbs().transpose() * mG.row(t).head(dv);
+    ref.dz_at[k] = ref.dz_at[k + 1] + qf.row(t).transpose() * G(t, dv);
+    ref.mz_at[k] = ref.mz_at[k + 1] + qf.row(t).cwiseAbs().transpose() * mG(t, dv);
+  }
+  return ref;
+}
+
+// Largest |got - want| / (units u magnitude) over the entries (<= 1 passes).
+template <class Scalar, class M>
+double worst(const M& got, const MatrixXdR& want, const MatrixXdR& magnitude, double units) {
+  return worst_ratio_of<Scalar>(got, want, [&](Index i, Index c) { return units * magnitude(i, c); });
+}
+
+template <class Scalar>
+void check_against_reference(bool elu, bool normalized) {
+  const int rank = rank_of(), P = ranks_of();
+  const Index T = 61, d = 6, dv = 5, prefix = 5;
+  Options options;
+  if (!normalized) options.normalization = Normalization::unnormalized();
+  const auto run = [&](const auto& attn) {
+    const RowMatrix<Scalar> Q = random_matrix<Scalar>(T, d, 4100, 0.7),
+                            K = random_matrix<Scalar>(T, d, 4101, 0.7),
+                            V = random_matrix<Scalar>(T, dv, 4102),
+                            dY = random_matrix<Scalar>(T, dv, 4103);
+    // An initial state made by a prefix of tokens (so that its z makes positive denominators).
+    const RowMatrix<Scalar> Kp = random_matrix<Scalar>(prefix, d, 4104, 0.7),
+                            Vp = random_matrix<Scalar>(prefix, dv, 4105);
+    auto start = attn.make_state(d, dv);
+    static_cast<void>(attn.prefill(start, Kp, Kp, Vp));
+    const StateGradient<Scalar> final_gradient{random_matrix<Scalar>(d, dv, 4106),
+                                               random_matrix<Scalar>(d, 1, 4107).col(0)};
+    const MatrixXdR Qd = Q.template cast<double>(), Kd = K.template cast<double>();
+    const Reference ref = reference(
+        elu, normalized, Qd, Kd, V.template cast<double>(), dY.template cast<double>(),
+        start.S().template cast<double>(), start.z().template cast<double>(),
+        final_gradient.S.template cast<double>(), final_gradient.z.template cast<double>());
+    // Rounding bound, in units of u, relative to each entry's magnitude (the same sums over
+    // |terms|), as tests/gradients_test.cpp derives it: along the longest chain each rounding
+    // adds at most u relative to the magnitude of what it rounds (the scores, r products; num
+    // and den, T + prefix keys plus r state terms; the division and y; dy . y, dv; the score
+    // gradient, dv + 1; the sums over T rows; the state's share, r or dv terms; the feature
+    // map's chain rule), each at most twice: 2 (2 T + 2 r + 2 dv + d + 16), plus 8 for ELU's
+    // exp on both sides. The split adds no new kind of term: the carried state is a sum over
+    // the earlier keys and the scanned gradient a sum over the later rows, the same terms in
+    // another grouping (P more additions, within the 2 T).
+    const double units = 2.0 * double(2 * (T + prefix) + 2 * d + 2 * dv + d + 16) + 8;
+    const double dz_units = units;
+    const auto whole = linattn::prefill_backward(attn, start, Q, K, V, dY, &final_gradient);
+    CHECK(worst<Scalar>(whole.Q, ref.dQ, ref.mQ, units) <= 1);
+    CHECK(worst<Scalar>(whole.K, ref.dK, ref.mK, units) <= 1);
+    CHECK(worst<Scalar>(whole.V, ref.dV, ref.mV, units) <= 1);
+    for (const auto& lengths : slicings(T, P)) {
+      Index first = 0;
+      for (int p = 0; p < rank; ++p) first += lengths[std::size_t(p)];
+      const Index n = lengths[std::size_t(rank)];
+      INFO("rank " << rank << " of " << P << ", rows " << first << " + " << n);
+      const auto mine = [&] {
+        return mpi::prefill_backward(MPI_COMM_WORLD, attn, rank == 0 ? start : attn.make_state(d, dv),
+                                     Q.middleRows(first, n), K.middleRows(first, n),
+                                     V.middleRows(first, n), dY.middleRows(first, n),
+                                     rank == P - 1 ? &final_gradient : nullptr);
+      };
+      const Gradients<Scalar> got = mine();
+      CHECK(worst<Scalar>(got.Q, ref.dQ.middleRows(first, n), ref.mQ.middleRows(first, n), units) <= 1);
+      CHECK(worst<Scalar>(got.K, ref.dK.middleRows(first, n), ref.mK.middleRows(first, n), units) <= 1);
+      CHECK(worst<Scalar>(got.V, ref.dV.middleRows(first, n), ref.mV.middleRows(first, n), units) <= 1);
+      // The gradient with respect to the state this slice starts from (rank 0: the initial state).
+      CHECK(worst<Scalar>(got.initial.S, ref.dS_at[std::size_t(first)], ref.mS_at[std::size_t(first)], units) <= 1);
+      CHECK(worst<Scalar>(MatrixXdR(got.initial.z.template cast<double>()),
+                          MatrixXdR(ref.dz_at[std::size_t(first)]), MatrixXdR(ref.mz_at[std::size_t(first)]),
+                          dz_units) <= 1);
+      // Same P and slices: the same bits.
+      const Gradients<Scalar> again = mine();
+      CHECK(again.Q == got.Q);
+      CHECK(again.K == got.K);
+      CHECK(again.V == got.V);
+      CHECK(again.initial.S == got.initial.S);
+      CHECK(again.initial.z == got.initial.z);
+    }
+  };
+  if (elu)
+    run(LinearAttention<EluPlusOne, Scalar>(EluPlusOne{}, options));
+  else
+    run(LinearAttention<Identity, Scalar>(Identity{}, options));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  const int rc = Catch::Session().run(argc, argv);
+  int worst_rc = 0;  // one verdict for the job: fail on every rank when any rank failed
+  MPI_Allreduce(&rc, &worst_rc, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return worst_rc;
+}
+
+TEMPLATE_TEST_CASE("sequence-parallel backward equals the formulas to rounding on every slicing, "
+                   "the same bits when repeated",
+                   "[mpi][gradients]", float, double) {
+  SECTION("ELU + 1, normalized") { check_against_reference<TestType>(true, true); }
+  SECTION("Identity, unnormalized") { check_against_reference<TestType>(false, false); }
+}
+
+TEST_CASE("sequence-parallel backward: bad input on one rank throws the same on every rank",
+          "[mpi][gradients]") {
+  const int rank = rank_of(), P = ranks_of();
+  const Index T = 24, d = 4, dv = 3, n = T / P;
+  const LinearAttention<EluPlusOne> attn;
+  const auto qkv = random_qkv<float>(T, d, dv, 4200);
+  const RowMatrix<float> dY = random_matrix<float>(T, dv, 4203);
+  const auto call = [&](Index my_d, Index my_dy_rows) {
+    const RowMatrix<float> Q = random_matrix<float>(n, my_d, 4201), K = random_matrix<float>(n, my_d, 4202);
+    static_cast<void>(mpi::prefill_backward(MPI_COMM_WORLD, attn, attn.make_state(my_d, dv), Q, K,
+                                            qkv.V.topRows(n), dY.topRows(my_dy_rows)));
+  };
+  // The last rank's dY has a row too few: ShapeError everywhere, naming that rank.
+  std::string message;
+  try {
+    call(d, rank == P - 1 ? n - 1 : n);
+  } catch (const ShapeError& e) {
+    message = e.what();
+  }
+  CHECK_THAT(message, Catch::Contains("rank " + std::to_string(P - 1)) && Catch::Contains("dY"));
+  CHECK(same_on_every_rank(message));
+  // Rank 1 has another key dimension: RankMismatchError everywhere.
+  message.clear();
+  try {
+    call(rank == 1 ? d + 1 : d, n);
+  } catch (const mpi::RankMismatchError& e) {
+    message = e.what();
+  }
+  CHECK_THAT(message, Catch::Contains("rank 1"));
+  CHECK(same_on_every_rank(message));
+  // And the next call works.
+  CHECK_NOTHROW(call(d, n));
+}

@@ -1,0 +1,706 @@
+// linattn/mpi.hpp across real MPI processes (ctest runs this program under mpiexec with 2, 3
+// and 4 ranks; every rank runs every test case in the same order). Each rank holds the whole
+// sequence (the same seeds everywhere), passes its slice to SequenceParallel, and compares its
+// rows and states with a single-process prefill of the whole sequence, to the bounds derived in
+// tests/slice_reference.hpp; a second call gives the same bits; the multi-head layer equals
+// one-head calls of each head bit for bit (both layouts, grouped heads, slots, a thread pool);
+// bytes exchanged do not depend on T; bad input makes every rank throw the same exception and
+// the next call still works (nothing hangs: ctest's timeout would fail the test).
+// `mpi_test --digest` prints one hash of a fixed workload's outputs and states, which
+// digest_check.cmake compares between runs and MPI allgather algorithms.
+
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <linattn/mpi.hpp>
+#include <linattn/thread_pool.hpp>
+
+#include "slice_reference.hpp"
+#include "test_support.hpp"
+
+#include <array>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+using namespace linattn;
+using namespace linattn_test;
+
+namespace {
+
+struct World {
+  int rank = 0, size = 1;
+};
+World world() {
+  World w;
+  MPI_Comm_rank(MPI_COMM_WORLD, &w.rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &w.size);
+  return w;
+}
+
+// This rank's rows [offset, offset + length) of a sequence split at `lengths`.
+struct Slice {
+  Index offset = 0, length = 0;
+};
+Slice slice_of(const std::vector<Index>& lengths, int rank) {
+  Slice s;
+  for (int p = 0; p < rank; ++p) s.offset += lengths[std::size_t(p)];
+  s.length = lengths[std::size_t(rank)];
+  return s;
+}
+
+std::uint64_t fnv1a(const void* data, std::size_t bytes, std::uint64_t h = 1469598103934665603ULL) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  return h;
+}
+template <class M>
+std::uint64_t digest(const M& m, std::uint64_t h = 1469598103934665603ULL) {
+  return fnv1a(m.data(), sizeof(typename M::Scalar) * std::size_t(m.size()), h);
+}
+template <class A, class B>
+bool same_bits(const A& a, const B& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() && RowMatrix<typename A::Scalar>(a) == RowMatrix<typename B::Scalar>(b) &&
+         digest(RowMatrix<typename A::Scalar>(a)) == digest(RowMatrix<typename B::Scalar>(b));
+}
+
+// Every rank's value, in rank order.
+std::vector<std::uint64_t> gather(std::uint64_t mine) {
+  std::vector<std::uint64_t> all(std::size_t(world().size));
+  MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD);
+  return all;
+}
+bool same_on_every_rank(std::uint64_t mine) {
+  for (std::uint64_t x : gather(mine))
+    if (x != mine) return false;
+  return true;
+}
+bool same_on_every_rank(const std::string& text) { return same_on_every_rank(fnv1a(text.data(), text.size())); }
+
+// The rules' per-token inputs cut to rows [first, first + n).
+template <class... In>
+auto rows_of(Index first, Index n, const In&... in) {
+  static_cast<void>(first);
+  static_cast<void>(n);
+  return std::make_tuple(RowMatrix<typename In::Scalar>(in.middleRows(first, n))...);
+}
+
+}  // namespace
+
+int print_digest();
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rc = 0;
+  if (argc > 1 && std::string(argv[1]) == "--digest") {
+    rc = print_digest();
+  } else {
+    rc = Catch::Session().run(argc, argv);
+  }
+  // One verdict for the whole job: fail on every rank when any rank failed.
+  int worst = 0;
+  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return worst;
+}
+
+// ---- one head ------------------------------------------------------------------------------
+
+TEMPLATE_TEST_CASE("one head, every rule and slicing: rows and states equal one prefill to "
+                   "rounding, a second call the same bits, broadcast states equal everywhere",
+                   "[mpi]", float, double) {
+  using Scalar = TestType;
+  const World w = world();
+  const Index T = 101, dk = 12, dv = 7, P = w.size;
+  const auto qkv = random_qkv<Scalar>(T, dk, dv, 2100);
+  for_each_rule<Scalar>(T, dk, 2200, [&](const char* name, const auto& attention, Phi phi,
+                                         const MatrixXdR& lg, const MatrixXdR& beta,
+                                         const MatrixXdR& log_alpha, const auto&... in) {
+    using Attention = std::decay_t<decltype(attention)>;
+    constexpr bool delta = !Attention::rule_type::keeps_normalizer;
+    const Index C = attention.chunk_size(attention.feature_dim(dk), dv);
+    auto whole = attention.make_state(dk, dv);
+    RowMatrix<Scalar> Y(T, dv);
+    attention.prefill_into(whole, qkv.Q, qkv.K, qkv.V, in..., Y);
+    auto shapes = slicings(T, P);
+    if (P > 1) {
+      std::vector<Index> whole_chunks(std::size_t(P), (T - C) / (P - 1));
+      whole_chunks[0] = C;  // a first slice of whole chunks: a single process's bits
+      whole_chunks.back() += T - C - (P - 1) * ((T - C) / (P - 1));
+      shapes.push_back(whole_chunks);
+    }
+    for (const auto& lengths : shapes) {
+      const Slice my = slice_of(lengths, w.rank);
+      INFO(name << ", rank " << w.rank << " of " << P << ", rows " << my.offset << " + " << my.length);
+      mpi::SequenceParallel<Attention> split(attention, MPI_COMM_WORLD);
+      const auto run = [&](auto& state) {
+        RowMatrix<Scalar> out(my.length, dv);
+        const auto cut = rows_of(my.offset, my.length, in...);
+        std::apply([&](const auto&... x) {
+          split.prefill_into(state, qkv.Q.middleRows(my.offset, my.length),
+                             qkv.K.middleRows(my.offset, my.length),
+                             qkv.V.middleRows(my.offset, my.length), x..., out);
+        }, cut);
+        return out;
+      };
+      auto state = attention.make_state(dk, dv);
+      const RowMatrix<Scalar> out = run(state);
+      // The single-process state after this rank's slice.
+      const Index end = my.offset + my.length;
+      auto prefix = attention.make_state(dk, dv);
+      RowMatrix<Scalar> unused(end, dv);
+      attention.prefill_into(prefix, qkv.Q.topRows(end), qkv.K.topRows(end), qkv.V.topRows(end),
+                             in.topRows(end)..., unused);
+      CHECK(state.tokens() == end);
+      const MatrixXdR Yd = Y.middleRows(my.offset, my.length).template cast<double>();
+      if constexpr (delta) {
+        const auto bound = split_delta_bound(qkv.Q, qkv.K, qkv.V, beta, log_alpha, phi, C, lengths);
+        CHECK(worst_ratio_of<Scalar>(out, Yd, [&](Index i, Index) {
+                return bound.outputs(my.offset + i);
+              }) <= 1.0);
+        CHECK((state.S() - prefix.S()).template cast<double>().norm() <=
+              unit_roundoff<Scalar>() * bound.states[std::size_t(w.rank)]);
+      } else {
+        const bool normalize = attention.options().normalization.divides();
+        const MatrixXdR bound = split_gated_output_bound(qkv.Q, qkv.K, qkv.V, lg, phi, normalize, C, P);
+        CHECK(worst_ratio_of<Scalar>(out, Yd, [&](Index i, Index c) {
+                return bound(my.offset + i, c);
+              }) <= 1.0);
+        const MatrixXdR sb = split_gated_state_bound(qkv.K, qkv.V, lg, phi, end, C, P);
+        CHECK(worst_ratio_of<Scalar>(state.S(), prefix.S().template cast<double>(),
+                                     [&](Index i, Index c) { return sb(i, c); }) <= 1.0);
+        CHECK(worst_ratio_of<Scalar>(state.z(), prefix.z().template cast<double>(),
+                                     [&](Index i, Index) { return sb.row(i).maxCoeff(); }) <= 1.0);
+      }
+      if (my.offset == 0 && my.length > 0 && my.length % C == 0)
+        CHECK(same_bits(out, Y.topRows(my.length)));
+      // The same call again: the same bits.
+      auto again = attention.make_state(dk, dv);
+      CHECK(same_bits(run(again), out));
+      CHECK(same_bits(again.S(), state.S()));
+      // broadcast_final: every rank holds the last rank's final state, bit for bit.
+      mpi::SequenceParallel<Attention> everywhere(attention, MPI_COMM_WORLD, {mpi::kLastRank, true});
+      auto final_state = attention.make_state(dk, dv);
+      {
+        RowMatrix<Scalar> out2(my.length, dv);
+        const auto cut = rows_of(my.offset, my.length, in...);
+        std::apply([&](const auto&... x) {
+          everywhere.prefill_into(final_state, qkv.Q.middleRows(my.offset, my.length),
+                                  qkv.K.middleRows(my.offset, my.length),
+                                  qkv.V.middleRows(my.offset, my.length), x..., out2);
+        }, cut);
+        CHECK(same_bits(out2, out));
+      }
+      CHECK(final_state.tokens() == T);
+      CHECK(same_on_every_rank(digest(final_state.S())));
+      if (w.rank == P - 1) CHECK(same_bits(final_state.S(), state.S()));
+    }
+  });
+}
+
+TEST_CASE("consecutive calls continue each other; an initial state held by rank 0", "[mpi]") {
+  using Scalar = float;
+  const World w = world();
+  const Index T = 120, T1 = 47, dk = 8, dv = 6, P = w.size;
+  const auto qkv = random_qkv<Scalar>(T, dk, dv, 2300);
+  for_each_rule<Scalar>(T, dk, 2400, [&](const char* name, const auto& attention, Phi phi,
+                                         const MatrixXdR& lg, const MatrixXdR& beta,
+                                         const MatrixXdR& log_alpha, const auto&... in) {
+    using Attention = std::decay_t<decltype(attention)>;
+    INFO(name << ", rank " << w.rank << " of " << P);
+    const Index C = attention.chunk_size(attention.feature_dim(dk), dv);
+    auto whole = attention.make_state(dk, dv);
+    RowMatrix<Scalar> Y(T, dv);
+    attention.prefill_into(whole, qkv.Q, qkv.K, qkv.V, in..., Y);
+    // Tokens [0, T1) over the ranks evenly, then [T1, T) with rank 1 (or 0) empty: 2 P slices.
+    const auto first = slicings(T1, P).front(), second = slicings(T - T1, P).back();
+    std::vector<Index> all_lengths = first;
+    all_lengths.insert(all_lengths.end(), second.begin(), second.end());
+    mpi::SequenceParallel<Attention> split(attention, MPI_COMM_WORLD);
+    auto state = attention.make_state(dk, dv);
+    RowMatrix<Scalar> out(0, dv);
+    for (int call = 0; call < 2; ++call) {
+      const Slice my = slice_of(call == 0 ? first : second, w.rank);
+      const Index base = call == 0 ? 0 : T1;
+      out.resize(my.length, dv);
+      const auto cut = rows_of(base + my.offset, my.length, in...);
+      std::apply([&](const auto&... x) {
+        split.prefill_into(state, qkv.Q.middleRows(base + my.offset, my.length),
+                           qkv.K.middleRows(base + my.offset, my.length),
+                           qkv.V.middleRows(base + my.offset, my.length), x..., out);
+      }, cut);
+      if (call == 1) {
+        const Index row0 = base + my.offset;
+        const MatrixXdR Yd = Y.middleRows(row0, my.length).template cast<double>();
+        if constexpr (!Attention::rule_type::keeps_normalizer) {
+          const auto bound = split_delta_bound(qkv.Q, qkv.K, qkv.V, beta, log_alpha, phi, C, all_lengths);
+          CHECK(worst_ratio_of<Scalar>(out, Yd, [&](Index i, Index) { return bound.outputs(row0 + i); }) <= 1.0);
+          if (w.rank == P - 1)
+            CHECK((state.S() - whole.S()).template cast<double>().norm() <=
+                  unit_roundoff<Scalar>() * bound.states.back());
+        } else {
+          const bool normalize = attention.options().normalization.divides();
+          const MatrixXdR bound = split_gated_output_bound(qkv.Q, qkv.K, qkv.V, lg, phi, normalize, C, 2 * P);
+          CHECK(worst_ratio_of<Scalar>(out, Yd, [&](Index i, Index c) { return bound(row0 + i, c); }) <= 1.0);
+          if (w.rank == P - 1) {
+            const MatrixXdR sb = split_gated_state_bound(qkv.K, qkv.V, lg, phi, T, C, 2 * P);
+            CHECK(worst_ratio_of<Scalar>(state.S(), whole.S().template cast<double>(),
+                                         [&](Index i, Index c) { return sb(i, c); }) <= 1.0);
+          }
+        }
+        if (w.rank == P - 1) CHECK(state.tokens() == T);
+      }
+    }
+    // Rank 0 prefilled [0, T1) alone; the ranks continue from its state and all end with the
+    // final state (the same bits everywhere).
+    auto held = attention.make_state(dk, dv);
+    if (w.rank == 0) {
+      RowMatrix<Scalar> unused(T1, dv);
+      attention.prefill_into(held, qkv.Q.topRows(T1), qkv.K.topRows(T1), qkv.V.topRows(T1),
+                             in.topRows(T1)..., unused);
+    }
+    mpi::SequenceParallel<Attention> from_rank0(attention, MPI_COMM_WORLD, {0, true});
+    const Slice my = slice_of(second, w.rank);
+    RowMatrix<Scalar> out2(my.length, dv);
+    const auto cut = rows_of(T1 + my.offset, my.length, in...);
+    const auto stats = std::apply([&](const auto&... x) {
+      return from_rank0.prefill_into(held, qkv.Q.middleRows(T1 + my.offset, my.length),
+                                     qkv.K.middleRows(T1 + my.offset, my.length),
+                                     qkv.V.middleRows(T1 + my.offset, my.length), x..., out2);
+    }, cut);
+    CHECK(held.tokens() == T);
+    CHECK(same_on_every_rank(digest(held.S())));
+    // Rank 0 sent the initial state; the summaries did not grow with it.
+    CHECK((stats.initial_state_bytes > 0) == (w.rank == 0));
+    if constexpr (!Attention::rule_type::keeps_normalizer) {
+      const auto bound = split_delta_bound(qkv.Q, qkv.K, qkv.V, beta, log_alpha, phi, C, all_lengths);
+      CHECK((held.S() - whole.S()).template cast<double>().norm() <=
+            unit_roundoff<Scalar>() * bound.states.back());
+    } else {
+      const MatrixXdR sb = split_gated_state_bound(qkv.K, qkv.V, lg, phi, T, C, 2 * P);
+      CHECK(worst_ratio_of<Scalar>(held.S(), whole.S().template cast<double>(),
+                                   [&](Index i, Index c) { return sb(i, c); }) <= 1.0);
+    }
+  });
+}
+
+// ---- the multi-head layer ------------------------------------------------------------------
+
+namespace {
+
+enum class Layout { batch_first, head_first };
+
+// A [B, T, H, d] buffer in `layout`.
+template <class Scalar>
+struct Buffer {
+  std::vector<Scalar> data;
+  Index B = 0, T = 0, H = 0, d = 0;
+  Layout layout = Layout::batch_first;
+
+  Buffer(Layout l, Index B_, Index T_, Index H_, Index d_, const RowMatrix<Scalar>& values)
+      : data(values.data(), values.data() + values.size()), B(B_), T(T_), H(H_), d(d_), layout(l) {}
+  template <class E>
+  TensorView<E> view(E* p) const {
+    return layout == Layout::batch_first ? TensorView<E>::batch_first(p, B, T, H, d)
+                                         : TensorView<E>::head_first(p, B, H, T, d);
+  }
+  // Rows [t0, t0 + n) of every entry, with the full buffer's strides.
+  TensorView<const Scalar> rows(Index t0, Index n) const {
+    const auto full = view<const Scalar>(data.data());
+    return TensorView<const Scalar>(n == 0 ? data.data() : &full(0, t0, 0, 0), {B, n, H, d}, full.strides());
+  }
+  TensorView<Scalar> out_rows(Index t0, Index n) {
+    const auto full = view<Scalar>(data.data());
+    return TensorView<Scalar>(n == 0 ? data.data() : &full(0, t0, 0, 0), {B, n, H, d}, full.strides());
+  }
+  // Rows [first, first + n) of head h of entry b, as a contiguous matrix.
+  RowMatrix<Scalar> cut(Index b, Index h, Index first, Index n) const {
+    const auto full = view<const Scalar>(data.data());
+    RowMatrix<Scalar> m(n, d);
+    for (Index t = 0; t < n; ++t)
+      for (Index c = 0; c < d; ++c) m(t, c) = full(b, first + t, h, c);
+    return m;
+  }
+};
+
+struct InputSpec {
+  bool per_channel;
+  double lo, hi;
+};
+
+// The layer split across the ranks equals, for every query head, the one-head split call on
+// that head's rows (cut out of the buffers), bit for bit; its states equal the one-head states.
+template <class Attention, std::size_t N>
+void check_layer(const char* name, const Attention& attention, const std::array<InputSpec, N>& specs,
+                 Layout layout, bool threads) {
+  using Scalar = typename Attention::scalar_type;
+  const World w = world();
+  const Index B = 2, Hq = 4, Hkv = 2, G = Hq / Hkv, dk = 8, dv = 6, T = 61;
+  MultiHeadAttention<Attention> layer({Hq, Hkv, dk, dv}, attention);
+  ThreadPool pool(2);
+  if (threads) layer.set_executor(&pool);
+  const Index r = layer.feature_dim();
+  const Buffer<Scalar> q(layout, B, T, Hq, dk, random_matrix<Scalar>(1, B * T * Hq * dk, 2500));
+  const Buffer<Scalar> k(layout, B, T, Hkv, dk, random_matrix<Scalar>(1, B * T * Hkv * dk, 2501));
+  const Buffer<Scalar> v(layout, B, T, Hkv, dv, random_matrix<Scalar>(1, B * T * Hkv * dv, 2502));
+  std::vector<Buffer<Scalar>> in;
+  for (std::size_t i = 0; i < N; ++i) {
+    const Index c = specs[i].per_channel ? r : 1;
+    in.emplace_back(layout, B, T, Hkv, c,
+                    uniform_matrix<Scalar>(1, B * T * Hkv * c, 2503 + i, specs[i].lo, specs[i].hi));
+  }
+  const auto shapes = slicings(T, w.size);
+  for (const auto& lengths : {shapes[std::min<std::size_t>(1, shapes.size() - 1)], shapes.back()}) {
+    const Slice my = slice_of(lengths, w.rank);
+    INFO(name << (layout == Layout::batch_first ? ", batch-first" : ", head-first")
+              << (threads ? ", thread pool" : "") << ", rank " << w.rank << ", rows "
+              << my.offset << " + " << my.length);
+    Buffer<Scalar> out(layout, B, T, Hq, dv, RowMatrix<Scalar>::Zero(1, B * T * Hq * dv));
+    auto state = layer.make_state(2);
+    const std::array<Index, 2> slots{1, 0};
+    mpi::SequenceParallel<MultiHeadAttention<Attention>> split(layer, MPI_COMM_WORLD);
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      split.prefill_into(state, q.rows(my.offset, my.length), k.rows(my.offset, my.length),
+                         v.rows(my.offset, my.length), in[I].rows(my.offset, my.length)...,
+                         out.out_rows(my.offset, my.length), std::span<const Index>(slots));
+    }(std::make_index_sequence<N>{});
+    mpi::SequenceParallel<Attention> one(attention, MPI_COMM_WORLD);
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < Hq; ++h) {
+        const Index g = h / G;
+        auto head_state = attention.make_state(dk, dv);
+        RowMatrix<Scalar> y(my.length, dv);
+        [&]<std::size_t... I>(std::index_sequence<I...>) {
+          one.prefill_into(head_state, q.cut(b, h, my.offset, my.length),
+                           k.cut(b, g, my.offset, my.length), v.cut(b, g, my.offset, my.length),
+                           in[I].cut(b, g, my.offset, my.length)..., y);
+        }(std::make_index_sequence<N>{});
+        CHECK(same_bits(out.cut(b, h, my.offset, my.length), y));
+        const auto& layer_head = state.sequence(slots[std::size_t(b)]).head(g);
+        CHECK(same_bits(layer_head.S(), head_state.S()));
+        CHECK(layer_head.tokens() == my.offset + my.length);
+      }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("multi-head layer, every rule, both layouts, grouped heads, slots, threads: each "
+          "head equals the one-head split call bit for bit",
+          "[mpi][multihead]") {
+  for (Layout layout : {Layout::batch_first, Layout::head_first})
+    for (bool threads : {false, true}) {
+      check_layer("additive", LinearAttention<EluPlusOne>(), std::array<InputSpec, 0>{}, layout, threads);
+      check_layer("decay", RuleAttention<EluPlusOne, Decay>(EluPlusOne{}, Decay(0.9)),
+                  std::array<InputSpec, 0>{}, layout, threads);
+      check_layer("gated (scalar gates)", RuleAttention<EluPlusOne, Gated>(),
+                  std::array<InputSpec, 1>{InputSpec{false, -0.3, 0.0}}, layout, threads);
+      check_layer("gated (per-channel gates)", RuleAttention<EluPlusOne, Gated>(),
+                  std::array<InputSpec, 1>{InputSpec{true, -0.3, 0.0}}, layout, threads);
+      check_layer("delta", RuleAttention<L2Normalize, Delta>(),
+                  std::array<InputSpec, 1>{InputSpec{false, 0.0, 1.0}}, layout, threads);
+      check_layer("gated_delta", RuleAttention<L2Normalize, GatedDelta>(),
+                  std::array<InputSpec, 2>{InputSpec{false, 0.0, 1.0}, InputSpec{false, -0.2, 0.0}},
+                  layout, threads);
+    }
+}
+
+// ---- what is exchanged -----------------------------------------------------------------------
+
+namespace {
+
+// Runs a layer of 2 key/value heads (4 query heads) with `per_rank` tokens on every rank and
+// returns what this rank exchanged.
+template <class Attention>
+mpi::ExchangeStats layer_exchange(const Attention& attention, Index per_rank) {
+  const Index Hq = 4, Hkv = 2, dk = 16, dv = 16, T = per_rank;
+  MultiHeadAttention<Attention> layer({Hq, Hkv, dk, dv}, attention);
+  const RowMatrix<float> q = random_matrix<float>(T, Hq * dk, 2600), k = random_matrix<float>(T, Hkv * dk, 2601),
+                         v = random_matrix<float>(T, Hkv * dv, 2602);
+  const RowMatrix<float> gates = uniform_matrix<float>(T, Hkv, 2603, -0.1, 0.0);
+  const RowMatrix<float> beta = uniform_matrix<float>(T, Hkv, 2604, 0.0, 1.0);
+  RowMatrix<float> out(T, Hq * dv);
+  auto state = layer.make_state(1);
+  mpi::SequenceParallel<MultiHeadAttention<Attention>> split(layer, MPI_COMM_WORLD);
+  const auto Q = TensorView<const float>::batch_first(q.data(), 1, T, Hq, dk);
+  const auto K = TensorView<const float>::batch_first(k.data(), 1, T, Hkv, dk);
+  const auto V = TensorView<const float>::batch_first(v.data(), 1, T, Hkv, dv);
+  const auto O = TensorView<float>::batch_first(out.data(), 1, T, Hq, dv);
+  const auto G = TensorView<const float>::batch_first(gates.data(), 1, T, Hkv, 1);
+  const auto Bv = TensorView<const float>::batch_first(beta.data(), 1, T, Hkv, 1);
+  if constexpr (Attention::rule_type::token_inputs == 0)
+    return split.prefill_into(state, Q, K, V, O);
+  else if constexpr (Attention::rule_type::token_inputs == 1)
+    return split.prefill_into(state, Q, K, V, Attention::rule_type::kind == WriteKind::gated ? G : Bv, O);
+  else
+    return split.prefill_into(state, Q, K, V, Bv, G, O);
+}
+
+}  // namespace
+
+TEST_CASE("bytes exchanged per rank do not depend on T: one summary per state head", "[mpi][bytes]") {
+  const World w = world();
+  const std::size_t P = std::size_t(w.size), r = 16, dv = 16, heads = 2, record = 2 * sizeof(detail::RankRecord);
+  const auto check = [&](const char* name, const auto& attention, std::size_t per_head) {
+    INFO(name);
+    const mpi::ExchangeStats short_call = layer_exchange(attention, 8);
+    const mpi::ExchangeStats long_call = layer_exchange(attention, 300);
+    const std::size_t summary = (1 + heads * per_head) * sizeof(float);  // status word + heads
+    CHECK(short_call.summary_bytes == summary);
+    CHECK(long_call.summary_bytes == summary);
+    CHECK(long_call.record_bytes == record);
+    CHECK(long_call.initial_state_bytes == 0);
+    CHECK(long_call.sent_bytes() == record + summary);
+    CHECK(long_call.received_bytes == (P - 1) * (record + summary));
+    CHECK(long_call.ranks == w.size);
+  };
+  check("additive", LinearAttention<EluPlusOne>(), r * dv + r);
+  check("decay", RuleAttention<EluPlusOne, Decay>(EluPlusOne{}, Decay(0.9)), r * dv + r + 1);
+  check("gated", RuleAttention<EluPlusOne, Gated>(), r * dv + 2 * r);
+  check("delta", RuleAttention<L2Normalize, Delta>(), r * dv + r * r);
+  check("gated_delta", RuleAttention<L2Normalize, GatedDelta>(), r * dv + r * r);
+}
+
+TEST_CASE("balanced_slices: contiguous lengths that sum to T, rank 0 with 1 + c shares", "[mpi]") {
+  CHECK(mpi::balanced_slices(100, 4, 0.0) == std::vector<Index>{25, 25, 25, 25});
+  CHECK(mpi::balanced_slices(10, 3, 0.0) == std::vector<Index>{4, 3, 3});
+  // 65536 tokens, 2 ranks, c = 0.5: rank 1 gets 65536 / 2.5 = 26214, rank 0 the rest.
+  CHECK(mpi::balanced_slices(65536, 2, 0.5) == std::vector<Index>{39322, 26214});
+  CHECK(mpi::balanced_slices(0, 3, 0.3) == std::vector<Index>{0, 0, 0});
+  CHECK(mpi::balanced_slices(5, 1, 0.3) == std::vector<Index>{5});
+  CHECK_THROWS_AS(mpi::balanced_slices(-1, 2, 0.0), std::invalid_argument);
+  CHECK_THROWS_AS(mpi::balanced_slices(10, 0, 0.0), std::invalid_argument);
+  CHECK_THROWS_AS(mpi::balanced_slices(10, 2, -0.1), std::invalid_argument);
+}
+
+// ---- bad input --------------------------------------------------------------------------------
+
+namespace {
+
+constexpr Index kBadT = 40, kBadDk = 8, kBadDv = 6;
+
+// Calls `call`, which must throw E on this rank; checks that every rank threw the same message
+// and returns it. Every rank reaching the check proves no rank is left inside the call.
+template <class E, class F>
+std::string every_rank_throws(F&& call) {
+  std::string message = "(nothing was thrown)";
+  bool caught = false;
+  try {
+    call();
+  } catch (const E& e) {
+    message = e.what();
+    caught = true;
+  }
+  CHECK(caught);
+  CHECK(same_on_every_rank(message));
+  return message;
+}
+
+// A good call after a failed one: every rank is back in step, and the result is right.
+void good_call() {
+  const World w = world();
+  const auto qkv = random_qkv<float>(kBadT, kBadDk, kBadDv, 2900);
+  const LinearAttention<EluPlusOne> attention;
+  RowMatrix<float> Y(kBadT, kBadDv);
+  auto whole = attention.make_state(kBadDk, kBadDv);
+  attention.prefill_into(whole, qkv.Q, qkv.K, qkv.V, Y);
+  const auto lengths = slicings(kBadT, w.size).front();
+  const Slice my = slice_of(lengths, w.rank);
+  auto state = attention.make_state(kBadDk, kBadDv);
+  mpi::SequenceParallel<LinearAttention<EluPlusOne>> split(attention, MPI_COMM_WORLD);
+  const RowMatrix<float> out = split.prefill(state, qkv.Q.middleRows(my.offset, my.length),
+                                             qkv.K.middleRows(my.offset, my.length),
+                                             qkv.V.middleRows(my.offset, my.length));
+  const MatrixXdR bound = split_gated_output_bound(qkv.Q, qkv.K, qkv.V, MatrixXdR::Zero(kBadT, 1),
+                                                   Phi::elu_plus_one, true, 32, w.size);
+  CHECK(worst_ratio_of<float>(out, Y.middleRows(my.offset, my.length).cast<double>(),
+                              [&](Index i, Index c) { return bound(my.offset + i, c); }) <= 1.0);
+}
+
+// This rank's slice of a one-head additive call on T tokens with dims dk, dv.
+template <class Attention>
+void slice_call(const Attention& attention, Index dk, Index dv, mpi::Carry carry = {}) {
+  using Scalar = typename Attention::scalar_type;
+  const World w = world();
+  const auto qkv = random_qkv<Scalar>(kBadT, dk, dv, 3000);
+  const Slice my = slice_of(slicings(kBadT, w.size).front(), w.rank);
+  auto state = attention.make_state(dk, dv);
+  mpi::SequenceParallel<Attention> split(attention, MPI_COMM_WORLD, carry);
+  static_cast<void>(split.prefill(state, qkv.Q.middleRows(my.offset, my.length),
+                                  qkv.K.middleRows(my.offset, my.length),
+                                  qkv.V.middleRows(my.offset, my.length)));
+}
+
+}  // namespace
+
+TEST_CASE("ranks that disagree on the configuration all throw the same RankMismatchError",
+          "[mpi][errors]") {
+  const World w = world();
+  const LinearAttention<EluPlusOne> additive;
+  std::string m = every_rank_throws<mpi::RankMismatchError>(
+      [&] { slice_call(additive, kBadDk, w.rank == 1 ? kBadDv - 1 : kBadDv); });
+  CHECK_THAT(m, Catch::Contains("value dim dv: rank 0 has 6, rank 1 has 5"));
+  good_call();
+  m = every_rank_throws<mpi::RankMismatchError>([&] {
+    slice_call(RuleAttention<EluPlusOne, Decay>(EluPlusOne{}, Decay(w.rank == w.size - 1 ? 0.8 : 0.95)),
+               kBadDk, kBadDv);
+  });
+  CHECK_THAT(m, Catch::Contains("the write rule's parameter"));
+  good_call();
+  m = every_rank_throws<mpi::RankMismatchError>([&] {
+    if (w.rank == 1)
+      slice_call(RuleAttention<EluPlusOne, Decay>(EluPlusOne{}, Decay(0.9)), kBadDk, kBadDv);
+    else
+      slice_call(additive, kBadDk, kBadDv);
+  });
+  CHECK_THAT(m, Catch::Contains("the write rule: rank 0 has additive, rank 1 has decay"));
+  good_call();
+  m = every_rank_throws<mpi::RankMismatchError>([&] {
+    if (w.rank == 0)
+      slice_call(LinearAttention<EluPlusOne, double>(), kBadDk, kBadDv);
+    else
+      slice_call(additive, kBadDk, kBadDv);
+  });
+  CHECK_THAT(m, Catch::Contains("the scalar type (bytes): rank 0 has 8, rank 1 has 4"));
+  good_call();
+  m = every_rank_throws<mpi::RankMismatchError>([&] {
+    slice_call(additive, kBadDk, kBadDv, {mpi::kLastRank, w.rank == 0});
+  });
+  CHECK_THAT(m, Catch::Contains("Carry::broadcast_final"));
+  good_call();
+  // Heads of a multi-head layer.
+  m = every_rank_throws<mpi::RankMismatchError>([&] {
+    const Index Hq = w.rank == w.size - 1 ? 2 : 4, T = 5;
+    MultiHeadAttention<LinearAttention<EluPlusOne>> layer({Hq, 2, 4, 4}, additive);
+    const RowMatrix<float> q = random_matrix<float>(T, Hq * 4, 1), kv = random_matrix<float>(T, 8, 2);
+    RowMatrix<float> out(T, Hq * 4);
+    auto state = layer.make_state(1);
+    mpi::SequenceParallel<MultiHeadAttention<LinearAttention<EluPlusOne>>>(layer, MPI_COMM_WORLD)
+        .prefill_into(state, TensorView<const float>::batch_first(q.data(), 1, T, Hq, 4),
+                      TensorView<const float>::batch_first(kv.data(), 1, T, 2, 4),
+                      TensorView<const float>::batch_first(kv.data(), 1, T, 2, 4),
+                      TensorView<float>::batch_first(out.data(), 1, T, Hq, 4));
+  });
+  CHECK_THAT(m, Catch::Contains("the number of query heads"));
+  good_call();
+  m = every_rank_throws<std::invalid_argument>(
+      [&] { slice_call(additive, kBadDk, kBadDv, {w.size, false}); });
+  CHECK_THAT(m, Catch::Contains("Carry::initial_rank is " + std::to_string(w.size)));
+  good_call();
+}
+
+TEST_CASE("one rank's bad input makes every rank throw its error, naming the rank",
+          "[mpi][errors]") {
+  const World w = world();
+  const auto qkv = random_qkv<float>(kBadT, kBadDk, kBadDv, 3100);
+  const Slice my = slice_of(slicings(kBadT, w.size).front(), w.rank);
+  const auto rows = [&](const RowMatrix<float>& X) { return RowMatrix<float>(X.middleRows(my.offset, my.length)); };
+  // A shape error on rank 1 only.
+  std::string m = every_rank_throws<ShapeError>([&] {
+    const LinearAttention<EluPlusOne> attention;
+    auto state = attention.make_state(kBadDk, kBadDv);
+    RowMatrix<float> out(my.length + (w.rank == 1 ? 1 : 0), kBadDv);
+    mpi::SequenceParallel<LinearAttention<EluPlusOne>>(attention, MPI_COMM_WORLD)
+        .prefill_into(state, rows(qkv.Q), rows(qkv.K), rows(qkv.V), out);
+  });
+  CHECK_THAT(m, Catch::Contains("rank 1 of " + std::to_string(w.size) + " failed: linattn: output is"));
+  good_call();
+  // A beta outside [0, 1] on rank 0.
+  m = every_rank_throws<std::invalid_argument>([&] {
+    const RuleAttention<L2Normalize, Delta> attention;
+    auto state = attention.make_state(kBadDk, kBadDv);
+    Eigen::VectorXf beta = Eigen::VectorXf::Constant(my.length, 0.5f);
+    if (w.rank == 0) beta(3) = 1.5f;
+    static_cast<void>(mpi::SequenceParallel<RuleAttention<L2Normalize, Delta>>(attention, MPI_COMM_WORLD)
+                          .prefill(state, rows(qkv.Q), rows(qkv.K), rows(qkv.V), beta));
+  });
+  CHECK_THAT(m, Catch::Contains("rank 0 of") && Catch::Contains("beta must lie in [0, 1], got 1.5 at token 3"));
+  good_call();
+  // A state made by another attention on the last rank.
+  m = every_rank_throws<StateMismatchError>([&] {
+    const RuleAttention<EluPlusOne, Decay> attention(EluPlusOne{}, Decay(0.95));
+    const RuleAttention<EluPlusOne, Decay> other(EluPlusOne{}, Decay(0.9));
+    auto state = (w.rank == w.size - 1 ? other : attention).make_state(kBadDk, kBadDv);
+    static_cast<void>(mpi::SequenceParallel<RuleAttention<EluPlusOne, Decay>>(attention, MPI_COMM_WORLD)
+                          .prefill(state, rows(qkv.Q), rows(qkv.K), rows(qkv.V)));
+  });
+  CHECK_THAT(m, Catch::Contains("rank " + std::to_string(w.size - 1) + " of"));
+  good_call();
+}
+
+TEST_CASE("a denominator rejected on one rank: every rank throws it with the sequence's row, "
+          "and no state changes",
+          "[mpi][errors]") {
+  // Identity features with the strict read: positive queries and keys everywhere except one
+  // query row, all negative, so its denominator q . z < 0. On the last rank (a carried state:
+  // rejected while the carry is applied) and on rank 0's first row (its own prefill).
+  const World w = world();
+  const Index T = 64, dk = 4, dv = 3;
+  const auto lengths = slicings(T, w.size).front();
+  const Slice my = slice_of(lengths, w.rank);
+  const LinearAttention<Identity> attention;
+  mpi::SequenceParallel<LinearAttention<Identity>> split(attention, MPI_COMM_WORLD);
+  const RowMatrix<float> K = uniform_matrix<float>(T, dk, 3200, 0.1, 1.0), V = random_matrix<float>(T, dv, 3201);
+  for (Index bad_row : {T - lengths.back(), Index{0}}) {
+    RowMatrix<float> Q = uniform_matrix<float>(T, dk, 3202, 0.1, 1.0);
+    Q.row(bad_row).setConstant(-1.0f);
+    // A state from an earlier good call, to see that it does not change.
+    auto state = attention.make_state(dk, dv);
+    RowMatrix<float> out(my.length, dv);
+    split.prefill_into(state, K.middleRows(my.offset, my.length), K.middleRows(my.offset, my.length),
+                       V.middleRows(my.offset, my.length), out);
+    const std::uint64_t before = digest(state.S());
+    const Index tokens = state.tokens();
+    bool caught = false;
+    Index row = -1;
+    std::string message;
+    try {
+      split.prefill_into(state, Q.middleRows(my.offset, my.length), K.middleRows(my.offset, my.length),
+                         V.middleRows(my.offset, my.length), out);
+    } catch (const DenominatorError& e) {
+      caught = true;
+      row = e.row();
+      message = e.what();
+    }
+    CHECK(caught);
+    CHECK(row == bad_row);
+    CHECK(same_on_every_rank(message));
+    CHECK_THAT(message, Catch::Contains("at query row " + std::to_string(bad_row)));
+    CHECK(digest(state.S()) == before);
+    CHECK(state.tokens() == tokens);
+    good_call();
+  }
+}
+
+// ---- digest (for digest_check.cmake) ----------------------------------------------------------
+
+// One hash of every rule's outputs and broadcast final states for a fixed workload split over
+// this job's ranks, printed by rank 0: runs with the same number of ranks must print the same.
+int print_digest() {
+  const World w = world();
+  const Index T = 150, dk = 16, dv = 8;
+  const auto qkv = random_qkv<float>(T, dk, dv, 3300);
+  const auto shapes = slicings(T, w.size);
+  const Slice my = slice_of(shapes[std::min<std::size_t>(1, shapes.size() - 1)], w.rank);
+  std::uint64_t h = 1469598103934665603ULL;
+  for_each_rule<float>(T, dk, 3400, [&](const char*, const auto& attention, Phi, const MatrixXdR&,
+                                        const MatrixXdR&, const MatrixXdR&, const auto&... in) {
+    using Attention = std::decay_t<decltype(attention)>;
+    auto state = attention.make_state(dk, dv);
+    RowMatrix<float> out(my.length, dv);
+    const auto cut = rows_of(my.offset, my.length, in...);
+    std::apply([&](const auto&... x) {
+      mpi::SequenceParallel<Attention>(attention, MPI_COMM_WORLD, {mpi::kLastRank, true})
+          .prefill_into(state, qkv.Q.middleRows(my.offset, my.length),
+                        qkv.K.middleRows(my.offset, my.length),
+                        qkv.V.middleRows(my.offset, my.length), x..., out);
+    }, cut);
+    h = digest(state.S(), digest(out, h));
+  });
+  std::uint64_t all = 1469598103934665603ULL;
+  for (std::uint64_t x : gather(h)) all = fnv1a(&x, sizeof x, all);
+  if (w.rank == 0) std::printf("linattn-mpi-digest ranks=%d %016llx\n", w.size, static_cast<unsigned long long>(all));
+  return 0;
+}

@@ -1,0 +1,252 @@
+// The sequence-parallel algorithm without MPI (detail/slice_runner.hpp, detail/slice_summary.hpp):
+// a sequence split into slices, each slice run from a zero carry with its summary, the
+// summaries composed in order and the carries applied, equals one prefill of the whole
+// sequence to the derived rounding bound (tests/slice_reference.hpp), for every write rule,
+// slices of every shape (empty ones included) and a non-zero starting state; a first slice of
+// whole chunks is bit-identical; the transposed step of the scan is the adjoint of the
+// forward step.
+// tests/mpi/ runs the same algorithm across real processes.
+
+#include <linattn/attention.hpp>
+#include <linattn/detail/slice_runner.hpp>
+#include <linattn/detail/slice_summary.hpp>
+
+#include <catch2/catch.hpp>
+
+#include "slice_reference.hpp"
+#include "test_support.hpp"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+using namespace linattn;
+using namespace linattn_test;
+
+namespace {
+
+template <class Scalar>
+struct SplitResult {
+  RowMatrix<Scalar> Y;                    // outputs of every slice, in sequence order
+  std::vector<RowMatrix<Scalar>> states;  // S after each slice
+};
+
+// The slices of Q, K, V (rows `first` on, `lengths` long) run as detail::SliceRunner runs them
+// on separate processes, continuing (S0, z0) (zero when `from_zero`).
+template <class Attention, class... In>
+SplitResult<typename Attention::scalar_type> split_prefill(
+    const Attention& attention, const RowMatrix<typename Attention::scalar_type>& Q,
+    const RowMatrix<typename Attention::scalar_type>& K,
+    const RowMatrix<typename Attention::scalar_type>& V, Index first,
+    const std::vector<Index>& lengths, const typename Attention::State* initial, const In&... in) {
+  using Scalar = typename Attention::scalar_type;
+  using detail::RowsSpec;
+  const Index dk = K.cols(), dv = V.cols(), P = Index(lengths.size());
+  Index T = 0;
+  for (Index n : lengths) T += n;
+  detail::SliceRunner<Attention> runner(attention, dk, dv);
+  const Index m = runner.layout().scalars();
+  std::vector<Scalar> summaries(std::size_t(P * m));
+  std::vector<detail::SliceItem<Scalar>> items(static_cast<std::size_t>(P));
+  SplitResult<Scalar> out{RowMatrix<Scalar>::Zero(T, dv), {}};
+  std::vector<Index> offsets{0};
+  for (Index p = 0; p < P; ++p) {
+    const Index off = offsets.back(), n = lengths[std::size_t(p)];
+    auto& item = items[std::size_t(p)];
+    item.queries.push_back(RowsSpec<const Scalar>::of(Q.middleRows(first + off, n)));
+    item.outputs.push_back(RowsSpec<Scalar>::of(out.Y.middleRows(off, n)));
+    item.keys = RowsSpec<const Scalar>::of(K.middleRows(first + off, n));
+    item.values = RowsSpec<const Scalar>::of(V.middleRows(first + off, n));
+    detail::bind_token_inputs<Scalar>(attention.rule(), std::make_tuple(in.middleRows(first + off, n)...),
+                                      n, attention.feature_dim(dk), item.inputs);
+    item.direct = initial == nullptr && off == 0;
+    runner.run_local(item, summaries.data() + p * m);
+    offsets.push_back(off + n);
+  }
+  for (Index p = 0; p < P; ++p) {
+    detail::CarryScan<Scalar> scan(runner.layout());
+    if (initial == nullptr) {
+      scan.start(RowMatrix<Scalar>(), ColVector<Scalar>(), true);
+    } else {
+      ColVector<Scalar> z0;
+      if constexpr (Attention::rule_type::keeps_normalizer) z0 = initial->z();
+      scan.start(initial->S(), z0, false);
+    }
+    for (Index q = 0; q <= p; ++q) {
+      if (q == p) runner.apply_carry(items[std::size_t(p)], scan.S(), scan.z(), offsets[std::size_t(p)]);
+      scan.advance(summaries.data() + q * m, lengths[std::size_t(q)]);
+    }
+    out.states.push_back(scan.S());
+  }
+  return out;
+}
+
+template <class Scalar, class M>
+bool same_bits(const M& a, const M& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.data(), b.data(), sizeof(Scalar) * std::size_t(a.size())) == 0;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("slices run apart and composed in order equal one prefill, every rule",
+                   "[slices]", float, double) {
+  using Scalar = TestType;
+  const Index T = 97, dk = 12, dv = 7;
+  const auto qkv = random_qkv<Scalar>(T, dk, dv, 1200);
+  for_each_rule<Scalar>(T, dk, 1300, [&](const char* name, const auto& attention, Phi phi,
+                                         const MatrixXdR& lg, const MatrixXdR& beta,
+                                         const MatrixXdR& log_alpha, const auto&... in) {
+    using Attention = std::decay_t<decltype(attention)>;
+    constexpr bool delta = !Attention::rule_type::keeps_normalizer;
+    auto whole = attention.make_state(dk, dv);
+    RowMatrix<Scalar> Y(T, dv);
+    attention.prefill_into(whole, qkv.Q, qkv.K, qkv.V, in..., Y);
+    const Index C = attention.chunk_size(attention.feature_dim(dk), dv);
+    for (Index P : {Index{1}, Index{2}, Index{3}, Index{5}}) {
+      auto shapes = slicings(T, P);
+      if (P == 2) shapes.push_back({2 * C, T - 2 * C});  // a first slice of whole chunks
+      for (const auto& lengths : shapes) {
+        INFO(name << ", " << P << " slices, first " << lengths.front() << ", last "
+                  << lengths.back());
+        const auto split = split_prefill(attention, qkv.Q, qkv.K, qkv.V, 0, lengths, nullptr, in...);
+        Index off = 0;
+        if constexpr (delta) {
+          const auto bound = split_delta_bound(qkv.Q, qkv.K, qkv.V, beta, log_alpha, phi, C, lengths);
+          CHECK(worst_ratio_of<Scalar>(split.Y, Y.template cast<double>(), [&](Index i, Index) {
+                  return bound.outputs(i);
+                }) <= 1.0);
+          for (Index p = 0; p < P; ++p) {
+            off += lengths[std::size_t(p)];
+            auto prefix = attention.make_state(dk, dv);
+            RowMatrix<Scalar> unused(off, dv);
+            attention.prefill_into(prefix, qkv.Q.topRows(off), qkv.K.topRows(off),
+                                   qkv.V.topRows(off), in.topRows(off)..., unused);
+            const double diff = (split.states[std::size_t(p)] - prefix.S()).template cast<double>().norm();
+            CHECK(diff <= unit_roundoff<Scalar>() * bound.states[std::size_t(p)] + 1e-300);
+          }
+        } else {
+          const bool normalize = attention.options().normalization.divides();
+          const MatrixXdR bound = split_gated_output_bound(qkv.Q, qkv.K, qkv.V, lg, phi, normalize, C, P);
+          CHECK(worst_ratio_of<Scalar>(split.Y, Y.template cast<double>(),
+                                       [&](Index i, Index c) { return bound(i, c); }) <= 1.0);
+          for (Index p = 0; p < P; ++p) {
+            off += lengths[std::size_t(p)];
+            auto prefix = attention.make_state(dk, dv);
+            RowMatrix<Scalar> unused(off, dv);
+            attention.prefill_into(prefix, qkv.Q.topRows(off), qkv.K.topRows(off),
+                                   qkv.V.topRows(off), in.topRows(off)..., unused);
+            const MatrixXdR sb = split_gated_state_bound(qkv.K, qkv.V, lg, phi, off, C, P);
+            CHECK(worst_ratio_of<Scalar>(split.states[std::size_t(p)], prefix.S().template cast<double>(),
+                                         [&](Index i, Index c) { return sb(i, c); }) <= 1.0);
+          }
+        }
+        // The first non-empty slice starts from the known-zero state: the attention's own
+        // prefill of those rows, so where it holds whole chunks (the same chunks as one
+        // prefill) the same bits. (A shorter last chunk may take another product kernel.)
+        Index first = 0;
+        while (lengths[std::size_t(first)] == 0) ++first;
+        const Index n = lengths[std::size_t(first)];
+        if (n % C == 0)
+          CHECK(same_bits<Scalar>(RowMatrix<Scalar>(split.Y.topRows(n)), RowMatrix<Scalar>(Y.topRows(n))));
+      }
+    }
+  });
+}
+
+TEMPLATE_TEST_CASE("slices continuing a non-zero state equal one prefill, every rule", "[slices]",
+                   float, double) {
+  using Scalar = TestType;
+  const Index T = 90, T0 = 23, dk = 8, dv = 5;
+  const auto qkv = random_qkv<Scalar>(T, dk, dv, 1400);
+  for_each_rule<Scalar>(T, dk, 1500, [&](const char* name, const auto& attention, Phi phi,
+                                         const MatrixXdR& lg, const MatrixXdR& beta,
+                                         const MatrixXdR& log_alpha, const auto&... in) {
+    using Attention = std::decay_t<decltype(attention)>;
+    INFO(name);
+    auto whole = attention.make_state(dk, dv);
+    RowMatrix<Scalar> Y(T, dv);
+    attention.prefill_into(whole, qkv.Q, qkv.K, qkv.V, in..., Y);
+    // The first T0 tokens in one piece give the initial state; the rest in 3 slices.
+    auto initial = attention.make_state(dk, dv);
+    RowMatrix<Scalar> Y0(T0, dv);
+    attention.prefill_into(initial, qkv.Q.topRows(T0), qkv.K.topRows(T0), qkv.V.topRows(T0),
+                           in.topRows(T0)..., Y0);
+    const std::vector<Index> lengths{30, 0, T - T0 - 30};
+    const auto split = split_prefill(attention, qkv.Q, qkv.K, qkv.V, T0, lengths, &initial, in...);
+    const Index C = attention.chunk_size(attention.feature_dim(dk), dv);
+    const std::vector<Index> all_lengths{T0, 30, 0, T - T0 - 30};
+    RowMatrix<Scalar> Yall(T, dv);
+    Yall << Y0, split.Y;
+    if constexpr (!Attention::rule_type::keeps_normalizer) {
+      const auto bound = split_delta_bound(qkv.Q, qkv.K, qkv.V, beta, log_alpha, phi, C, all_lengths);
+      CHECK(worst_ratio_of<Scalar>(Yall, Y.template cast<double>(),
+                                   [&](Index i, Index) { return bound.outputs(i); }) <= 1.0);
+      CHECK((split.states.back() - whole.S()).template cast<double>().norm() <=
+            unit_roundoff<Scalar>() * bound.states.back());
+    } else {
+      const bool normalize = attention.options().normalization.divides();
+      const MatrixXdR bound = split_gated_output_bound(qkv.Q, qkv.K, qkv.V, lg, phi, normalize, C, 4);
+      CHECK(worst_ratio_of<Scalar>(Yall, Y.template cast<double>(),
+                                   [&](Index i, Index c) { return bound(i, c); }) <= 1.0);
+      const MatrixXdR sb = split_gated_state_bound(qkv.K, qkv.V, lg, phi, T, C, 4);
+      CHECK(worst_ratio_of<Scalar>(split.states.back(), whole.S().template cast<double>(),
+                                   [&](Index i, Index c) { return sb(i, c); }) <= 1.0);
+    }
+  });
+}
+
+TEST_CASE("summary sizes: r dv + r, + 1, + 2 r, r dv + r r per state head", "[slices]") {
+  const Index r = 16, dv = 8;
+  CHECK(detail::SummaryLayout::of<Additive>(r, dv).scalars() == r * dv + r);
+  CHECK(detail::SummaryLayout::of<Decay>(r, dv).scalars() == r * dv + r + 1);
+  CHECK(detail::SummaryLayout::of<Gated>(r, dv).scalars() == r * dv + 2 * r);
+  CHECK(detail::SummaryLayout::of<Delta>(r, dv).scalars() == r * dv + r * r);
+  CHECK(detail::SummaryLayout::of<GatedDelta>(r, dv).scalars() == r * dv + r * r);
+}
+
+TEST_CASE("carry_back is the adjoint of a scan step: <A X, Y> = <X, A^T Y>", "[slices]") {
+  // A from real slices (the decay of a gated slice, the product of a gated delta slice), X and
+  // Y random; both sides in double, so they agree to a few units of roundoff of an r-term sum.
+  const Index T = 40, dk = 6, dv = 4;
+  const auto qkv = random_qkv<double>(T, dk, dv, 1600);
+  for_each_rule<double>(T, dk, 1700, [&](const char* name, const auto& attention, Phi,
+                                         const MatrixXdR&, const MatrixXdR&, const MatrixXdR&,
+                                         const auto&... in) {
+    using Attention = std::decay_t<decltype(attention)>;
+    INFO(name);
+    detail::SliceRunner<Attention> runner(attention, dk, dv);
+    const detail::SummaryLayout layout = runner.layout();
+    std::vector<double> summary(std::size_t(layout.scalars()));
+    RowMatrix<double> Y(T, dv);
+    detail::SliceItem<double> item;
+    item.queries.push_back(detail::RowsSpec<const double>::of(qkv.Q));
+    item.outputs.push_back(detail::RowsSpec<double>::of(Y));
+    item.keys = detail::RowsSpec<const double>::of(qkv.K);
+    item.values = detail::RowsSpec<const double>::of(qkv.V);
+    detail::bind_token_inputs<double>(attention.rule(), std::forward_as_tuple(in...), T, dk, item.inputs);
+    runner.run_local(item, summary.data());  // not direct: A is computed
+    // Forward step with B = 0 is X -> A X; compare with the transposed step.
+    std::vector<double> no_b = summary;
+    detail::SummaryRef<double>{no_b.data(), layout}.B().setZero();
+    detail::SummaryRef<double>{no_b.data(), layout}.b().setZero();
+    const RowMatrix<double> X = random_matrix<double>(dk, dv, 1800), G = random_matrix<double>(dk, dv, 1801);
+    const ColVector<double> x = random_matrix<double>(dk, 1, 1802), g = random_matrix<double>(dk, 1, 1803);
+    detail::CarryScan<double> scan(layout);
+    scan.start(X, x, false);
+    scan.advance(no_b.data(), T);
+    RowMatrix<double> dS = G, scratch(dk, dv);
+    ColVector<double> dz = layout.keeps_z ? g : ColVector<double>();
+    detail::carry_back(no_b.data(), layout, dS, dz, scratch);
+    const double lhs = (scan.S().array() * G.array()).sum(), rhs = (X.array() * dS.array()).sum();
+    const double scale = (scan.S().cwiseAbs().array() * G.cwiseAbs().array()).sum() +
+                         (X.cwiseAbs().array() * dS.cwiseAbs().array()).sum();
+    // Two r-term products and one dk dv-term sum each side: (r + dk dv + 2) u of the scale.
+    CHECK(std::abs(lhs - rhs) <= double(2 * dk + dk * dv + 2) * unit_roundoff<double>() * scale);
+    if (layout.keeps_z) {
+      CHECK(std::abs(scan.z().dot(g) - x.dot(dz)) <=
+            double(dk + 2) * unit_roundoff<double>() *
+                (scan.z().cwiseAbs().dot(g.cwiseAbs()) + x.cwiseAbs().dot(dz.cwiseAbs())));
+    }
+  });
+}
