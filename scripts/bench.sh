@@ -71,7 +71,7 @@ if [ "$build_only" -eq 1 ]; then
   exit 0
 fi
 targets=(bench_paths)
-[ "$paths_only" -eq 1 ] || targets+=(bench_write_rules bench_gradients)
+[ "$paths_only" -eq 1 ] || targets+=(bench_write_rules bench_gradients bench_rule_gradients)
 cmake --build "$build" -j "$jobs" --target "${targets[@]}"
 
 # ---- run --------------------------------------------------------------------------------------
@@ -121,6 +121,13 @@ echo "bench.sh: running bench_gradients (raw results: $grad_json)"
   --benchmark_min_time=0.05 --benchmark_repetitions=3 >"$build/bench_gradients.log"
 echo | tee -a "$summary"
 "$python" "$root/scripts/summarize_gradients.py" "$grad_json" | tee -a "$summary"
+
+rule_grad_json="$build/bench_rule_gradients.json"
+echo "bench.sh: running bench_rule_gradients (raw results: $rule_grad_json)"
+"$build/bench/bench_rule_gradients" --benchmark_out="$rule_grad_json" \
+  --benchmark_out_format=json --benchmark_repetitions=3 >"$build/bench_rule_gradients.log"
+echo | tee -a "$summary"
+"$python" "$root/scripts/summarize_rule_gradients.py" "$rule_grad_json" | tee -a "$summary"
 
 # ---- MPI (only where it is installed; bench_mpi.sh prints a "skipped" line otherwise) ----------
 # Not with --avx2: bench_mpi.sh configures the build directory for the host's instruction set.

@@ -768,3 +768,27 @@ TEST_CASE("parallel_backward_into writes strided views with parallel_backward's 
   CHECK(initial.S == g.initial.S);
   CHECK(dQ.leftCols(dk).cwiseAbs().maxCoeff() == 0.0);  // the other head's columns untouched
 }
+
+TEST_CASE("prefill_backward_into writes prefill_backward's bits into reused buffers") {
+  constexpr Index T = 9, dk = 3, dv = 2;
+  const auto h = make_harness<L2Normalize, GatedDelta, double>(
+      L2Normalize{}, GatedDelta{}, Normalization::unnormalized(), T, dk, dv, 4, false, 241);
+  const auto st = h.initial_state();
+  const StateGradient<double> final_gradient{h.WS, VectorXd()};
+  const auto g = prefill_backward(h.attn, st, h.Q, h.K, h.V, h.beta, h.log_alpha, h.WY,
+                                  &final_gradient);
+  MatrixXdR dQ(T, dk), dK(T, dk), dV(T, dv);
+  RuleInputGradients<double> d_in;
+  StateGradient<double> initial;
+  for (int call = 0; call < 2; ++call) {  // the second call reuses the sized buffers
+    prefill_backward_into(h.attn, st, h.Q, h.K, h.V, h.beta, h.log_alpha, h.WY, &final_gradient,
+                          GradientsRef<double>{dQ, dK, dV}, d_in, initial);
+    CHECK(dQ == g.Q);
+    CHECK(dK == g.K);
+    CHECK(dV == g.V);
+    CHECK(d_in.beta == g.inputs.beta);
+    CHECK(d_in.log_alpha == g.inputs.log_alpha);
+    CHECK(initial.S == g.initial.S);
+    CHECK(initial.z.size() == 0);  // delta rules keep no z
+  }
+}

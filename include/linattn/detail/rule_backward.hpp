@@ -207,24 +207,29 @@ void gated_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const
     const Index n = std::min(C, T - first);
     prepare(first, n);
     scores(n, false);
-    auto O = w.rows_d.topRows(n);
-    O.noalias() = w.qhat.topRows(n) * w.Sx;
-    O.noalias() += w.A.topLeftCorner(n, n) * w.vx.topRows(n);
+    // X = dY S^T serves both the read's (num . dy, den) and dq's state part, so the state is
+    // read once: num_i . dy_i = q-hat_i . X_i + (A V)_i . dy_i, den_i = q-hat_i . z + (A 1)_i.
+    auto X = w.dqf.topRows(n);
+    X.noalias() = dY.middleRows(first, n) * w.Sx.leftCols(dv).transpose();
+    auto AV = w.rows_d.topRows(n);
+    AV.noalias() = w.A.topLeftCorner(n, n) * w.vx.topRows(n);
     for (Index i = 0; i < n; ++i) {
-      const Scalar dy_num = dY.row(first + i).dot(O.row(i).head(dv));
+      const Scalar den = w.qhat.row(i).dot(w.Sx.col(dv).transpose()) + AV(i, dv);
+      const Scalar dy_num =
+          w.qhat.row(i).dot(X.row(i)) + dY.row(first + i).dot(AV.row(i).head(dv));
       const ReadGradient<Scalar> g =
-          read_gradient<Scalar, false>(norm, O(i, dv), dy_num, Scalar(0), first + i);
+          read_gradient<Scalar, false>(norm, den, dy_num, Scalar(0), first + i);
       w.a(first + i) = g.numerator;
       w.b(first + i) = g.denominator;
     }
     read_grads(first, n);
-    // dq = exp(B) .* (G S'^T) + (dA .* exp(B_i - B_j)) k
-    w.dqf.topRows(n).noalias() = w.G.topRows(n) * w.Sx.transpose();
+    // dq = exp(B) .* (S' G) + (dA .* exp(B_i - B_j)) k, S' G_i = a_i X_i + b_i z
     for (Index i = 0; i < n; ++i) {
+      X.row(i) = w.a(first + i) * X.row(i) + w.b(first + i) * w.Sx.col(dv).transpose();
       if (per_channel)
-        w.dqf.row(i).array() *= w.log_cum.row(i).array().exp();
+        X.row(i).array() *= w.log_cum.row(i).array().exp();
       else
-        w.dqf.row(i) *= std::exp(w.log_cum(i, 0));
+        X.row(i) *= std::exp(w.log_cum(i, 0));
     }
     if (!per_channel) {
       w.dA.topLeftCorner(n, n).array() *= w.W.topLeftCorner(n, n).array();
