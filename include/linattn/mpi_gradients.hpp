@@ -37,6 +37,7 @@
 #include <Eigen/Core>
 #include <mpi.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace linattn::mpi {
@@ -123,11 +124,13 @@ template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
   const auto& dYm = ld::materialize(dY);
   RowMatrix<Scalar> kf(T, r);
   std::vector<Scalar> sums(static_cast<std::size_t>(m)), all(static_cast<std::size_t>(m * P));
-  {
+  if (T > 0) {  // (Eigen's column sums of an empty matrix offset a null pointer)
     Eigen::Ref<RowMatrix<Scalar>> f(kf);
     attn.feature_map().apply(Km, f);
     Eigen::Map<RowMatrix<Scalar>>(sums.data(), r, dv).noalias() = kf.transpose() * Vm;
     Eigen::Map<ColVector<Scalar>>(sums.data() + r * dv, r) = kf.colwise().sum().transpose();
+  } else {
+    std::fill(sums.begin(), sums.end(), Scalar(0));
   }
   ld::check_mpi(MPI_Allgather(sums.data(), count, ld::mpi_type<Scalar>(), all.data(), count,
                               ld::mpi_type<Scalar>(), comm),
