@@ -59,24 +59,39 @@ Matrix random(Index rows, Index cols, unsigned seed) {
   return m;
 }
 
-// Inputs shared by all heads (each head reads them again, as a separate head would); outputs
-// go to each head's columns of one [T, H*d] buffer, as a model lays them out.
+// Every head has its own data, laid out as a model lays it out: token-major [T, H*d] buffers
+// (head h reads and writes columns [h d, (h + 1) d), rows H d apart: PyTorch's and fla's
+// [B, T, H, d]) or, for the *_head_first rows, head-major [H, T, d] buffers (each head's rows
+// contiguous). So no head finds its inputs in cache because another head just read them.
 // `positive` takes |Q| and |K|, so that the Identity map gives positive denominators.
+using ConstHeadMap = Eigen::Map<const Matrix, 0, Eigen::OuterStride<>>;
 struct Problem {
   Index T, d;
-  Matrix Q, K, V, out;
-  Matrix step_out;  // one token's [1, H*d] output, reused by every step (decode_hot_out rows)
-  Problem(Index T_, Index d_, bool positive = false)
-      : T(T_), d(d_), Q(random(T_, d_, 1)), K(random(T_, d_, 2)), V(random(T_, d_, 3)),
-        out(Matrix::Zero(T_, kHeads * d_)), step_out(Matrix::Zero(1, kHeads * d_)) {
+  bool head_first;
+  Matrix Q, K, V, out;  // [T, H*d], or [H*T, d] when head_first
+  Matrix step_out;      // one token's [1, H*d] output, reused by every step (decode_hot_out rows)
+  Problem(Index T_, Index d_, bool positive = false, bool head_first_ = false)
+      : T(T_), d(d_), head_first(head_first_), Q(shape(random(T_ * kHeads, d_, 1))),
+        K(shape(random(T_ * kHeads, d_, 2))), V(shape(random(T_ * kHeads, d_, 3))),
+        out(shape(Matrix::Zero(T_ * kHeads, d_))), step_out(Matrix::Zero(1, kHeads * d_)) {
     if (positive) {
       Q = Q.cwiseAbs();
       K = K.cwiseAbs();
     }
   }
-  HeadMap head_out(Index h) {
-    return HeadMap(out.data() + h * d, T, d, Eigen::OuterStride<>(kHeads * d));
+  // The same T H d numbers in this problem's buffer shape.
+  Matrix shape(const Matrix& m) const {
+    if (head_first) return m;
+    return Eigen::Map<const Matrix>(m.data(), T, kHeads * d);
   }
+  [[nodiscard]] Index offset(Index h) const { return head_first ? h * T * d : h * d; }
+  [[nodiscard]] Eigen::OuterStride<> stride() const {
+    return Eigen::OuterStride<>(head_first ? d : kHeads * d);
+  }
+  [[nodiscard]] ConstHeadMap q(Index h) const { return {Q.data() + offset(h), T, d, stride()}; }
+  [[nodiscard]] ConstHeadMap k(Index h) const { return {K.data() + offset(h), T, d, stride()}; }
+  [[nodiscard]] ConstHeadMap v(Index h) const { return {V.data() + offset(h), T, d, stride()}; }
+  HeadMap head_out(Index h) { return {out.data() + offset(h), T, d, stride()}; }
 };
 
 // Heads h with h % threads == i run on thread i; thread 0 is the caller.
@@ -242,36 +257,40 @@ void BM_stream(benchmark::State& state) {
 
 // ---- linear attention paths -----------------------------------------------------------------
 
-// One call = every head runs `path(problem, head_state, head_output)` from an empty state.
-template <class Path>
+// One call = every head h runs `path(problem, h, head_state, head_output)` from an empty state.
+template <bool HeadFirst, class Path>
 void over_heads_from_empty(benchmark::State& state, const Attention& attn, Path&& path) {
   const Index T = state.range(0), d = state.range(1);
   const int threads = static_cast<int>(state.range(2));
-  Problem p(T, d);
+  Problem p(T, d, false, HeadFirst);
   std::vector<Attention::State> states(kHeads, attn.make_state(d, d));
   measure(state, T, d, threads, linear_flops(T, d), [&] {
     over_heads(threads, [&](Index h) {
       auto& s = states[static_cast<std::size_t>(h)];
       s.reset();
-      path(p, s, p.head_out(h));
+      path(p, h, s, p.head_out(h));
     });
   });
 }
 
+template <bool HeadFirst = false>
 void BM_chunked(benchmark::State& state) {
   const Index d = state.range(1);
   const Index chunk = state.range(3) > 0 ? state.range(3) : Attention().chunk_size(d, d);
   const Attention attn(linattn::EluPlusOne{}, linattn::Options{{}, chunk});
-  over_heads_from_empty(state, attn, [&](const Problem& p, Attention::State& s, HeadMap out) {
-    attn.prefill_into(s, p.Q, p.K, p.V, out);
+  over_heads_from_empty<HeadFirst>(state, attn, [&](const Problem& p, Index h,
+                                                    Attention::State& s, HeadMap out) {
+    attn.prefill_into(s, p.q(h), p.k(h), p.v(h), out);
   });
   state.counters["chunk"] = static_cast<double>(chunk);
 }
 
+template <bool HeadFirst = false>
 void BM_recurrent(benchmark::State& state) {
   const Attention attn;
-  over_heads_from_empty(state, attn, [&](const Problem& p, Attention::State& s, HeadMap out) {
-    attn.recurrent_into(s, p.Q, p.K, p.V, out);
+  over_heads_from_empty<HeadFirst>(state, attn, [&](const Problem& p, Index h,
+                                                    Attention::State& s, HeadMap out) {
+    attn.recurrent_into(s, p.q(h), p.k(h), p.v(h), out);
   });
 }
 
@@ -279,20 +298,22 @@ void BM_recurrent(benchmark::State& state) {
 // hot in cache between tokens) or, for `interleaved`, token-major (every head advances one token
 // before the next token, as a model decodes; the H states compete for L1/L2). `Attn` is the ELU+1
 // attention of every other row, or (decode_identity) the Identity map on |Q| and |K|: the same
-// step without the feature map's exponentials, which measures what they cost. `Fused` sets
-// Options::decode_block = 1 (decode_fused rows): each step rewrites S in one fused pass instead
-// of reading it and folding a block of tokens every decode_block steps (the default).
+// step without the feature map's exponentials, which measures what they cost. `Block` sets
+// Options::decode_block: 0 keeps the default (kAuto, chosen from this machine's L1), 1 the fused
+// step (decode_fused rows: each step rewrites S in one pass), 16 the deferred step
+// (decode_deferred rows: S only read per token, 16 tokens folded at once), so the summary shows
+// the default beside both alternatives.
 // `HotOutput` (decode_hot_out rows) writes every step's output into one reused [1, H*d] row, as
 // a model's decode step writes its activations, instead of row t of the [T, H*d] buffer, whose
 // lines each step must first fetch from memory.
-template <bool Interleaved, class Attn = Attention, bool Fused = false, bool HotOutput = false>
+template <bool Interleaved, class Attn = Attention, int Block = 0, bool HotOutput = false>
 void BM_decode(benchmark::State& state) {
   const Index T = state.range(0), d = state.range(1);
   const int threads = static_cast<int>(state.range(2));
   constexpr bool identity = std::is_same_v<typename Attn::feature_map_type, linattn::Identity>;
   Problem p(T, d, identity);
   linattn::Options options;
-  if (Fused) options.decode_block = 1;
+  if (Block > 0) options.decode_block = Block;
   const Attn attn(typename Attn::feature_map_type{}, options);
   std::vector<typename Attn::State> states(kHeads, attn.make_state(d, d));
   const auto y = [&](Index h, Index t) {
@@ -309,8 +330,8 @@ void BM_decode(benchmark::State& state) {
       const auto work = [&](int i) {
         for (Index t = 0; t < T; ++t)
           for (Index h = i; h < kHeads; h += threads)
-            attn.step_into(states[static_cast<std::size_t>(h)], p.Q.row(t), p.K.row(t),
-                           p.V.row(t), y(h, t));
+            attn.step_into(states[static_cast<std::size_t>(h)], p.Q.row(t).segment(h * d, d),
+                           p.K.row(t).segment(h * d, d), p.V.row(t).segment(h * d, d), y(h, t));
       };
       for (int i = 1; i < threads; ++i) pool.emplace_back(work, i);
       work(0);
@@ -318,7 +339,9 @@ void BM_decode(benchmark::State& state) {
     } else {
       over_heads(threads, [&](Index h) {
         auto& s = states[static_cast<std::size_t>(h)];
-        for (Index t = 0; t < T; ++t) attn.step_into(s, p.Q.row(t), p.K.row(t), p.V.row(t), y(h, t));
+        for (Index t = 0; t < T; ++t)
+          attn.step_into(s, p.Q.row(t).segment(h * d, d), p.K.row(t).segment(h * d, d),
+                         p.V.row(t).segment(h * d, d), y(h, t));
       });
     }
   });
@@ -332,7 +355,7 @@ void BM_quadratic(benchmark::State& state) {
   Problem p(T, d);
   measure(state, T, d, threads, linear_flops(T, d), [&] {
     over_heads(threads, [&](Index h) {
-      p.head_out(h) = linattn::quadratic_attention(linattn::EluPlusOne{}, p.Q, p.K, p.V,
+      p.head_out(h) = linattn::quadratic_attention(linattn::EluPlusOne{}, p.q(h), p.k(h), p.v(h),
                                                    linattn::Mask::causal);
     });
   });
@@ -343,8 +366,8 @@ void BM_quadratic(benchmark::State& state) {
 // anyway, so they are skipped), a masked, max-shifted exp per row, and one GEMM with V. The
 // same arithmetic as linattn::softmax_attention (which forms the whole T x T matrix), organized
 // so it is a fair baseline: 2 T^2 (dk + dv) flops per head up to the block granularity.
-void softmax_causal(const Matrix& Q, const Matrix& K, const Matrix& V, HeadMap out,
-                    Matrix& scores) {
+void softmax_causal(const ConstHeadMap& Q, const ConstHeadMap& K, const ConstHeadMap& V,
+                    HeadMap out, Matrix& scores) {
   constexpr Index kBlock = 128;
   const Index T = Q.rows();
   const float scale = 1.0f / std::sqrt(static_cast<float>(Q.cols()));
@@ -371,7 +394,7 @@ void BM_softmax(benchmark::State& state) {
   std::vector<Matrix> scores(kHeads, Matrix(std::min<Index>(T, 128), T));
   measure(state, T, d, threads, linear_flops(T, d), [&] {
     over_heads(threads, [&](Index h) {
-      softmax_causal(p.Q, p.K, p.V, p.head_out(h), scores[static_cast<std::size_t>(h)]);
+      softmax_causal(p.q(h), p.k(h), p.v(h), p.head_out(h), scores[static_cast<std::size_t>(h)]);
     });
   });
 }
@@ -417,13 +440,25 @@ void register_all() {
         }
       }
   };
-  add("chunked", BM_chunked, 16384, true);
-  add("recurrent", BM_recurrent, 16384, true);
+  add("chunked", BM_chunked<>, 16384, true);
+  add("recurrent", BM_recurrent<>, 16384, true);
+  // The same paths over head-major [H, T, d] buffers, one thread.
+  for (Index d : dims)
+    for (Index T : {Index{4096}, Index{16384}}) {
+      benchmark::RegisterBenchmark("chunked_head_first", BM_chunked<true>)
+          ->Args({T, d, 1, 0})
+          ->ArgNames({"T", "d", "threads", "chunk"})
+          ->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark("recurrent_head_first", BM_recurrent<true>)
+          ->Args({T, d, 1})
+          ->ArgNames({"T", "d", "threads"})
+          ->Unit(benchmark::kMillisecond);
+    }
   add("decode", BM_decode<false>, 16384, true);
   if (full_sweep()) add("decode_interleaved", BM_decode<true>, 16384, true);
   // The default step (deferred where S outgrows L1) against the fused one, in both decode
   // orders: the full sweep over every T, the default run at T = 4096, one thread.
-  if (full_sweep()) add("decode_interleaved_fused", BM_decode<true, Attention, true>, 16384, true);
+  if (full_sweep()) add("decode_interleaved_fused", BM_decode<true, Attention, 1>, 16384, true);
   const auto add_4096 = [&](const char* name, auto fn) {
     for (Index d : dims)
       benchmark::RegisterBenchmark(name, fn)
@@ -431,20 +466,22 @@ void register_all() {
           ->ArgNames({"T", "d", "threads"})
           ->Unit(benchmark::kMillisecond);
   };
-  add_4096("decode_fused", BM_decode<false, Attention, true>);
+  add_4096("decode_fused", BM_decode<false, Attention, 1>);
+  add_4096("decode_deferred", BM_decode<false, Attention, 16>);
   if (!full_sweep()) {
     add_4096("decode_interleaved", BM_decode<true>);
-    add_4096("decode_interleaved_fused", BM_decode<true, Attention, true>);
+    add_4096("decode_interleaved_fused", BM_decode<true, Attention, 1>);
   }
+  add_4096("decode_interleaved_deferred", BM_decode<true, Attention, 16>);
   add_4096("decode_identity", BM_decode<false, IdentityAttention>);
-  add_4096("decode_hot_out", BM_decode<false, Attention, false, true>);
-  add_4096("decode_interleaved_hot_out", BM_decode<true, Attention, false, true>);
+  add_4096("decode_hot_out", BM_decode<false, Attention, 0, true>);
+  add_4096("decode_interleaved_hot_out", BM_decode<true, Attention, 0, true>);
   add("quadratic", BM_quadratic, 4096, false);
   add("softmax", BM_softmax, 4096, false);
   // The chunk-size sweep behind Options::chunk_size's default.
   for (Index d : dims)
     for (Index C : {8, 16, 32, 64, 128})
-      benchmark::RegisterBenchmark("chunk_size", BM_chunked)
+      benchmark::RegisterBenchmark("chunk_size", BM_chunked<>)
           ->Args({4096, d, 1, C})
           ->ArgNames({"T", "d", "threads", "chunk"})
           ->Unit(benchmark::kMillisecond);

@@ -117,10 +117,17 @@ def main():
 
     print(f"Machine: {cpu_model()}, {ctx.get('num_cpus', '?')} CPUs, "
           f"binary built for {ctx.get('simd_isa', '?')}; float, H = {ctx.get('heads', 8)} heads, "
-          f"default chunk size {ctx.get('default_chunk_size', '?')}, sweep: {ctx.get('sweep', '?')}")
+          f"sweep: {ctx.get('sweep', '?')}")
     if ctx.get("load_avg"):
         print(f"Load average when the run started: {', '.join(f'{x:.2f}' for x in ctx['load_avg'])}"
               " (other processes share the cores; 1-thread rows use thread CPU time)")
+    if ctx.get("l1d_bytes"):
+        print(f"Defaults chosen at run time from this machine's L1 data cache "
+              f"({int(ctx['l1d_bytes']) // 1024} KiB): chunk size "
+              + ", ".join(f"{ctx.get(f'default_chunk_size_d{d}', '?')} at d = {d}" for d in dims)
+              + "; decode block "
+              + ", ".join(f"{ctx.get(f'default_decode_block_d{d}', '?')} at d = {d}" for d in dims)
+              + " (0 = the fused step)")
     reps = max(r["reps"] for r in rows)
     print(f"Each row: best of {reps} repetition{'s' if reps > 1 else ''}.")
     print("Cells: tokens/s over all heads, and useful GFLOP/s (4 T H d^2 per call) as % of the "
@@ -185,13 +192,9 @@ def main():
         for d, need in ((64, 0.5), (128, 0.45)):
             target(path, d, need)
     # Variants of the decode rows, each against the plain row of the same order and d: the
-    # fused one-pass step (decode_block = 1) against the default (deferred when S is larger
-    # than 32 KiB), and the same steps writing into one reused output row, as a model's decode
-    # does (what the cold output lines of the [T, H d] buffer cost the plain rows).
+    # same steps writing into one reused output row, as a model's decode does (what the cold
+    # output lines of the [T, H d] buffer cost the plain rows).
     variants = (
-        ("_fused", lambda order, d, base, var:
-            f"  decode ({order}), d = {d}: default step {base['frac']:.2f} x GEMM, fused step "
-            f"(decode_block = 1) {var['frac']:.2f}: default {var['ms'] / base['ms']:.2f} x as fast"),
         ("_hot_out", lambda order, d, base, var:
             f"  decode ({order}) into one reused output row, d = {d}: {var['frac']:.2f} x GEMM, "
             f"{base['ms'] / var['ms']:.2f} x as fast as into row t of [T, H d]"),
@@ -259,6 +262,9 @@ def main():
               + ", ".join(f"{x:.2f}" for x in gemm_scale) + " on 2 threads in this run, wall-clock)")
     print()
 
+    print_choices(rows, dims, ctx)
+    print_layouts(rows, dims)
+
     sweep = [r for r in rows if r["path"] == "chunk_size"]
     if sweep:
         print("Chunk size sweep (T = 4096, 1 thread): useful GFLOP/s by chunk size")
@@ -270,6 +276,67 @@ def main():
 
     if args.plot:
         plot(main_rows, dims, args.plot, ctx)
+
+
+def print_choices(rows, dims, ctx):
+    """The run-time defaults beside their alternatives, measured in this run (T = 4096, one
+    thread): the decode block (default, fused B = 1, deferred B = 16, in both decode orders) and
+    the chunk size (default against the fastest of the sweep). Target (issue 19): the decode
+    default within 5% of the better alternative."""
+    print("Run-time choices against their alternatives (T = 4096, 1 thread, time per call):")
+    for order, path in (("each head alone", "decode"), ("heads taking turns", "decode_interleaved")):
+        for d in dims:
+            base = one(rows, path=path, d=d, threads=1, T=4096)
+            fused = one(rows, path=path + "_fused", d=d, threads=1, T=4096)
+            deferred = one(rows, path=path + "_deferred", d=d, threads=1, T=4096)
+            if not (base and fused and deferred):
+                continue
+            block = ctx.get(f"default_decode_block_d{d}", "?")
+            better = min(fused["ms"], deferred["ms"])
+            ratio = better / base["ms"]
+            print(f"  decode ({order}), d = {d}: default (block {block}) {base['ms']:.2f} ms, "
+                  f"fused {fused['ms']:.2f} ms, deferred (16) {deferred['ms']:.2f} ms: default "
+                  f"{ratio:.2f} x as fast as the better (target >= 0.95) "
+                  f"{'met' if ratio >= 0.95 else 'NOT met'}")
+    sweep = [r for r in rows if r["path"] == "chunk_size"]
+    for d in dims:
+        chosen = ctx.get(f"default_chunk_size_d{d}")
+        sel = pick(sweep, d=d)
+        if not chosen or not sel:
+            continue
+        best = max(sel, key=lambda r: r["gflops"])
+        mine = [r for r in sel if r["chunk"] == int(chosen)]
+        if mine:
+            print(f"  chunk size, d = {d}: default C = {chosen} at {mine[0]['gflops']:.1f} GFLOP/s, "
+                  f"fastest C = {best['chunk']} at {best['gflops']:.1f}: default "
+                  f"{mine[0]['gflops'] / best['gflops']:.2f} of the fastest")
+    print()
+
+
+def print_layouts(rows, dims):
+    """The chunked and recurrent paths over the two buffer layouts a model uses (every head its
+    own data): token-major [T, H d] (the main table) and head-major [H, T, d]; and the time per
+    token from T = 4096 to 16384, which stays flat when the inputs stream well."""
+    lines = []
+    for path in ("chunked", "recurrent"):
+        for d in dims:
+            cells = []
+            for T in (4096, 16384):
+                tm = one(rows, path=path, d=d, threads=1, T=T)
+                hf = one(rows, path=path + "_head_first", d=d, threads=1, T=T)
+                if tm and hf:
+                    cells.append(f"T = {T}: {tm['gflops']:.1f} token-major, {hf['gflops']:.1f} "
+                                 f"head-major")
+            tm4, tm16 = (one(rows, path=path, d=d, threads=1, T=T) for T in (4096, 16384))
+            if cells and tm4 and tm16:
+                growth = (tm16["ms"] / 16384) / (tm4["ms"] / 4096)
+                lines.append(f"  {path}, d = {d}: " + "; ".join(cells)
+                             + f" GFLOP/s; time per token T = 16384 over T = 4096: {growth:.2f}")
+    if lines:
+        print("Layouts (1 thread, every head its own data):")
+        for line in lines:
+            print(line)
+        print()
 
 
 def plot(rows, dims, out, ctx):

@@ -3,6 +3,10 @@
 #   bash scripts/test.sh              g++, Release, in build/test
 #   bash scripts/test.sh --sanitize   clang, Debug with AddressSanitizer + UBSan, in build/asan
 #                                     (CI runs both: every test under both compilers)
+# The g++ build also builds the PyTorch component and runs its pytest suite (tests/torch),
+# installing python3-torch, python3-pytest, libtorch-dev and pybind11-dev; LINATTN_TORCH=OFF
+# skips it. The sanitizer build never builds it: an ASan-instrumented extension would need ASan
+# preloaded into Debian's python3, which is not built for that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
@@ -13,10 +17,16 @@ if [ "${1:-}" = "--sanitize" ]; then
   ensure_packages clang libclang-rt-14-dev
   export CXX=clang++
   dir=build/asan
-  flags=(-DCMAKE_BUILD_TYPE=Debug -DLINATTN_SANITIZE=ON)
+  flags=(-DCMAKE_BUILD_TYPE=Debug -DLINATTN_SANITIZE=ON -DLINATTN_TORCH=OFF)
 else
   dir=build/test
   flags=(-DCMAKE_BUILD_TYPE=Release)
+  if [ "${LINATTN_TORCH:-ON}" = "OFF" ]; then
+    flags+=(-DLINATTN_TORCH=OFF)
+  else
+    ensure_packages python3-dev python3-torch python3-pytest libtorch-dev pybind11-dev
+    flags+=(-DLINATTN_TORCH=ON)
+  fi
 fi
 jobs=$(nproc)
 cmake -S . -B "$dir" "${flags[@]}"

@@ -2,8 +2,8 @@
 /// \file attention.hpp
 /// RuleAttention<Phi, Rule, Scalar>: linear attention with feature map Phi and write rule Rule
 /// (linattn/write_rules.hpp) in precision Scalar; LinearAttention<Phi, Scalar> is the additive
-/// rule, the articles' linear attention. A parallel path (full or causal, in chunks) and a
-/// recurrent path (token by token through the state) agree to rounding.
+/// rule, linear attention as in Katharopoulos et al. (2020). A parallel path (full or causal, in
+/// chunks) and a recurrent path (token by token through the state) agree to rounding.
 ///
 /// Math for the additive rule (rows are tokens, phi applied row-wise, sums over keys j):
 ///   full:    y_i = sum_j (phi(q_i)^T phi(k_j)) v_j / sum_j phi(q_i)^T phi(k_j)

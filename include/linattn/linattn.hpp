@@ -11,10 +11,12 @@
 #include <linattn/gradients.hpp>
 #include <linattn/head_config.hpp>
 #include <linattn/multihead.hpp>
+#include <linattn/multihead_gradients.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/options.hpp>
 #include <linattn/random_features.hpp>
 #include <linattn/reference.hpp>
+#include <linattn/rule_gradients.hpp>
 #include <linattn/rule_state.hpp>
 #include <linattn/sequence_layout.hpp>
 #include <linattn/serialize.hpp>

@@ -4,7 +4,8 @@
 /// phi(q)^T z into an output row.
 ///
 ///   strict()        y = num / den; den <= 0, NaN or Inf throws DenominatorError (default).
-///                   This is the articles' weighted average; nothing is clamped.
+///                   Linear attention's weighted average (Katharopoulos et al. 2020); nothing
+///                   is clamped.
 ///   clamped(eps)    y = num / max(den, eps). Changes the result wherever den < eps: a row whose
 ///                   weights nearly cancel is scaled down instead of blowing up. NaN/Inf still throw.
 ///   shifted(eps)    y = num / (den + eps), the convention of fast-transformers (eps = 1e-6 added

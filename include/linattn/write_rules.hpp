@@ -17,8 +17,8 @@
 ///                alpha_t = exp(log_alpha_t) in (0, 1], beta_t in [0, 1] (Gated DeltaNet)
 ///
 /// Additive, Decay and Gated states are sums of kf v^T with positive weights, and z is decayed
-/// the same way, so the normalized read y = qf^T S / qf^T z (the articles' weighted average)
-/// stays available. Delta and GatedDelta states are not: the delta write subtracts, so no
+/// the same way, so the normalized read y = qf^T S / qf^T z (linear attention's weighted
+/// average, Katharopoulos et al. 2020) stays available. Delta and GatedDelta states are not: the delta write subtracts, so no
 /// consistent z exists and only the unnormalized read y = S^T qf is offered (RuleAttention
 /// rejects a dividing Normalization with std::invalid_argument, and their state has no z()).
 ///
@@ -52,7 +52,8 @@ concept WriteRule = std::copy_constructible<R> && requires(const R& rule) {
   { rule.parameter() } -> std::convertible_to<double>;
 };
 
-/// S += kf v^T, z += kf: the articles' rule and LinearAttention's behaviour. No per-token input.
+/// S += kf v^T, z += kf: the rule of Katharopoulos et al. (2020) and LinearAttention's
+/// behaviour. No per-token input.
 struct Additive {
   static constexpr WriteKind kind = WriteKind::additive;
   static constexpr bool keeps_normalizer = true;

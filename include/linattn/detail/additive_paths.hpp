@@ -169,9 +169,13 @@ void additive_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, 
       Index i = 0;
       while (i < n) {
         const Index t = first + i;
-        // Output rows of the next sweep, requested now so that they arrive during this one.
+        // Output rows of the next sweep, requested now so that they arrive during this one,
+        // and the inputs of the next block of features, a pair of rows per pair of tokens.
         for (Index ahead = t + 2; ahead < std::min(t + 4, T); ++ahead)
           prefetch_for_write(out.row(ahead).data(), dv);
+        prefetch_rows(Q, t + block, 2);
+        prefetch_rows(K, t + block, 2);
+        prefetch_rows(V, t + block, 2);
         if (tokens % 2 == 0 && i + 1 < n) {
           const Scalar* const qf2[2] = {qf.row(i).data(), qf.row(i + 1).data()};
           const Scalar* const kf2[2] = {kf.row(i).data(), kf.row(i + 1).data()};

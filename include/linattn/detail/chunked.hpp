@@ -3,6 +3,7 @@
 // buffers allocated once per call (detail/small_gemm.hpp), with an Eigen-GEMM form for the
 // scalar types and value widths the register kernel does not cover.
 
+#include <linattn/detail/prefetch.hpp>
 #include <linattn/detail/small_gemm.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/types.hpp>
@@ -182,13 +183,17 @@ void causal_chunked(const Phi& phi, Index group, const QueryAt& query, const DK&
         Eigen::Ref<RowMatrix<Scalar>> kf_view(kf.topRows(n));
         phi.apply(K.middleRows(first, n), kf_view);
       }
+      // The next chunk's inputs stream in while this one computes (see prefetch_rows).
+      prefetch_rows(K, first + C, C);
       transpose_into(n, r, kf.data(), r, kf_t.data(), padded);
       const auto [v_chunk, ld_v] = row_major_rows(V, first, n, v_buffer);
+      prefetch_rows(V, first + C, C);
       for (Index g = 0; g < group; ++g) {
         {
           Eigen::Ref<RowMatrix<Scalar>> qf_view(qf.topRows(n));
           phi.apply(query(g).middleRows(first, n), qf_view);
         }
+        prefetch_rows(query(g), first + C, C);
         // Each query head runs the same sum (a few r adds per row), so every head's
         // denominators have the bits of a single-head call.
         running_z = z.transpose();

@@ -7,9 +7,9 @@
 // cache delivers. Read-only, S is loaded once per token; the fold of B tokens is one rank-B
 // product that loads and stores S once for all of them, at GEMM-like arithmetic intensity.
 // The flops stay 4 r dv per token (2 in the read, 2 in the fold) plus 2 B' (r + dv) for the
-// B' <= B pending tokens a read adds. This is the chunked form of the first article (the
-// within-chunk part as scores times values, the earlier chunks through S), run one query at a
-// time.
+// B' <= B pending tokens a read adds. This is the chunked form of linear attention
+// (Katharopoulos et al. 2020; the within-chunk part as scores times values, the earlier chunks
+// through S), run one query at a time.
 
 #include <linattn/detail/recurrent_sweep.hpp>
 #include <linattn/detail/small_gemm.hpp>

@@ -27,12 +27,14 @@ inline void check_head_config(const HeadConfig& h) {
                       h.kv_heads);
 }
 
-/// Q [B, Tq, H_q, dk], K [B, Tk, H_kv, dk], V [B, Tk, H_kv, dv], out [B, Tq, H_q, dv], and a
-/// layout that fits; `same_length` (causal, or a variable-length layout) needs Tq = Tk.
-template <class Scalar>
+/// Q [B, Tq, H_q, dk], K [B, Tk, H_kv, dk], V [B, Tk, H_kv, dv], out [B, Tq, H_q, dv] (or the
+/// output's gradient, read-only), and a layout that fits; `same_length` (causal, or a
+/// variable-length layout) needs Tq = Tk.
+template <class Scalar, class OutElement>
 void check_views(const HeadConfig& heads, Index r, const TensorView<const Scalar>& Q,
                  const TensorView<const Scalar>& K, const TensorView<const Scalar>& V,
-                 const TensorView<Scalar>& out, const SequenceLayout& layout, bool same_length) {
+                 const TensorView<OutElement>& out, const SequenceLayout& layout,
+                 bool same_length) {
   static_cast<void>(r);
   auto fail = [&](const char* what) {
     throw_shape_error(what, "; Q ", Q.describe(), ", K ", K.describe(), ", V ", V.describe(),

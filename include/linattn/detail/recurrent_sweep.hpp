@@ -9,6 +9,8 @@
 
 #include <Eigen/Core>
 
+#include <linattn/detail/prefetch.hpp>
+
 #include <algorithm>
 
 namespace linattn::detail {
@@ -302,22 +304,6 @@ Scalar add_keys_and_dot(const Scalar* z, const Scalar* kf, const Scalar* qf, Sca
   return ordered_dot(qf, z_out, r);
 }
 
-/// Asks for the cache lines of [p, p + n) in a writable state, so that the output stores at the
-/// end of a sweep do not wait for them: an output row that is not in cache (the next row of a
-/// large [T, H*dv] buffer, say) otherwise holds up every store after it until its lines arrive,
-/// since stores leave the store buffer in order, and the next token's sweep stalls behind them.
-template <class Scalar>
-void prefetch_for_write(Scalar* p, Index n) noexcept {
-#if defined(__GNUC__) || defined(__clang__)
-  constexpr Index kLine = 64;
-  char* const bytes = reinterpret_cast<char*>(p);
-  const Index size = n * static_cast<Index>(sizeof(Scalar));
-  for (Index b = 0; b < size; b += kLine) __builtin_prefetch(bytes + b, 1, 3);
-#else
-  static_cast<void>(p);
-  static_cast<void>(n);
-#endif
-}
 
 /// One recurrent token on features: z_next = z + kf, divisor from qf . z_next (checked
 /// before anything changes, so a DenominatorError leaves S, z and `tokens` as they were), then

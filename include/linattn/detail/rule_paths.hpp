@@ -170,8 +170,8 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
         for (Index i = 0; i < n; ++i)
           gates_from_logs(&in.log_gate.data[(first + i) * in.log_gate.row_stride], 1,
                           gates.row(i).data(), r);
-      // Plain variables, not structured bindings: clang 14 cannot capture those in a lambda.
-      const std::pair<const Scalar*, Index> v_rows = row_major_rows(V, first, n, v_buffer);
+      // Not a structured binding: clang 14 cannot capture those in a lambda.
+      const auto v_rows = row_major_rows(V, first, n, v_buffer);
       const Scalar* const v = v_rows.first;
       const Index ld_v = v_rows.second;
       const auto token = [&](Index i) {

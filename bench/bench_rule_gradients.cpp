@@ -1,0 +1,133 @@
+// What training the write rules costs: each rule's backward (linattn/rule_gradients.hpp) next
+// to its own forward and to Additive's backward, measured in the same iteration.
+//
+// float, one head, d = dk = dv, Options' default chunk. Maps: ELU + 1 with strict normalization
+// for Additive, Decay (gamma 0.95) and Gated (log-gates in [-0.1, 0]); L2Normalize (unnormalized)
+// for Delta and GatedDelta (beta in [0, 1], log-alpha in [-0.1, 0]). Row
+//   rule_bwd/rule:R/d:D/T:T  (R: 0 additive, 1 decay, 2 gated, 3 gated per channel, 4 delta,
+//                              5 gated delta)
+// runs, in every iteration, the rule's forward (parallel_into, Mask::causal), its backward
+// (parallel_backward_into) and Additive's backward on the same Q, K, V, dY, each timed in thread
+// CPU time. Counters: fwd_ms, bwd_ms, additive_bwd_ms, bwd_over_fwd (target <= 3),
+// bwd_over_additive_bwd, scratch_B/token (rule_backward_bytes / T).
+//
+// scripts/summarize_rule_gradients.py turns the JSON into the summary line.
+
+#include <linattn/gradients.hpp>
+#include <linattn/rule_gradients.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <ctime>
+#include <random>
+
+namespace {
+
+using linattn::Index;
+using linattn::Mask;
+using Matrix = linattn::RowMatrix<float>;
+using Vector = linattn::ColVector<float>;
+
+Matrix random(Index rows, Index cols, unsigned seed, float lo = 0, float hi = 0) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uniform(lo, hi);
+  Matrix m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = lo < hi ? uniform(gen) : normal(gen);
+  return m;
+}
+
+double cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+struct Inputs {
+  Matrix Q, K, V, dY, out, dQ, dK, dV, scalar_gates, channel_gates;
+  Vector beta, log_alpha;
+  Inputs(Index T, Index d)
+      : Q(random(T, d, 1)), K(random(T, d, 2)), V(random(T, d, 3)), dY(random(T, d, 4)),
+        out(T, d), dQ(T, d), dK(T, d), dV(T, d), scalar_gates(random(T, 1, 5, -0.1f, 0.0f)),
+        channel_gates(random(T, d, 6, -0.1f, 0.0f)), beta(random(T, 1, 7, 0.0f, 1.0f)),
+        log_alpha(random(T, 1, 8, -0.1f, 0.0f)) {}
+};
+
+// Times the forward and backward of `attn` with per-token inputs `in...` on x.
+template <class Attn, class... In>
+void time_rule(const Attn& attn, Inputs& x, double& fwd, double& bwd, const In&... in) {
+  linattn::RuleInputGradients<float> d_in;
+  const double t0 = cpu_seconds();
+  attn.parallel_into(x.Q, x.K, x.V, in..., Mask::causal, x.out);
+  const double t1 = cpu_seconds();
+  if constexpr (Attn::rule_type::kind == linattn::WriteKind::additive)
+    linattn::parallel_backward_into(attn, x.Q, x.K, x.V, Mask::causal, x.dY,
+                                    {x.dQ, x.dK, x.dV});
+  else
+    linattn::parallel_backward_into(attn, x.Q, x.K, x.V, in..., Mask::causal, x.dY,
+                                    linattn::GradientsRef<float>{x.dQ, x.dK, x.dV}, d_in);
+  const double t2 = cpu_seconds();
+  benchmark::DoNotOptimize(x.out.data());
+  benchmark::DoNotOptimize(x.dQ.data());
+  benchmark::ClobberMemory();
+  fwd += t1 - t0;
+  bwd += t2 - t1;
+}
+
+void BM_rule_bwd(benchmark::State& state) {
+  const int rule = static_cast<int>(state.range(0));
+  const Index d = state.range(1), T = state.range(2);
+  Inputs x(T, d);
+  const linattn::LinearAttention<linattn::EluPlusOne, float> additive;
+  const linattn::RuleAttention<linattn::EluPlusOne, linattn::Decay, float> decay(
+      linattn::EluPlusOne{}, linattn::Decay(0.95));
+  const linattn::RuleAttention<linattn::EluPlusOne, linattn::Gated, float> gated;
+  const linattn::RuleAttention<linattn::L2Normalize, linattn::Delta, float> delta;
+  const linattn::RuleAttention<linattn::L2Normalize, linattn::GatedDelta, float> gated_delta;
+  double fwd = 0, bwd = 0, add_fwd = 0, add_bwd = 0;
+  std::size_t scratch = 0;
+  for (auto _ : state) {
+    const double t0 = cpu_seconds();
+    switch (rule) {
+      case 0: time_rule(additive, x, fwd, bwd); break;
+      case 1: time_rule(decay, x, fwd, bwd); break;
+      case 2: time_rule(gated, x, fwd, bwd, x.scalar_gates); break;
+      case 3: time_rule(gated, x, fwd, bwd, x.channel_gates); break;
+      case 4: time_rule(delta, x, fwd, bwd, x.beta); break;
+      default: time_rule(gated_delta, x, fwd, bwd, x.beta, x.log_alpha); break;
+    }
+    time_rule(additive, x, add_fwd, add_bwd);
+    state.SetIterationTime(cpu_seconds() - t0);
+  }
+  switch (rule) {
+    case 0: scratch = linattn::causal_backward_bytes(additive, T, d, d); break;
+    case 1: scratch = linattn::rule_backward_bytes(decay, T, d, d); break;
+    case 2: scratch = linattn::rule_backward_bytes(gated, T, d, d); break;
+    case 3: scratch = linattn::rule_backward_bytes(gated, T, d, d, true); break;
+    case 4: scratch = linattn::rule_backward_bytes(delta, T, d, d); break;
+    default: scratch = linattn::rule_backward_bytes(gated_delta, T, d, d); break;
+  }
+  const double iters = static_cast<double>(state.iterations());
+  state.counters["fwd_ms"] = 1e3 * fwd / iters;
+  state.counters["bwd_ms"] = 1e3 * bwd / iters;
+  state.counters["additive_bwd_ms"] = 1e3 * add_bwd / iters;
+  state.counters["bwd_over_fwd"] = bwd / fwd;
+  state.counters["bwd_over_additive_bwd"] = bwd / add_bwd;
+  state.counters["scratch_B/token"] = static_cast<double>(scratch) / static_cast<double>(T);
+  state.counters["rule"] = rule;
+  state.counters["T"] = static_cast<double>(T);
+  state.counters["d"] = static_cast<double>(d);
+}
+
+void rule_args(benchmark::internal::Benchmark* b) {
+  for (int rule = 0; rule <= 5; ++rule)
+    for (const Index d : {64, 128})
+      for (const Index T : {2048, 8192}) b->Args({rule, d, T});
+  b->ArgNames({"rule", "d", "T"});
+}
+
+}  // namespace
+
+BENCHMARK(BM_rule_bwd)->Apply(rule_args)->UseManualTime()->Iterations(2)->Unit(benchmark::kMillisecond);
+
+BENCHMARK_MAIN();

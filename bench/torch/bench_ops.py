@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Times linattn.torch's ops on CPU against the same computation in plain PyTorch, a chunked
+loop of batched matmuls over B * H (the way a CPU fallback of fla's chunk kernels runs), and
+prints one table with the ratio (plain PyTorch time / linattn time; > 1: linattn is faster).
+
+    PYTHONPATH=build/test/python python3 bench/torch/bench_ops.py          # quick grid
+    PYTHONPATH=build/test/python python3 bench/torch/bench_ops.py --full   # issue 17's grid
+
+Both sides run float32 on the same thread count (torch.set_num_threads), B = 1, H = 8. Each
+row first checks that the two agree (a relative error well under 1e-3), then takes the median
+of a few repetitions. Timings on a shared machine are noisy: compare ratios within one run.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import linattn.torch as lt
+
+CHUNK = 64
+
+
+def _chunks(T):
+    return [(s, min(s + CHUNK, T)) for s in range(0, T, CHUNK)]
+
+
+def torch_linear_attn(q, k, v, g=None, gk=None, scale=1.0):
+    """o_t = scale q_t^T S_t, S_t = a_t S_{t-1} + k_t v_t^T with a_t = exp(g_t) (scalar per head),
+    diag(exp(gk_t)) (per key channel) or 1; chunked: inter-chunk through S, intra-chunk by a
+    masked score matrix. q, k, v: [BH, T, D] float32; g: [BH, T]; gk: [BH, T, K]."""
+    BH, T, K = q.shape
+    S = q.new_zeros(BH, K, v.shape[-1])
+    o = torch.empty_like(v)
+    for s, e in _chunks(T):
+        qc, kc, vc = q[:, s:e] * scale, k[:, s:e], v[:, s:e]
+        mask = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+        if gk is not None:  # per-channel log-gates, cumulative within the chunk
+            G = gk[:, s:e].cumsum(1)
+            qg, kg = qc * G.exp(), kc * (-G).exp()  # stable for chunk-local sums of log-gates
+            scores = (qg @ kg.transpose(1, 2)).masked_fill(~mask, 0)
+            o[:, s:e] = qg @ S + scores @ vc
+            last = G[:, -1:]
+            S = last.transpose(1, 2).exp() * S + (kc * (last - G).exp()).transpose(1, 2) @ vc
+        elif g is not None:
+            G = g[:, s:e].cumsum(1)
+            decay = (G[:, :, None] - G[:, None, :]).masked_fill(~mask, float("-inf")).exp()
+            o[:, s:e] = (qc * G.exp()[..., None]) @ S + ((qc @ kc.transpose(1, 2)) * decay) @ vc
+            last = G[:, -1:]
+            S = last.exp()[..., None] * S + (kc * (last - G).exp()[..., None]).transpose(1, 2) @ vc
+        else:
+            o[:, s:e] = qc @ S + (qc @ kc.transpose(1, 2)).masked_fill(~mask, 0) @ vc
+            S = S + kc.transpose(1, 2) @ vc
+    return o
+
+
+def torch_delta_rule(q, k, v, beta, g=None, scale=1.0):
+    """S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = scale q_t^T S_t, in
+    chunks by the WY form (Yang et al. 2024): within a chunk with cumulative log-decay G,
+    T = (I + tril(diag(beta) (K K^T * exp(G_i - G_j)), -1))^-1 diag(beta), U = T V,
+    W = T (K * exp(G)), new values U - W S, then as linear attention."""
+    BH, Tn, K = q.shape
+    S = q.new_zeros(BH, K, v.shape[-1])
+    o = torch.empty_like(v)
+    for s, e in _chunks(Tn):
+        n = e - s
+        qc, kc, vc, bc = q[:, s:e] * scale, k[:, s:e], v[:, s:e], beta[:, s:e]
+        G = g[:, s:e].cumsum(1) if g is not None else q.new_zeros(BH, n)
+        strict = torch.ones(n, n, dtype=torch.bool).tril(-1)
+        lower = torch.ones(n, n, dtype=torch.bool).tril()
+        rel = (G[:, :, None] - G[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+        A = ((kc @ kc.transpose(1, 2)) * rel * bc[..., None]).masked_fill(~strict, 0)
+        eye = torch.eye(n).expand(BH, n, n)
+        Tm = torch.linalg.solve_triangular(eye + A, torch.diag_embed(bc), upper=False)
+        U, W = Tm @ vc, Tm @ (kc * G.exp()[..., None])
+        new_v = U - W @ S
+        o[:, s:e] = (qc * G.exp()[..., None]) @ S + ((qc @ kc.transpose(1, 2)) * rel) @ new_v
+        last = G[:, -1:]
+        S = last.exp()[..., None] * S + (kc * (last - G).exp()[..., None]).transpose(1, 2) @ new_v
+    return o
+
+
+def bhtd(x):  # [B, T, H, D] -> [B*H, T, D]
+    B, T, H, D = x.shape
+    return x.permute(0, 2, 1, 3).reshape(B * H, T, D).contiguous()
+
+
+def bht(x):  # [B, T, H] -> [B*H, T]
+    return x.permute(0, 2, 1).reshape(-1, x.shape[1]).contiguous()
+
+
+def cases(B, T, H, D):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, generator=gen) for _ in range(3))
+    kn = F.normalize(k, dim=-1)
+    g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 4)
+    gk = F.logsigmoid(torch.randn(B, T, H, D, generator=gen) + 4)
+    beta = torch.rand(B, T, H, generator=gen)
+    s = D ** -0.5
+    return {
+        "chunk_linear_attn": (lambda: lt.chunk_linear_attn(q, k, v, normalize=False)[0],
+                              lambda: torch_linear_attn(bhtd(q), bhtd(k), bhtd(v), scale=s)),
+        "chunk_simple_gla": (lambda: lt.chunk_simple_gla(q, k, v, g)[0],
+                             lambda: torch_linear_attn(bhtd(q), bhtd(k), bhtd(v), g=bht(g), scale=s)),
+        "chunk_gla": (lambda: lt.chunk_gla(q, k, v, gk)[0],
+                      lambda: torch_linear_attn(bhtd(q), bhtd(k), bhtd(v), gk=bhtd(gk), scale=s)),
+        "chunk_delta_rule": (lambda: lt.chunk_delta_rule(q, kn, v, beta)[0],
+                             lambda: torch_delta_rule(bhtd(q), bhtd(kn), bhtd(v), bht(beta), scale=s)),
+        "chunk_gated_delta_rule": (lambda: lt.chunk_gated_delta_rule(q, kn, v, g, beta)[0],
+                                   lambda: torch_delta_rule(bhtd(q), bhtd(kn), bhtd(v), bht(beta),
+                                                            g=bht(g), scale=s)),
+    }
+
+
+def median_seconds(fn, reps):
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--full", action="store_true", help="D 64, 128; T 1024 to 16384")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--ops", nargs="*", help="only these ops")
+    args = parser.parse_args()
+    dims = [64, 128]
+    lengths = [1024, 4096, 16384] if args.full else [1024, 4096]
+    threads = [1, 2]
+    B, H = 1, 8
+    print(f"{'op':24} {'D':>4} {'T':>6} {'thr':>3} {'linattn ms':>11} {'torch ms':>10} {'ratio':>6}")
+    torch.set_grad_enabled(False)
+    for D in dims:
+        for T in lengths:
+            for name, (ours, theirs) in cases(B, T, H, D).items():
+                if args.ops and name not in args.ops:
+                    continue
+                a = ours().permute(0, 2, 1, 3).reshape(B * H, T, D)
+                b = theirs()
+                rel = ((a - b).norm() / b.norm()).item()
+                if not rel < 1e-3:
+                    raise SystemExit(f"{name}: linattn and plain PyTorch disagree (relative {rel:.2g})")
+                for n in threads:
+                    torch.set_num_threads(n)
+                    t_ours = median_seconds(ours, args.reps)
+                    t_theirs = median_seconds(theirs, args.reps)
+                    print(f"{name:24} {D:4d} {T:6d} {n:3d} {t_ours * 1e3:11.1f} "
+                          f"{t_theirs * 1e3:10.1f} {t_theirs / t_ours:6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

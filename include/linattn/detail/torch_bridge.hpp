@@ -1,0 +1,576 @@
+#pragma once
+// The kernels behind linattn/torch.hpp: checks of the torch arguments, one (sequence, head)
+// block of a logical [B, T, H, d] tensor read as linattn row views (in place when the tensor
+// holds the compute type with a contiguous feature axis, else converted into a per-task
+// buffer), and the forward and backward runs over all (sequence, head) pairs on torch's
+// intra-op thread pool. Needs ATen (libtorch); nothing in the core includes this file.
+
+#include <linattn/attention.hpp>
+#include <linattn/gradients.hpp>
+#include <linattn/normalization.hpp>
+#include <linattn/options.hpp>
+#include <linattn/tensor_view.hpp>
+#include <linattn/types.hpp>
+#include <linattn/write_rules.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <Eigen/Core>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace linattn::fla {
+
+/// The fla operation families linattn runs (write rule in parentheses): linear_attn
+/// (Additive), simple_gla (Gated, one log-gate per head), gla (Gated, one per key channel),
+/// delta_rule (Delta), gated_delta_rule (GatedDelta).
+enum class Op { linear_attn, simple_gla, gla, delta_rule, gated_delta_rule };
+
+/// Tensors of one call, in fla's shapes (head_first swaps T and H of q, k, v, g, beta).
+struct Inputs {
+  at::Tensor q, k, v;                       // [B, T, H, K], [B, T, H, K], [B, T, H, V]
+  std::optional<at::Tensor> g;              // [B, T, H] (simple_gla, gated_delta_rule) or [B, T, H, K] (gla)
+  std::optional<at::Tensor> beta;           // [B, T, H] (delta rules)
+  std::optional<at::Tensor> initial_state;  // [N, H, K, V]
+  std::optional<at::Tensor> initial_z;      // [N, 1, H, K] (linear_attn with normalize only)
+  std::optional<at::Tensor> cu_seqlens;     // [N + 1] int32/int64, B = 1
+};
+
+/// Scalars of one call. scale: nullopt means K^-0.5 (fla's default). chunked: the chunked
+/// (chunk_*) or the token-by-token (fused_recurrent_*) path; both give the same values.
+struct Settings {
+  std::optional<double> scale;
+  bool chunked = true;
+  bool output_final_state = false;
+  bool normalize = false;  // linear_attn only: o = q^T S / (q^T z + 1e-10 / scale)
+  bool qk_l2norm = false;  // delta rules only: q, k <- x / sqrt(|x|^2 + 1e-6) first
+  bool head_first = false;
+};
+
+/// o in q's dtype and layout; final state [N, H, K, V] and, with normalize, z [N, 1, H, K],
+/// both in the compute type (float64 for float64 inputs, float32 otherwise), when asked for.
+struct Result {
+  at::Tensor o;
+  std::optional<at::Tensor> final_state, final_z;
+};
+
+/// Gradients of linear_attn with respect to q, k, v (compute type, the inputs' layout) and to
+/// the initial state and z (when given).
+struct Gradients {
+  at::Tensor dq, dk, dv;
+  std::optional<at::Tensor> d_initial_state, d_initial_z;
+};
+
+[[nodiscard]] inline const char* op_name(Op op) noexcept {
+  switch (op) {
+    case Op::linear_attn: return "linear_attn";
+    case Op::simple_gla: return "simple_gla";
+    case Op::gla: return "gla";
+    case Op::delta_rule: return "delta_rule";
+    case Op::gated_delta_rule: return "gated_delta_rule";
+  }
+  return "?";
+}
+
+}  // namespace linattn::fla
+
+namespace linattn::detail::torch_bridge {
+
+using fla::Inputs;
+using fla::Op;
+using fla::Settings;
+
+// fla's normalize adds this to scale * q^T z (fla/ops/linear_attn/utils.py).
+inline constexpr double kNormalizeEpsilon = 1e-10;
+// fla's in-kernel L2 norm: x / sqrt(sum x^2 + 1e-6).
+inline constexpr double kL2NormEpsilon = 1e-6;
+
+inline bool supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+inline void check_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined(), "linattn: ", name, " is undefined");
+  TORCH_CHECK_TYPE(t.device().is_cpu(), "linattn: ", name, " is on ", t.device(),
+                   "; linattn runs on the CPU only (move it with .cpu())");
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided, "linattn: ", name, " must be a dense (strided) tensor");
+  TORCH_CHECK_TYPE(supported_dtype(t.scalar_type()), "linattn: ", name, " has dtype ",
+                   t.scalar_type(), "; expected float32, float64, bfloat16 or float16");
+}
+
+inline void check_dims(const at::Tensor& t, const char* name, std::vector<int64_t> expected,
+                       const char* what) {
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), "linattn: ", name, " has shape ",
+                    t.sizes(), ", expected ", at::IntArrayRef(expected), " ", what);
+}
+
+// [B, T, H, d] view of a tensor given in the user's layout (head_first: [B, H, T, d]).
+inline at::Tensor logical(const at::Tensor& t, bool head_first) {
+  if (!head_first) return t;
+  return t.dim() == 3 ? t.permute({0, 2, 1}) : t.permute({0, 2, 1, 3});
+}
+
+// Everything a run needs, checked: logical [B, T, H, d] views, per-token inputs as
+// [B, T, H, c], the sequence offsets, the sizes and the resolved scale.
+struct Prepared {
+  at::Tensor q, k, v, g, beta, h0, z0;
+  std::vector<Index> offsets;  // empty: every batch entry is one sequence
+  Index B = 0, T = 0, H = 0, K = 0, V = 0, N = 0;
+  double scale = 1;
+  bool compute_double = false;
+
+  [[nodiscard]] Index batch_of(Index n) const { return offsets.empty() ? n : 0; }
+  [[nodiscard]] Index first_of(Index n) const { return offsets.empty() ? 0 : offsets[n]; }
+  [[nodiscard]] Index length_of(Index n) const {
+    return offsets.empty() ? T : offsets[n + 1] - offsets[n];
+  }
+};
+
+inline Prepared prepare(Op op, const Inputs& in, const Settings& s) {
+  Prepared p;
+  check_tensor(in.q, "q");
+  check_tensor(in.k, "k");
+  check_tensor(in.v, "v");
+  TORCH_CHECK_VALUE(in.q.dim() == 4 && in.k.dim() == 4 && in.v.dim() == 4,
+                    "linattn: q, k and v must be 4-D ", s.head_first ? "[B, H, T, D]" : "[B, T, H, D]",
+                    ", got q ", in.q.sizes(), ", k ", in.k.sizes(), ", v ", in.v.sizes());
+  TORCH_CHECK_TYPE(in.q.scalar_type() == in.k.scalar_type() && in.q.scalar_type() == in.v.scalar_type(),
+                   "linattn: q, k and v must have one dtype, got ", in.q.scalar_type(), ", ",
+                   in.k.scalar_type(), " and ", in.v.scalar_type());
+  p.q = logical(in.q, s.head_first);
+  p.k = logical(in.k, s.head_first);
+  p.v = logical(in.v, s.head_first);
+  p.B = p.q.size(0), p.T = p.q.size(1), p.H = p.q.size(2), p.K = p.q.size(3), p.V = p.v.size(3);
+  const char* layout = s.head_first ? "(head_first: [B, H, T, D])" : "([B, T, H, D])";
+  TORCH_CHECK_VALUE(p.k.sizes() == p.q.sizes(), "linattn: k has shape ", in.k.sizes(),
+                    ", expected q's shape ", in.q.sizes(), " ", layout);
+  TORCH_CHECK_VALUE(p.v.size(0) == p.B && p.v.size(1) == p.T && p.v.size(2) == p.H,
+                    "linattn: v has shape ", in.v.sizes(), ", which does not match q ",
+                    in.q.sizes(), " in B, T and H ", layout);
+  TORCH_CHECK_VALUE(p.K >= 1 && p.V >= 1, "linattn: the key and value dims must be >= 1, got K=",
+                    p.K, " V=", p.V);
+  p.compute_double = in.q.scalar_type() == at::kDouble;
+
+  const bool wants_g = op == Op::simple_gla || op == Op::gla || op == Op::gated_delta_rule;
+  const bool wants_beta = op == Op::delta_rule || op == Op::gated_delta_rule;
+  TORCH_CHECK_VALUE(wants_g == in.g.has_value(), "linattn: ", fla::op_name(op),
+                    wants_g ? " needs the log-gates g" : " takes no gates g");
+  TORCH_CHECK_VALUE(wants_beta == in.beta.has_value(), "linattn: ", fla::op_name(op),
+                    wants_beta ? " needs beta" : " takes no beta");
+  if (wants_g) {
+    check_tensor(*in.g, "g");
+    const at::Tensor g = logical(*in.g, s.head_first);
+    if (op == Op::gla) {
+      check_dims(g, "g (logical)", {p.B, p.T, p.H, p.K}, "(per-channel log-gates [B, T, H, K])");
+      p.g = g;
+    } else {
+      check_dims(g, "g (logical)", {p.B, p.T, p.H}, "(one log-gate per head and token, [B, T, H])");
+      p.g = g.unsqueeze(-1);
+    }
+  }
+  if (wants_beta) {
+    check_tensor(*in.beta, "beta");
+    const at::Tensor beta = logical(*in.beta, s.head_first);
+    check_dims(beta, "beta (logical)", {p.B, p.T, p.H}, "(one beta per head and token, [B, T, H])");
+    p.beta = beta.unsqueeze(-1);
+  }
+
+  if (in.cu_seqlens.has_value()) {
+    const at::Tensor& cu = *in.cu_seqlens;
+    TORCH_CHECK_VALUE(cu.defined() && cu.device().is_cpu() && cu.dim() == 1 &&
+                          (cu.scalar_type() == at::kLong || cu.scalar_type() == at::kInt),
+                      "linattn: cu_seqlens must be a 1-D int32/int64 CPU tensor");
+    TORCH_CHECK_VALUE(p.B == 1, "linattn: with cu_seqlens the batch size must be 1 (sequences "
+                      "packed along T), got B=", p.B);
+    TORCH_CHECK_VALUE(cu.numel() >= 2, "linattn: cu_seqlens needs at least 2 entries, got ", cu.numel());
+    const at::Tensor cu64 = cu.to(at::kLong).contiguous();
+    const int64_t* c = cu64.data_ptr<int64_t>();
+    p.offsets.assign(c, c + cu64.numel());
+    TORCH_CHECK_VALUE(p.offsets.front() == 0 && p.offsets.back() == p.T,
+                      "linattn: cu_seqlens must start at 0 and end at T=", p.T, ", got ",
+                      p.offsets.front(), " ... ", p.offsets.back());
+    for (std::size_t i = 1; i < p.offsets.size(); ++i)
+      TORCH_CHECK_VALUE(p.offsets[i] >= p.offsets[i - 1], "linattn: cu_seqlens must not decrease, got ",
+                        p.offsets[i - 1], " then ", p.offsets[i], " at position ", i);
+    p.N = static_cast<Index>(p.offsets.size()) - 1;
+  } else {
+    p.N = p.B;
+  }
+
+  if (in.initial_state.has_value()) {
+    check_tensor(*in.initial_state, "initial_state");
+    check_dims(*in.initial_state, "initial_state", {p.N, p.H, p.K, p.V}, "([N, H, K, V], N sequences)");
+    p.h0 = *in.initial_state;
+  }
+  if (in.initial_z.has_value()) {
+    TORCH_CHECK_VALUE(op == Op::linear_attn && s.normalize,
+                      "linattn: an initial z state is for linear_attn with normalize=True only");
+    check_tensor(*in.initial_z, "initial z state");
+    check_dims(*in.initial_z, "initial z state", {p.N, 1, p.H, p.K}, "([N, 1, H, K])");
+    p.z0 = *in.initial_z;
+  }
+  TORCH_CHECK_VALUE(!s.normalize || op == Op::linear_attn, "linattn: normalize is for linear_attn only");
+  TORCH_CHECK_VALUE(!s.qk_l2norm || op == Op::delta_rule || op == Op::gated_delta_rule,
+                    "linattn: use_qk_l2norm_in_kernel is for the delta rules only");
+  p.scale = s.scale.has_value() ? *s.scale : 1.0 / std::sqrt(static_cast<double>(p.K));
+  TORCH_CHECK_VALUE(std::isfinite(p.scale), "linattn: scale must be finite, got ", p.scale);
+  TORCH_CHECK_VALUE(!s.normalize || p.scale > 0,
+                    "linattn: normalize=True needs scale > 0 (the divisor is scale q^T z + 1e-10), got ",
+                    p.scale);
+  return p;
+}
+
+template <class Scalar, class Src>
+Scalar to_scalar(Src x) {
+  if constexpr (std::is_same_v<Src, double> || std::is_same_v<Src, float>)
+    return static_cast<Scalar>(x);
+  else
+    return static_cast<Scalar>(static_cast<float>(x));  // bf16 and f16 widen exactly to float
+}
+
+// Calls f(p) with the tensor's data as a typed pointer (float, double, c10::BFloat16 or
+// c10::Half): one dispatch per block, so the conversion loops are typed.
+template <class F>
+void with_typed_data(const at::Tensor& t, F&& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: f(static_cast<const float*>(t.data_ptr())); return;
+    case at::kDouble: f(static_cast<const double*>(t.data_ptr())); return;
+    case at::kBFloat16: f(static_cast<const c10::BFloat16*>(t.data_ptr())); return;
+    case at::kHalf: f(static_cast<const c10::Half*>(t.data_ptr())); return;
+    default: break;
+  }
+  TORCH_CHECK(false, "linattn: unsupported dtype ", t.scalar_type());
+}
+
+// rows x cols elements of `t` from `start` with strides (rs, cs), converted into `out`.
+template <class Scalar>
+void convert_block(const at::Tensor& t, Index start, Index rows, Index cols, Index rs, Index cs,
+                   RowMatrix<Scalar>& out) {
+  out.resize(rows, cols);
+  with_typed_data(t, [&](const auto* base) {
+    for (Index i = 0; i < rows; ++i)
+      for (Index c = 0; c < cols; ++c)
+        out(i, c) = to_scalar<Scalar>(base[start + i * rs + c * cs]);
+  });
+}
+
+// Offset of (b, t, h, 0) in a 4-D tensor.
+inline Index offset_of(const at::Tensor& t, Index b, Index row, Index h) {
+  return b * t.stride(0) + row * t.stride(1) + h * t.stride(2);
+}
+
+// A 4-D CPU tensor holding Element's type with a contiguous feature axis as a TensorView of its
+// memory (no copy). Throws c10::Error otherwise.
+template <class Element>
+TensorView<Element> tensor_view_of(const at::Tensor& t) {
+  using Scalar = std::remove_const_t<Element>;
+  TORCH_CHECK_TYPE(t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
+                       t.scalar_type() == c10::CppTypeToScalarType<Scalar>::value,
+                   "linattn: a tensor view needs a dense CPU tensor of ",
+                   c10::CppTypeToScalarType<Scalar>::value);
+  TORCH_CHECK_VALUE(t.dim() == 4, "linattn: a tensor view needs a 4-D tensor, got ", t.sizes());
+  TORCH_CHECK_VALUE(t.stride(3) == 1 || t.size(3) <= 1,
+                    "linattn: a tensor view needs a contiguous last axis, got strides ", t.strides());
+  return TensorView<Element>(t.data_ptr<Scalar>(), {t.size(0), t.size(1), t.size(2), t.size(3)},
+                             {t.stride(0), t.stride(1), t.stride(2), 1});
+}
+
+// Rows [first, first + n) of head h of batch entry b of a logical [B, T, H, d] tensor as an
+// n x d row view in Scalar: the TensorView's head rows over the tensor when it holds Scalar
+// with a contiguous feature axis (and no copy is forced), else converted into `buffer`
+// (resized once per task, never per row or chunk).
+template <class Scalar>
+ConstRowsView<Scalar> read_rows(const at::Tensor& t, Index b, Index h, Index first, Index n,
+                                RowMatrix<Scalar>& buffer, bool force_copy = false) {
+  const Index d = t.size(3);
+  if (!force_copy && n > 0 && t.scalar_type() == c10::CppTypeToScalarType<Scalar>::value &&
+      (t.stride(3) == 1 || d == 1))
+    return tensor_view_of<const Scalar>(t).head_rows(b, h, first, n);
+  convert_block(t, offset_of(t, b, first, h), n, d, t.stride(1), t.stride(3), buffer);
+  return ConstRowsView<Scalar>(buffer.data(), n, d, Eigen::OuterStride<>(d));
+}
+
+// Per-token inputs (gates, betas) of one (sequence, head): n x c with any strides.
+template <class Scalar>
+using TokenRows = Eigen::Map<const RowMatrix<Scalar>, Eigen::Unaligned, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>>;
+
+template <class Scalar>
+TokenRows<Scalar> read_token_rows(const at::Tensor& t, Index b, Index h, Index first, Index n,
+                                  RowMatrix<Scalar>& buffer) {
+  using Strides = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
+  const Index c = t.size(3);
+  if (t.scalar_type() == c10::CppTypeToScalarType<Scalar>::value && n > 0)
+    return TokenRows<Scalar>(t.data_ptr<Scalar>() + offset_of(t, b, first, h), n, c,
+                             Strides(t.stride(1), t.stride(3)));
+  const ConstRowsView<Scalar> rows = read_rows<Scalar>(t, b, h, first, n, buffer);
+  return TokenRows<Scalar>(rows.data(), n, c, Strides(c, 1));
+}
+
+// fla's in-kernel L2 norm of every row, in place: x / sqrt(|x|^2 + 1e-6).
+template <class Scalar>
+void l2_normalize_rows(RowMatrix<Scalar>& x) {
+  for (Index i = 0; i < x.rows(); ++i)
+    x.row(i) /= std::sqrt(x.row(i).squaredNorm() + static_cast<Scalar>(kL2NormEpsilon));
+}
+
+// Head matrix (K x V) or vector of state tensor `t` ([N, H, K, V] or [N, 1, H, K]) as Scalar,
+// read in place when `t` holds Scalar.
+template <class Scalar>
+RowMatrix<Scalar> read_state(const at::Tensor& t, Index n, Index h, bool is_z) {
+  const Index rows = is_z ? 1 : t.size(2), cols = t.size(3);
+  const Index start = is_z ? n * t.stride(0) + h * t.stride(2) : n * t.stride(0) + h * t.stride(1);
+  const Index rs = is_z ? 0 : t.stride(2);
+  RowMatrix<Scalar> out;
+  if (t.scalar_type() == c10::CppTypeToScalarType<Scalar>::value) {
+    using Strides = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
+    out = Eigen::Map<const RowMatrix<Scalar>, Eigen::Unaligned, Strides>(
+        t.data_ptr<Scalar>() + start, rows, cols, Strides(rs, t.stride(3)));
+  } else {
+    convert_block(t, start, rows, cols, rs, t.stride(3), out);
+  }
+  return out;
+}
+
+// Writes n x d rows (Scalar) into rows [first, first + n) of head h of batch entry b of a
+// logical tensor of any supported dtype, multiplied by `factor`.
+template <class Scalar, class Src>
+void write_rows(const at::Tensor& t, Index b, Index h, Index first, const Eigen::MatrixBase<Src>& rows,
+                Scalar factor) {
+  const Index n = rows.rows(), d = rows.cols();
+  const Index start = offset_of(t, b, first, h), rs = t.stride(1), cs = t.stride(3);
+  with_typed_data(t, [&](const auto* typed) {
+    using Dst = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    Dst* base = const_cast<Dst*>(typed);  // `t` is our own output tensor
+    for (Index i = 0; i < n; ++i)
+      for (Index c = 0; c < d; ++c) {
+        const Scalar x = factor * rows(i, c);
+        if constexpr (std::is_same_v<Dst, double> || std::is_same_v<Dst, float>)
+          base[start + i * rs + c * cs] = static_cast<Dst>(x);
+        else
+          base[start + i * rs + c * cs] = Dst(static_cast<float>(x));  // rounds to nearest even
+      }
+  });
+}
+
+// A tensor of `logical_shape` ([B, T, H, d]) in the user's layout, returned with its logical view.
+inline std::pair<at::Tensor, at::Tensor> make_activation(Index B, Index T, Index H, Index d,
+                                                         at::ScalarType dtype, bool head_first) {
+  const auto opts = at::TensorOptions().dtype(dtype).device(at::kCPU);
+  at::Tensor user = head_first ? at::empty({B, H, T, d}, opts) : at::empty({B, T, H, d}, opts);
+  return {user, logical(user, head_first)};
+}
+
+template <class Scalar>
+at::ScalarType scalar_type_of() {
+  return c10::CppTypeToScalarType<Scalar>::value;
+}
+
+// The write rule of each op.
+template <Op op>
+struct RuleOf;
+template <>
+struct RuleOf<Op::linear_attn> { using type = Additive; };
+template <>
+struct RuleOf<Op::simple_gla> { using type = Gated; };
+template <>
+struct RuleOf<Op::gla> { using type = Gated; };
+template <>
+struct RuleOf<Op::delta_rule> { using type = Delta; };
+template <>
+struct RuleOf<Op::gated_delta_rule> { using type = GatedDelta; };
+
+inline Options options_for(bool normalize, double scale) {
+  Options options;
+  // fla divides scale q^T S by scale q^T z + 1e-10, i.e. q^T S by q^T z + 1e-10 / scale.
+  options.normalization = normalize ? Normalization::shifted(kNormalizeEpsilon / scale)
+                                    : Normalization::unnormalized();
+  return options;
+}
+
+// The initial state of sequence n, head h: h0 (and z0) when given, else empty.
+template <class Attention>
+typename Attention::State initial_state(const Attention& attn, const Prepared& p, Index n, Index h) {
+  using Scalar = typename Attention::scalar_type;
+  using Rule = typename Attention::rule_type;
+  auto state = attn.make_state(p.K, p.V);
+  if (!p.h0.defined() && !p.z0.defined()) return state;
+  const RowMatrix<Scalar> S0 =
+      p.h0.defined() ? read_state<Scalar>(p.h0, n, h, false) : RowMatrix<Scalar>::Zero(p.K, p.V);
+  if constexpr (Rule::keeps_normalizer) {
+    ColVector<Scalar> z0 = ColVector<Scalar>::Zero(p.K);
+    if (p.z0.defined()) z0 = read_state<Scalar>(p.z0, n, h, true).transpose();
+    state.assign(S0, z0);
+  } else {
+    state.assign(S0);
+  }
+  return state;
+}
+
+// Q and K of one (sequence, head), L2-normalized the way fla's kernels do when asked.
+template <class Scalar>
+ConstRowsView<Scalar> read_qk(const at::Tensor& t, Index b, Index h, Index first, Index n,
+                              RowMatrix<Scalar>& buffer, bool l2norm) {
+  const ConstRowsView<Scalar> rows = read_rows<Scalar>(t, b, h, first, n, buffer, l2norm);
+  if (l2norm) l2_normalize_rows(buffer);
+  return rows;
+}
+
+// Runs op over every (sequence, head) pair of `p` in Scalar, on torch's intra-op threads (one
+// task per pair, its buffers allocated once per task). See fla::run for the contract.
+template <Op op, class Scalar>
+fla::Result forward(const Prepared& p, const Settings& s) {
+  using Rule = typename RuleOf<op>::type;
+  using Attention = RuleAttention<Identity, Rule, Scalar>;
+  const Attention attn(Identity{}, options_for(s.normalize, p.scale));
+  const bool direct_out = p.q.scalar_type() == scalar_type_of<Scalar>();
+  // (no structured bindings: clang 14 cannot capture them in the task lambda)
+  const std::pair<at::Tensor, at::Tensor> o_pair =
+      make_activation(p.B, p.T, p.H, p.V, p.q.scalar_type(), s.head_first);
+  const at::Tensor& o = o_pair.second;
+  fla::Result result;
+  result.o = o_pair.first;
+  const auto state_opts = at::TensorOptions().dtype(scalar_type_of<Scalar>()).device(at::kCPU);
+  at::Tensor ht, zt;
+  if (s.output_final_state) {
+    ht = at::empty({p.N, p.H, p.K, p.V}, state_opts);
+    result.final_state = ht;
+    if (s.normalize) {
+      zt = at::empty({p.N, 1, p.H, p.K}, state_opts);
+      result.final_z = zt;
+    }
+  }
+  // Unnormalized, o is linear in q: the rows read out are multiplied by scale instead of q.
+  const Scalar out_factor = s.normalize ? Scalar(1) : static_cast<Scalar>(p.scale);
+
+  at::parallel_for(0, p.N * p.H, 1, [&](int64_t begin, int64_t end) {
+    RowMatrix<Scalar> qb, kb, vb, gb, bb, ob;
+    for (int64_t task = begin; task < end; ++task) {
+      const Index n = task / p.H, h = task % p.H;
+      const Index b = p.batch_of(n), first = p.first_of(n), len = p.length_of(n);
+      auto state = initial_state(attn, p, n, h);
+      if (len > 0) {
+        const ConstRowsView<Scalar> Q = read_qk<Scalar>(p.q, b, h, first, len, qb, s.qk_l2norm);
+        const ConstRowsView<Scalar> Kr = read_qk<Scalar>(p.k, b, h, first, len, kb, s.qk_l2norm);
+        const ConstRowsView<Scalar> Vr = read_rows<Scalar>(p.v, b, h, first, len, vb);
+        if (!direct_out) ob.resize(len, p.V);
+        RowsView<Scalar> out = direct_out
+            ? tensor_view_of<Scalar>(o).head_rows(b, h, first, len)
+            : RowsView<Scalar>(ob.data(), len, p.V, Eigen::OuterStride<>(p.V));
+        auto run = [&](const auto&... inputs) {
+          if (s.chunked)
+            attn.prefill_into(state, Q, Kr, Vr, inputs..., out);
+          else
+            attn.recurrent_into(state, Q, Kr, Vr, inputs..., out);
+        };
+        if constexpr (Rule::kind == WriteKind::additive) {
+          run();
+        } else if constexpr (Rule::kind == WriteKind::gated) {
+          run(read_token_rows<Scalar>(p.g, b, h, first, len, gb));
+        } else if constexpr (Rule::kind == WriteKind::delta) {
+          run(read_token_rows<Scalar>(p.beta, b, h, first, len, bb));
+        } else {  // linattn takes beta then log_alpha; fla's g is log_alpha
+          run(read_token_rows<Scalar>(p.beta, b, h, first, len, bb),
+              read_token_rows<Scalar>(p.g, b, h, first, len, gb));
+        }
+        if (direct_out) {
+          if (out_factor != Scalar(1)) out *= out_factor;
+        } else {
+          write_rows<Scalar>(o, b, h, first, ob, out_factor);
+        }
+      }
+      if (ht.defined()) {
+        Eigen::Map<RowMatrix<Scalar>>(ht.data_ptr<Scalar>() + (n * p.H + h) * p.K * p.V, p.K, p.V) =
+            state.S();
+        if constexpr (Rule::keeps_normalizer) {
+          if (zt.defined())
+            Eigen::Map<ColVector<Scalar>>(zt.data_ptr<Scalar>() + (n * p.H + h) * p.K, p.K) = state.z();
+        }
+      }
+    }
+  });
+  return result;
+}
+
+// A state gradient tensor ([N, H, K, V] or [N, 1, H, K]) as given by autograd: checked.
+inline at::Tensor checked_state_gradient(const std::optional<at::Tensor>& t, const char* name,
+                                         std::vector<int64_t> shape) {
+  if (!t.has_value() || !t->defined()) return {};
+  check_tensor(*t, name);
+  check_dims(*t, name, shape, "");
+  return *t;
+}
+
+// Gradients of linear_attn (Additive, Identity map) over every (sequence, head) pair: the
+// chunked backward of linattn/gradients.hpp continuing each initial state, with the final
+// state's gradient (dht, dzt) carried in.
+template <class Scalar>
+fla::Gradients linear_attn_backward(const Prepared& p, const Settings& s, const at::Tensor& d_o_user,
+                                    const at::Tensor& dht, const at::Tensor& dzt) {
+  using Attention = LinearAttention<Identity, Scalar>;
+  const Attention attn(Identity{}, options_for(s.normalize, p.scale));
+  check_tensor(d_o_user, "the output gradient");
+  const at::Tensor d_o = logical(d_o_user, s.head_first);
+  check_dims(d_o, "the output gradient (logical)", {p.B, p.T, p.H, p.V}, "([B, T, H, V])");
+  const at::ScalarType st = scalar_type_of<Scalar>();
+  const std::pair<at::Tensor, at::Tensor> dq_pair = make_activation(p.B, p.T, p.H, p.K, st, s.head_first);
+  const std::pair<at::Tensor, at::Tensor> dk_pair = make_activation(p.B, p.T, p.H, p.K, st, s.head_first);
+  const std::pair<at::Tensor, at::Tensor> dv_pair = make_activation(p.B, p.T, p.H, p.V, st, s.head_first);
+  const at::Tensor &dq = dq_pair.second, &dk = dk_pair.second, &dv = dv_pair.second;
+  fla::Gradients grads{dq_pair.first, dk_pair.first, dv_pair.first, std::nullopt, std::nullopt};
+  const auto state_opts = at::TensorOptions().dtype(st).device(at::kCPU);
+  at::Tensor dh0, dz0;
+  if (p.h0.defined()) grads.d_initial_state = dh0 = at::empty({p.N, p.H, p.K, p.V}, state_opts);
+  if (p.z0.defined()) grads.d_initial_z = dz0 = at::empty({p.N, 1, p.H, p.K}, state_opts);
+  // o = scale * (the unnormalized read), so the read's output gradient is scale * d_o.
+  const Scalar dy_factor = s.normalize ? Scalar(1) : static_cast<Scalar>(p.scale);
+  const bool has_final = dht.defined() || dzt.defined();
+
+  at::parallel_for(0, p.N * p.H, 1, [&](int64_t begin, int64_t end) {
+    RowMatrix<Scalar> qb, kb, vb, yb;
+    StateGradient<Scalar> final_gradient, initial;
+    for (int64_t task = begin; task < end; ++task) {
+      const Index n = task / p.H, h = task % p.H;
+      const Index b = p.batch_of(n), first = p.first_of(n), len = p.length_of(n);
+      const auto state = initial_state(attn, p, n, h);
+      if (has_final) {
+        final_gradient.S = dht.defined() ? read_state<Scalar>(dht, n, h, false)
+                                         : RowMatrix<Scalar>::Zero(p.K, p.V);
+        final_gradient.z = dzt.defined() ? ColVector<Scalar>(read_state<Scalar>(dzt, n, h, true).transpose())
+                                         : ColVector<Scalar>::Zero(p.K);
+      }
+      if (len > 0) {
+        const ConstRowsView<Scalar> Q = read_rows<Scalar>(p.q, b, h, first, len, qb);
+        const ConstRowsView<Scalar> Kr = read_rows<Scalar>(p.k, b, h, first, len, kb);
+        const ConstRowsView<Scalar> Vr = read_rows<Scalar>(p.v, b, h, first, len, vb);
+        read_rows<Scalar>(d_o, b, h, first, len, yb, true);
+        yb *= dy_factor;
+        auto rows = [&](const at::Tensor& t) { return tensor_view_of<Scalar>(t).head_rows(b, h, first, len); };
+        prefill_backward_into(attn, state, Q, Kr, Vr, yb, has_final ? &final_gradient : nullptr,
+                              GradientsRef<Scalar>{rows(dq), rows(dk), rows(dv)}, initial);
+      } else if (has_final) {
+        initial = final_gradient;  // no token: the initial state is the final one
+      } else {
+        initial.S = RowMatrix<Scalar>::Zero(p.K, p.V);
+        initial.z = ColVector<Scalar>::Zero(p.K);
+      }
+      if (dh0.defined())
+        Eigen::Map<RowMatrix<Scalar>>(dh0.data_ptr<Scalar>() + (n * p.H + h) * p.K * p.V, p.K, p.V) =
+            initial.S;
+      if (dz0.defined())
+        Eigen::Map<ColVector<Scalar>>(dz0.data_ptr<Scalar>() + (n * p.H + h) * p.K, p.K) = initial.z;
+    }
+  });
+  return grads;
+}
+
+}  // namespace linattn::detail::torch_bridge

@@ -1,0 +1,128 @@
+#pragma once
+/// \file torch.hpp
+/// linattn on CPU torch::Tensor: flash-linear-attention's (fla's) operations for libtorch users
+/// in C++, and the engine of the Python package linattn.torch. Optional: the CMake target
+/// linattn::torch (found through Torch's CMake config); the core never includes this file.
+///
+/// Tensors are fla's: q, k [B, T, H, K], v [B, T, H, V] (or [B, H, T, D] with head_first),
+/// any strides, float32, float64, bfloat16 or float16, all three of one dtype. The per-token
+/// inputs (Inputs: g, beta) and the states may have any of those dtypes. float32 and float64
+/// are read in place where the feature axis is contiguous (linattn's row views over the
+/// tensor's memory) and float32/float64 outputs are written in place; bfloat16 and float16 are
+/// converted one (sequence, head) block at a time into float32 buffers of that block's size,
+/// so no float copy of a whole input exists. Compute and states are float64 for float64
+/// inputs, float32 otherwise.
+///
+/// The operations, each a write rule of linattn with the identity feature map (fla applies no
+/// feature map; q is multiplied by `scale`, K^-0.5 by default), per sequence and head:
+///   linear_attn       S_t = S_{t-1} + k_t v_t^T                          o_t = scale S_t^T q_t
+///                     normalize: z_t = z_{t-1} + k_t, o_t = S_t^T q_t / (q_t . z_t + 1e-10 / scale)
+///   simple_gla        S_t = exp(g_t) S_{t-1} + k_t v_t^T                 (g [B, T, H], log-gates)
+///   gla               S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T           (g [B, T, H, K])
+///   delta_rule        S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T  (beta [B, T, H])
+///   gated_delta_rule  S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+/// (o_t = scale S_t^T q_t for all but normalized linear_attn.) The delta rules may L2-normalize
+/// q and k first as fla's use_qk_l2norm_in_kernel does: x / sqrt(|x|^2 + 1e-6). States are
+/// [N, H, K, V] (S, key-major as fla's), N = B, or the number of sequences with cu_seqlens
+/// (offsets of sequences packed along T with B = 1, as fla's).
+///
+/// Differences from fla (docs/pytorch.md): gates must be log-gates <= 0 and beta in [0, 1]
+/// (linattn checks, fla does not); normalize raises where q . z + 1e-10 / scale <= 0, a row
+/// fla would divide by a non-positive number; fla's chunk and recurrent kernels round in bf16
+/// in places, linattn computes in float32 throughout.
+///
+/// Complexity per sequence and head of length T: O(T K V) (chunked: plus O(T C (K + V)) for
+/// chunk size C); memory beyond inputs and outputs: the states and, for conversions, one block.
+/// Sequences and heads run in parallel on torch's intra-op threads (torch::set_num_threads).
+/// Throws c10::Error (TypeError/ValueError in Python) for CUDA or sparse tensors, an unsupported
+/// dtype, wrong ranks or sizes and bad cu_seqlens; std::invalid_argument for out-of-range gates
+/// or betas (naming the token); DenominatorError (normalize) as above.
+
+#include <linattn/detail/torch_bridge.hpp>
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace linattn::fla {
+
+/// Runs `op` forward: the output o (q's dtype, q's layout) and, when settings ask for it, the
+/// final state [N, H, K, V] and, for normalized linear_attn, z [N, 1, H, K]. See the file comment.
+[[nodiscard]] inline Result run(Op op, const Inputs& inputs, const Settings& settings) {
+  namespace tb = detail::torch_bridge;
+  const tb::Prepared p = tb::prepare(op, inputs, settings);
+  auto dispatch = [&]<Op kOp>() {
+    return p.compute_double ? tb::forward<kOp, double>(p, settings) : tb::forward<kOp, float>(p, settings);
+  };
+  switch (op) {
+    case Op::linear_attn: return dispatch.template operator()<Op::linear_attn>();
+    case Op::simple_gla: return dispatch.template operator()<Op::simple_gla>();
+    case Op::gla: return dispatch.template operator()<Op::gla>();
+    case Op::delta_rule: return dispatch.template operator()<Op::delta_rule>();
+    case Op::gated_delta_rule: return dispatch.template operator()<Op::gated_delta_rule>();
+  }
+  TORCH_CHECK(false, "linattn: unknown op");
+}
+
+/// Gradients of run(Op::linear_attn, inputs, settings) given the output gradient d_o (o's
+/// shape) and, optionally, the gradients of the final state d_final_state [N, H, K, V] and
+/// z d_final_z [N, 1, H, K] (undefined: zero). Returns dq, dk, dv in the compute type and the
+/// inputs' layout, and the gradients of the initial state and z when those were given.
+/// The chunked backward of linattn/gradients.hpp per sequence and head: O(T K V), never T x T.
+[[nodiscard]] inline Gradients linear_attn_backward(const Inputs& inputs, const Settings& settings,
+                                                    const at::Tensor& d_o,
+                                                    const std::optional<at::Tensor>& d_final_state,
+                                                    const std::optional<at::Tensor>& d_final_z) {
+  namespace tb = detail::torch_bridge;
+  const tb::Prepared p = tb::prepare(Op::linear_attn, inputs, settings);
+  const at::Tensor dht = tb::checked_state_gradient(d_final_state, "the final state's gradient",
+                                                    {p.N, p.H, p.K, p.V});
+  const at::Tensor dzt = tb::checked_state_gradient(d_final_z, "the final z's gradient",
+                                                    {p.N, 1, p.H, p.K});
+  return p.compute_double ? tb::linear_attn_backward<double>(p, settings, d_o, dht, dzt)
+                          : tb::linear_attn_backward<float>(p, settings, d_o, dht, dzt);
+}
+
+/// A CPU float/double tensor [B, T, H, d] (head_first: [B, H, T, d]) as a TensorView of its
+/// memory, for libtorch code that calls linattn's multi-head layer on its own tensors. Element
+/// is float, double or a const of them and must match the dtype; the last axis must be
+/// contiguous. O(1), no copy. Throws c10::Error otherwise.
+template <class Element>
+[[nodiscard]] TensorView<Element> tensor_view(const at::Tensor& t, bool head_first = false) {
+  TORCH_CHECK_VALUE(t.dim() == 4, "linattn: a tensor view needs a 4-D tensor, got ", t.sizes());
+  return detail::torch_bridge::tensor_view_of<Element>(detail::torch_bridge::logical(t, head_first));
+}
+
+/// fla's chunk_linear_attn (normalize defaults to true there, as here).
+[[nodiscard]] inline Result chunk_linear_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              Settings settings = {.normalize = true}) {
+  settings.chunked = true;
+  return run(Op::linear_attn, Inputs{q, k, v, {}, {}, {}, {}, {}}, settings);
+}
+/// fla's chunk_simple_gla with g [B, T, H] (log-gates).
+[[nodiscard]] inline Result chunk_simple_gla(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             const at::Tensor& g, Settings settings = {}) {
+  settings.chunked = true;
+  return run(Op::simple_gla, Inputs{q, k, v, g, {}, {}, {}, {}}, settings);
+}
+/// fla's chunk_gla with g [B, T, H, K] (per-channel log-gates).
+[[nodiscard]] inline Result chunk_gla(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& g, Settings settings = {}) {
+  settings.chunked = true;
+  return run(Op::gla, Inputs{q, k, v, g, {}, {}, {}, {}}, settings);
+}
+/// fla's chunk_delta_rule with beta [B, T, H].
+[[nodiscard]] inline Result chunk_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             const at::Tensor& beta, Settings settings = {}) {
+  settings.chunked = true;
+  return run(Op::delta_rule, Inputs{q, k, v, {}, beta, {}, {}, {}}, settings);
+}
+/// fla's chunk_gated_delta_rule with g (log alpha) and beta, both [B, T, H].
+[[nodiscard]] inline Result chunk_gated_delta_rule(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v, const at::Tensor& g,
+                                                   const at::Tensor& beta, Settings settings = {}) {
+  settings.chunked = true;
+  return run(Op::gated_delta_rule, Inputs{q, k, v, g, beta, {}, {}, {}}, settings);
+}
+
+}  // namespace linattn::fla

@@ -1,0 +1,264 @@
+"""flash-linear-attention's operations on CPU tensors, computed by linattn.
+
+Every function takes fla's arguments with fla's names and defaults and returns fla's
+``(o, final_state)``: q, k ``[B, T, H, K]``, v ``[B, T, H, V]`` (``head_first=True``: ``[B, H,
+T, D]``), float32, float64, bfloat16 or float16; ``scale=None`` means ``K ** -0.5``;
+``initial_state`` / ``final_state`` ``[N, H, K, V]`` (float32, float64 for float64 inputs);
+``cu_seqlens`` packs N sequences along T with B = 1. See docs/pytorch.md for the formulas and
+where linattn's semantics differ from fla's.
+
+Autograd: the linear_attn ops have gradients (linattn's chunked backward) for q, k, v and the
+initial state; the other rules are inference-only for now and raise NotImplementedError from
+backward. Adding a rule's gradients is one function in ``_BACKWARD``.
+"""
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import _ext
+
+__all__ = [
+    "chunk_linear_attn", "fused_recurrent_linear_attn",
+    "chunk_simple_gla", "fused_recurrent_simple_gla",
+    "chunk_gla", "fused_recurrent_gla",
+    "chunk_delta_rule", "fused_recurrent_delta_rule",
+    "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
+]
+
+_Tensor = torch.Tensor
+_State = Union[_Tensor, Tuple[_Tensor, _Tensor]]
+
+
+class _Spec:
+    """The non-tensor arguments of one call (kept on the autograd context)."""
+
+    def __init__(self, rule, scale, chunked, output_final_state, normalize, qk_l2norm,
+                 head_first):
+        self.rule = rule
+        self.scale = scale
+        self.chunked = chunked
+        self.output_final_state = output_final_state
+        self.normalize = normalize
+        self.qk_l2norm = qk_l2norm
+        self.head_first = head_first
+
+
+def _linear_attn_backward(ctx, do, dht, dzt):
+    """Gradients of linear_attn for (q, k, v, g, beta, initial_state, initial_z, cu_seqlens)."""
+    q, k, v, _, _, h0, z0, cu_seqlens = ctx.saved_tensors
+    s = ctx.spec
+    dq, dk, dv, dh0, dz0 = _ext.linear_attn_backward(
+        q, k, v, h0, z0, cu_seqlens, s.scale, s.normalize, s.head_first, do, dht, dzt)
+    cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+    return (cast(dq, q), cast(dk, k), cast(dv, v), None, None,
+            cast(dh0, h0) if h0 is not None else None,
+            cast(dz0, z0) if z0 is not None else None, None)
+
+
+# Rule name -> backward(ctx, d_o, d_final_state, d_final_z) returning the gradients of the
+# eight tensor inputs. Rules missing here are inference-only.
+_BACKWARD = {"linear_attn": _linear_attn_backward}
+
+
+class _Op(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec, q, k, v, g, beta, h0, z0, cu_seqlens):
+        o, ht, zt = _ext.forward(spec.rule, q, k, v, g, beta, h0, z0, cu_seqlens, spec.scale,
+                                 spec.chunked, spec.output_final_state, spec.normalize,
+                                 spec.qk_l2norm, spec.head_first)
+        ctx.spec = spec
+        ctx.save_for_backward(q, k, v, g, beta, h0, z0, cu_seqlens)
+        return o, ht, zt
+
+    @staticmethod
+    def backward(ctx, do, dht, dzt):
+        grad = _BACKWARD.get(ctx.spec.rule)
+        if grad is None:
+            raise NotImplementedError(
+                f"linattn.torch: gradients for {ctx.spec.rule} are not available yet; its ops "
+                "are inference-only (run them under torch.no_grad() or detach the inputs)")
+        return (None,) + tuple(grad(ctx, do, dht, dzt))
+
+
+def _run(rule, q, k, v, g=None, beta=None, scale=None, initial_state=None,
+         output_final_state=False, normalize=False, qk_l2norm=False, cu_seqlens=None,
+         head_first=False, chunked=True):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"linattn.torch: {name} must be a torch.Tensor, got {type(t).__name__}")
+    h0, z0 = initial_state, None
+    if isinstance(initial_state, (tuple, list)):
+        if not normalize or len(initial_state) != 2:
+            raise ValueError("linattn.torch: a (kv_state, z_state) initial_state is for "
+                             "linear_attn with normalize=True")
+        h0, z0 = initial_state
+    if scale is None:
+        scale = k.shape[-1] ** -0.5
+    spec = _Spec(rule, float(scale), chunked, bool(output_final_state), normalize, qk_l2norm,
+                 head_first)
+    o, ht, zt = _Op.apply(spec, q, k, v, g, beta, h0, z0, cu_seqlens)
+    if not output_final_state:
+        return o, None
+    return o, ((ht, zt) if normalize else ht)
+
+
+def _no_reverse(reverse):
+    if reverse:
+        raise NotImplementedError("linattn.torch: reverse=True is not supported (flip the "
+                                  "sequences with torch.flip and call the op)")
+
+
+def chunk_linear_attn(q: _Tensor, k: _Tensor, v: _Tensor, scale: Optional[float] = None,
+                      initial_state: Optional[_State] = None, output_final_state: bool = False,
+                      normalize: bool = True, cu_seqlens: Optional[_Tensor] = None,
+                      head_first: bool = False):
+    """o_t = scale q_t^T S_t, S_t = S_{t-1} + k_t v_t^T; normalize: o_t = q_t^T S_t / (q_t^T z_t
+    + 1e-10 / scale), z_t = z_{t-1} + k_t, and states are (S, z) tuples ([N, 1, H, K] for z)."""
+    return _run("linear_attn", q, k, v, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, normalize=normalize,
+                cu_seqlens=cu_seqlens, head_first=head_first, chunked=True)
+
+
+def fused_recurrent_linear_attn(q: _Tensor, k: _Tensor, v: _Tensor, scale: Optional[float] = None,
+                                initial_state: Optional[_State] = None,
+                                output_final_state: bool = False, reverse: bool = False,
+                                normalize: bool = False, cu_seqlens: Optional[_Tensor] = None,
+                                head_first: bool = False):
+    """chunk_linear_attn token by token (normalize defaults to False, as in fla)."""
+    _no_reverse(reverse)
+    return _run("linear_attn", q, k, v, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, normalize=normalize,
+                cu_seqlens=cu_seqlens, head_first=head_first, chunked=False)
+
+
+def _simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
+                head_first, chunked):
+    if g_gamma is not None:
+        H = q.shape[1] if head_first else q.shape[2]
+        if g_gamma.shape != (H,):
+            raise ValueError(f"linattn.torch: g_gamma must have shape [H] = [{H}], got "
+                             f"{list(g_gamma.shape)}")
+        gamma = g_gamma.view(1, H, 1) if head_first else g_gamma.view(1, 1, H)
+        g = gamma.expand(*q.shape[:3]) if g is None else g + gamma
+    if g is None:  # no gate: fla's simple_gla is then unnormalized linear attention
+        return _run("linear_attn", q, k, v, scale=scale, initial_state=initial_state,
+                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                    head_first=head_first, chunked=chunked)
+    return _run("simple_gla", q, k, v, g=g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                head_first=head_first, chunked=chunked)
+
+
+def chunk_simple_gla(q: _Tensor, k: _Tensor, v: _Tensor, g: Optional[_Tensor] = None,
+                     g_gamma: Optional[_Tensor] = None, scale: Optional[float] = None,
+                     initial_state: Optional[_Tensor] = None, output_final_state: bool = False,
+                     cu_seqlens: Optional[_Tensor] = None, head_first: bool = False):
+    """S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = scale q_t^T S_t; g [B, T, H] log-gates <= 0,
+    g_gamma [H] a constant log-gate per head (added to g)."""
+    return _simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state,
+                       cu_seqlens, head_first, True)
+
+
+def fused_recurrent_simple_gla(q: _Tensor, k: _Tensor, v: _Tensor, g: Optional[_Tensor] = None,
+                               g_gamma: Optional[_Tensor] = None, scale: Optional[float] = None,
+                               initial_state: Optional[_Tensor] = None,
+                               output_final_state: bool = False, reverse: bool = False,
+                               cu_seqlens: Optional[_Tensor] = None, head_first: bool = False):
+    """chunk_simple_gla token by token."""
+    _no_reverse(reverse)
+    return _simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state,
+                       cu_seqlens, head_first, False)
+
+
+def chunk_gla(q: _Tensor, k: _Tensor, v: _Tensor, g: _Tensor, scale: Optional[float] = None,
+              initial_state: Optional[_Tensor] = None, output_final_state: bool = False,
+              cu_seqlens: Optional[_Tensor] = None, head_first: bool = False):
+    """S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale q_t^T S_t; g [B, T, H, K]
+    per-key-channel log-gates <= 0."""
+    return _run("gla", q, k, v, g=g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                head_first=head_first, chunked=True)
+
+
+def fused_recurrent_gla(q: _Tensor, k: _Tensor, v: _Tensor, gk: Optional[_Tensor] = None,
+                        gv: Optional[_Tensor] = None, scale: Optional[float] = None,
+                        initial_state: Optional[_Tensor] = None, output_final_state: bool = False,
+                        reverse: bool = False, cu_seqlens: Optional[_Tensor] = None,
+                        head_first: bool = False):
+    """chunk_gla token by token, the gates named gk as in fla; gv (value-channel gates) is not
+    supported."""
+    _no_reverse(reverse)
+    if gv is not None:
+        raise NotImplementedError("linattn.torch: value-channel gates gv are not supported "
+                                  "(linattn gates the key channels of S)")
+    if gk is None:
+        return _run("linear_attn", q, k, v, scale=scale, initial_state=initial_state,
+                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                    head_first=head_first, chunked=False)
+    return _run("gla", q, k, v, g=gk, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                head_first=head_first, chunked=False)
+
+
+def _ones_beta(q, head_first):
+    return torch.ones(q.shape[:3], dtype=q.dtype)
+
+
+def chunk_delta_rule(q: _Tensor, k: _Tensor, v: _Tensor, beta: _Tensor,
+                     scale: Optional[float] = None, initial_state: Optional[_Tensor] = None,
+                     output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                     cu_seqlens: Optional[_Tensor] = None, head_first: bool = False):
+    """S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = scale q_t^T S_t; beta
+    [B, T, H] in [0, 1]; use_qk_l2norm_in_kernel: q, k <- x / sqrt(|x|^2 + 1e-6) first."""
+    return _run("delta_rule", q, k, v, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, qk_l2norm=use_qk_l2norm_in_kernel,
+                cu_seqlens=cu_seqlens, head_first=head_first, chunked=True)
+
+
+def fused_recurrent_delta_rule(q: _Tensor, k: _Tensor, v: _Tensor, beta: Optional[_Tensor] = None,
+                               scale: Optional[float] = None,
+                               initial_state: Optional[_Tensor] = None,
+                               output_final_state: bool = False,
+                               use_qk_l2norm_in_kernel: bool = False,
+                               cu_seqlens: Optional[_Tensor] = None, head_first: bool = False):
+    """chunk_delta_rule token by token; beta=None means beta = 1 (as in fla)."""
+    if beta is None:
+        beta = _ones_beta(q, head_first)
+    return _run("delta_rule", q, k, v, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, qk_l2norm=use_qk_l2norm_in_kernel,
+                cu_seqlens=cu_seqlens, head_first=head_first, chunked=False)
+
+
+def chunk_gated_delta_rule(q: _Tensor, k: _Tensor, v: _Tensor, g: _Tensor, beta: _Tensor,
+                           scale: Optional[float] = None, initial_state: Optional[_Tensor] = None,
+                           output_final_state: bool = False,
+                           use_qk_l2norm_in_kernel: bool = False,
+                           cu_seqlens: Optional[_Tensor] = None, head_first: bool = False):
+    """S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = scale q_t^T S_t;
+    g [B, T, H] log-gates (log alpha) <= 0, beta [B, T, H] in [0, 1]."""
+    return _run("gated_delta_rule", q, k, v, g=g, beta=beta, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state,
+                qk_l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                head_first=head_first, chunked=True)
+
+
+def fused_recurrent_gated_delta_rule(q: _Tensor, k: _Tensor, v: _Tensor,
+                                     g: Optional[_Tensor] = None, beta: Optional[_Tensor] = None,
+                                     scale: Optional[float] = None,
+                                     initial_state: Optional[_Tensor] = None,
+                                     output_final_state: bool = False,
+                                     use_qk_l2norm_in_kernel: bool = False,
+                                     cu_seqlens: Optional[_Tensor] = None,
+                                     head_first: bool = False):
+    """chunk_gated_delta_rule token by token; g=None means no decay, beta=None beta = 1."""
+    if beta is None:
+        beta = _ones_beta(q, head_first)
+    if g is None:
+        return _run("delta_rule", q, k, v, beta=beta, scale=scale, initial_state=initial_state,
+                    output_final_state=output_final_state, qk_l2norm=use_qk_l2norm_in_kernel,
+                    cu_seqlens=cu_seqlens, head_first=head_first, chunked=False)
+    return _run("gated_delta_rule", q, k, v, g=g, beta=beta, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state,
+                qk_l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                head_first=head_first, chunked=False)

@@ -1,0 +1,79 @@
+// The Python extension behind linattn.torch: linattn/torch.hpp's run() and
+// linear_attn_backward() for the package's autograd functions. The only translation unit that
+// includes torch's headers (they take a minute and gigabytes to compile).
+
+#include <linattn/torch.hpp>
+
+#include <torch/extension.h>
+
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+namespace {
+
+using linattn::fla::Op;
+using OptTensor = std::optional<at::Tensor>;
+
+Op op_from_name(const std::string& name) {
+  if (name == "linear_attn") return Op::linear_attn;
+  if (name == "simple_gla") return Op::simple_gla;
+  if (name == "gla") return Op::gla;
+  if (name == "delta_rule") return Op::delta_rule;
+  if (name == "gated_delta_rule") return Op::gated_delta_rule;
+  TORCH_CHECK_VALUE(false, "linattn: unknown op '", name, "'");
+}
+
+std::tuple<at::Tensor, OptTensor, OptTensor> forward(
+    const std::string& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const OptTensor& g, const OptTensor& beta, const OptTensor& initial_state,
+    const OptTensor& initial_z, const OptTensor& cu_seqlens, std::optional<double> scale,
+    bool chunked, bool output_final_state, bool normalize, bool qk_l2norm, bool head_first) {
+  const linattn::fla::Settings settings{scale, chunked, output_final_state, normalize, qk_l2norm, head_first};
+  linattn::fla::Result r;
+  {
+    pybind11::gil_scoped_release no_gil;  // the run touches no Python object
+    r = linattn::fla::run(op_from_name(op), {q, k, v, g, beta, initial_state, initial_z, cu_seqlens},
+                          settings);
+  }
+  return {r.o, r.final_state, r.final_z};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, OptTensor, OptTensor> linear_attn_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& initial_state,
+    const OptTensor& initial_z, const OptTensor& cu_seqlens, std::optional<double> scale,
+    bool normalize, bool head_first, const at::Tensor& d_o, const OptTensor& d_final_state,
+    const OptTensor& d_final_z) {
+  const linattn::fla::Settings settings{scale, true, false, normalize, false, head_first};
+  linattn::fla::Gradients g;
+  {
+    pybind11::gil_scoped_release no_gil;
+    g = linattn::fla::linear_attn_backward({q, k, v, {}, {}, initial_state, initial_z, cu_seqlens},
+                                           settings, d_o, d_final_state, d_final_z);
+  }
+  return {g.dq, g.dk, g.dv, g.d_initial_state, g.d_initial_z};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_ext, m) {
+  m.doc() = "linattn's CPU kernels for linattn.torch (use the functions of linattn.torch)";
+  m.def("forward", &forward, "run an fla-style op; returns (o, final_state, final_z)",
+        pybind11::arg("op"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
+        pybind11::arg("g"), pybind11::arg("beta"), pybind11::arg("initial_state"),
+        pybind11::arg("initial_z"), pybind11::arg("cu_seqlens"), pybind11::arg("scale"),
+        pybind11::arg("chunked"), pybind11::arg("output_final_state"), pybind11::arg("normalize"),
+        pybind11::arg("qk_l2norm"), pybind11::arg("head_first"));
+  m.def("linear_attn_backward", &linear_attn_backward,
+        "gradients of linear_attn; returns (dq, dk, dv, d_initial_state, d_initial_z)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("initial_state"),
+        pybind11::arg("initial_z"), pybind11::arg("cu_seqlens"), pybind11::arg("scale"),
+        pybind11::arg("normalize"), pybind11::arg("head_first"), pybind11::arg("d_o"),
+        pybind11::arg("d_final_state"), pybind11::arg("d_final_z"));
+}
+
+// linattn::fla::tensor_view is for libtorch code; instantiated here so the build checks it.
+template linattn::TensorView<const float> linattn::fla::tensor_view<const float>(const at::Tensor&, bool);
+template linattn::TensorView<double> linattn::fla::tensor_view<double>(const at::Tensor&, bool);

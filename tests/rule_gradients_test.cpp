@@ -1,0 +1,770 @@
+// Gradients of the write rules (linattn/rule_gradients.hpp): central differences in double of
+// the library's forward for every input of every rule (gates near 0 and 1, beta at 0 and 1,
+// T = 1 and T not a multiple of the chunk); the backward against a reverse-mode derivative of the
+// naive recurrent loop written here from the formulas (with a magnitude run on absolute values
+// for the rounding bounds); float against double; the reductions to Additive (log-gate 0,
+// gamma = 1); beta = 0 cuts the update path; segments; shape errors.
+
+#include <linattn/gradients.hpp>
+#include <linattn/rule_gradients.hpp>
+
+#include <catch2/catch.hpp>
+
+#include "test_support.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+using namespace linattn;
+using linattn_test::MatrixXdR;
+using linattn_test::random_matrix;
+using linattn_test::uniform_matrix;
+using linattn_test::unit_roundoff;
+
+namespace {
+
+using VectorXd = Eigen::VectorXd;
+
+// ---- the oracle: the naive per-token loop and its reverse mode, from the formulas ----------
+
+// Features, values and the rule's inputs of one call, in double.
+struct OracleIn {
+  MatrixXdR qf, kf, V, dY;  // T x r, T x r, T x dv, T x dv
+  MatrixXdR log_gate;       // T x 1 or T x r (Decay: T x 1 of log gamma); empty for delta rules
+  VectorXd beta, log_alpha; // delta rules (log_alpha empty for Delta)
+  MatrixXdR S0, dS_T;       // r x dv
+  VectorXd z0, dz_T;        // r (gated family)
+  bool normalized = false;
+  bool delta = false;
+};
+
+struct OracleOut {
+  MatrixXdR dqf, dkf, dV, d_log_gate, dS0;
+  VectorXd d_beta, d_log_alpha, dz0;
+  MatrixXdR S_T;  // the final state [S, z] (gated family) or S
+  // Magnitude of the terms the gate gradient's cumulative sum adds (per token, per channel).
+  MatrixXdR gate_terms;
+};
+
+// With Abs, every input is read as its absolute value and every subtraction as an addition:
+// the result bounds the magnitude of the terms each gradient entry sums, which rounding errors
+// are proportional to.
+template <bool Abs>
+OracleOut oracle(const OracleIn& in) {
+  const auto A = [](const auto& m) {
+    if constexpr (Abs)
+      return decltype(m.eval())(m.cwiseAbs());
+    else
+      return m.eval();
+  };
+  const double sign = Abs ? 1.0 : -1.0;
+  const MatrixXdR qf = A(in.qf), kf = A(in.kf), V = A(in.V), dY = A(in.dY);
+  const Index T = qf.rows(), r = qf.cols(), dv = V.cols();
+  OracleOut out;
+  out.dqf.setZero(T, r);
+  out.dkf.setZero(T, r);
+  out.dV.setZero(T, dv);
+  out.gate_terms.setZero(T, r);
+  if (!in.delta) {
+    const Index D = dv + 1;
+    std::vector<MatrixXdR> St(T + 1, MatrixXdR(r, D));
+    St[0] << A(in.S0), A(in.z0);
+    const auto gates = [&](Index t) {
+      Eigen::RowVectorXd g(r);
+      for (Index n = 0; n < r; ++n)
+        g(n) = std::exp(in.log_gate(t, in.log_gate.cols() == 1 ? 0 : n));
+      return g;
+    };
+    for (Index t = 0; t < T; ++t) {
+      Eigen::RowVectorXd vx(D);
+      vx << V.row(t), 1.0;
+      St[t + 1] = gates(t).transpose().asDiagonal() * St[t];
+      St[t + 1] += kf.row(t).transpose() * vx;
+    }
+    out.S_T = St[T];
+    MatrixXdR H(r, D);
+    H << A(in.dS_T), A(in.dz_T);
+    out.d_log_gate.setZero(T, in.log_gate.cols());
+    for (Index t = T - 1; t >= 0; --t) {
+      const Eigen::RowVectorXd O = qf.row(t) * St[t + 1];
+      Eigen::RowVectorXd G(D);
+      if (in.normalized) {
+        const double den = O(dv);
+        const Eigen::RowVectorXd y = O.head(dv) / den;
+        G << dY.row(t) / den, sign * dY.row(t).dot(y) / den;
+      } else {
+        G << dY.row(t), 0.0;
+      }
+      out.dqf.row(t) = (St[t + 1] * G.transpose()).transpose();
+      H += qf.row(t).transpose() * G;
+      Eigen::RowVectorXd vx(D);
+      vx << V.row(t), 1.0;
+      out.dkf.row(t) = (H * vx.transpose()).transpose();
+      out.dV.row(t) = (kf.row(t) * H).head(dv);
+      const Eigen::RowVectorXd g = gates(t);
+      const Eigen::RowVectorXd dg = (H.array() * St[t].array()).rowwise().sum().transpose();
+      const Eigen::RowVectorXd dlog = g.array() * dg.array();
+      if (in.log_gate.cols() == 1)
+        out.d_log_gate(t, 0) = dlog.sum();
+      else
+        out.d_log_gate.row(t) = dlog;
+      H = g.transpose().asDiagonal() * H;
+    }
+    out.dS0 = H.leftCols(dv);
+    out.dz0 = H.col(dv);
+    MatrixXdR HT(r, D);
+    HT << A(in.dS_T), A(in.dz_T);
+    out.gate_terms = (qf.array() * out.dqf.array() + kf.array() * out.dkf.array()).matrix();
+    out.gate_terms.row(T - 1) +=
+        (St[T].array() * HT.array()).rowwise().sum().transpose().matrix();
+    return out;
+  }
+  std::vector<MatrixXdR> St(T + 1);
+  St[0] = A(in.S0);
+  const auto alpha = [&](Index t) {
+    return in.log_alpha.size() == 0 ? 1.0 : std::exp(in.log_alpha(t));
+  };
+  for (Index t = 0; t < T; ++t) {
+    const double a = alpha(t), b = std::abs(in.beta(t));
+    const Eigen::RowVectorXd p = kf.row(t) * St[t];
+    const Eigen::RowVectorXd e = V.row(t) + sign * a * p;
+    St[t + 1] = a * St[t] + b * kf.row(t).transpose() * e;
+  }
+  out.S_T = St[T];
+  MatrixXdR H = A(in.dS_T);
+  out.d_beta.setZero(T);
+  out.d_log_alpha.setZero(T);
+  for (Index t = T - 1; t >= 0; --t) {
+    const double a = alpha(t), b = in.beta(t);
+    out.dqf.row(t) = (St[t + 1] * dY.row(t).transpose()).transpose();
+    H += qf.row(t).transpose() * dY.row(t);
+    const Eigen::RowVectorXd p = kf.row(t) * St[t];
+    const Eigen::RowVectorXd e = V.row(t) + sign * a * p;
+    const Eigen::RowVectorXd de = b * (kf.row(t) * H);
+    out.dV.row(t) = de;
+    out.d_beta(t) = kf.row(t).dot((H * e.transpose()).transpose());
+    out.d_log_alpha(t) = a * ((St[t].array() * H.array()).sum() + sign * p.dot(de));
+    const Eigen::RowVectorXd dp = sign * a * de;
+    out.dkf.row(t) = b * (H * e.transpose()).transpose() + (St[t] * dp.transpose()).transpose();
+    H = a * H + kf.row(t).transpose() * dp;
+  }
+  out.dS0 = H;
+  return out;
+}
+
+// ---- the library's calls, one harness per rule ---------------------------------------------
+
+template <class Rule>
+constexpr bool is_delta = Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta;
+
+// One call's inputs and loss L = sum(WY .* Y) + sum(WS .* S_T) (+ sum(wz .* z_T)), in Scalar.
+template <class Phi, class Rule, class Scalar>
+struct Harness {
+  using Attn = RuleAttention<Phi, Rule, Scalar>;
+  using M = RowMatrix<Scalar>;
+  using Vec = ColVector<Scalar>;
+  Attn attn;
+  M Q, K, V, WY, S0, WS, log_gate;
+  Vec z0, wz, beta, log_alpha;
+
+  typename Attn::State initial_state() const {
+    auto st = attn.make_state(K.cols(), V.cols());
+    if constexpr (Rule::keeps_normalizer)
+      st.assign(S0, z0);
+    else
+      st.assign(S0);
+    return st;
+  }
+  template <class F>
+  decltype(auto) with_inputs(F&& f) const {
+    if constexpr (Rule::kind == WriteKind::gated)
+      return f(log_gate);
+    else if constexpr (Rule::kind == WriteKind::delta)
+      return f(beta);
+    else if constexpr (Rule::kind == WriteKind::gated_delta)
+      return f(beta, log_alpha);
+    else
+      return f();
+  }
+  double loss() const {
+    auto st = initial_state();
+    const M Y = with_inputs([&](const auto&... in) { return attn.prefill(st, Q, K, V, in...); });
+    double L = (WY.array() * Y.array()).template cast<double>().sum() +
+               (WS.array() * st.S().array()).template cast<double>().sum();
+    if constexpr (Rule::keeps_normalizer)
+      L += (wz.array() * st.z().array()).template cast<double>().sum();
+    return L;
+  }
+  RuleGradients<Scalar> gradients() const {
+    const auto st = initial_state();
+    StateGradient<Scalar> final_gradient{WS, Rule::keeps_normalizer ? wz : Vec()};
+    return with_inputs([&](const auto&... in) {
+      return prefill_backward(attn, st, Q, K, V, in..., WY, &final_gradient);
+    });
+  }
+};
+
+// Random inputs for a rule: Q, K, V ~ N(0, 1); log-gates uniform in [-2, 0) with the extremes
+// -30 (gate ~ 1e-13) and -1e-6 (gate ~ 1) planted; beta uniform in [0, 1] with 0 and 1 planted;
+// S0 ~ N(0, 1), z0 in [0.5, 1.5) (positive, so normalized reads stay defined).
+template <class Phi, class Rule, class Scalar>
+Harness<Phi, Rule, Scalar> make_harness(const Phi& phi, const Rule& rule, Normalization norm,
+                                        Index T, Index dk, Index dv, Index chunk, bool per_channel,
+                                        std::uint64_t seed) {
+  Options options;
+  options.normalization = norm;
+  options.chunk_size = chunk;
+  Harness<Phi, Rule, Scalar> h{RuleAttention<Phi, Rule, Scalar>(phi, rule, options), {}, {}, {},
+                               {}, {}, {}, {}, {}, {}, {}, {}};
+  const Index r = phi.feature_dim(dk);
+  h.Q = random_matrix<Scalar>(T, dk, seed);
+  h.K = random_matrix<Scalar>(T, dk, seed + 1);
+  h.V = random_matrix<Scalar>(T, dv, seed + 2);
+  h.WY = random_matrix<Scalar>(T, dv, seed + 3);
+  h.S0 = random_matrix<Scalar>(r, dv, seed + 4, 0.5);
+  h.WS = random_matrix<Scalar>(r, dv, seed + 5);
+  h.z0 = uniform_matrix<Scalar>(r, 1, seed + 6, 0.5, 1.5);
+  h.wz = random_matrix<Scalar>(r, 1, seed + 7);
+  h.log_gate = uniform_matrix<Scalar>(T, per_channel ? r : 1, seed + 8, -2.0, 0.0);
+  if (T >= 3) {
+    h.log_gate(0, 0) = Scalar(-30);
+    h.log_gate(1, 0) = Scalar(-1e-6);
+  }
+  h.beta = uniform_matrix<Scalar>(T, 1, seed + 9, 0.0, 1.0);
+  if (T >= 3) {
+    h.beta(0) = 0;
+    h.beta(T - 1) = 1;
+  }
+  h.log_alpha = uniform_matrix<Scalar>(T, 1, seed + 10, -1.0, 0.0);
+  if (T >= 3) {
+    h.log_alpha(1) = Scalar(-30);
+    h.log_alpha(2) = Scalar(-1e-6);
+  }
+  return h;
+}
+
+// d loss / d x(i, j) by a second-order difference with step h: central where [x - h, x + h]
+// lies in [lo, hi], else the one-sided 3-point formula pointing into the interval.
+template <class Mat, class F>
+double numeric_derivative(Mat& x, Index i, Index j, double h, double lo, double hi,
+                          const F& loss) {
+  const double x0 = x(i, j);
+  double d = 0;
+  if (x0 - h >= lo && x0 + h <= hi) {
+    x(i, j) = x0 + h;
+    const double fp = loss();
+    x(i, j) = x0 - h;
+    const double fm = loss();
+    d = (fp - fm) / (2 * h);
+  } else {
+    const double s = x0 + 2 * h <= hi ? 1.0 : -1.0;
+    const double f0 = loss();
+    x(i, j) = x0 + s * h;
+    const double f1 = loss();
+    x(i, j) = x0 + 2 * s * h;
+    const double f2 = loss();
+    d = s * (-3 * f0 + 4 * f1 - f2) / (2 * h);
+  }
+  x(i, j) = x0;
+  return d;
+}
+
+// Every entry of x: |numeric - analytic| <= tol (1 + |analytic|). With step h = 1e-4 on inputs
+// of size O(1), the difference's truncation error is h^2 |f'''| / 6 (about 2e-9 |f'''|; the
+// loss is a polynomial of degree <= 6 in each entry times exponentials of O(1) arguments, so
+// |f'''| stays well below 100 here) and its rounding error about u |L| / h (about 1e-12 |L|):
+// tol = 1e-6 covers both with room.
+template <class Mat, class G, class F>
+void check_fd(const char* what, Mat& x, const G& analytic, double lo, double hi, const F& loss) {
+  constexpr double h = 1e-4, tol = 1e-6;
+  INFO(what << " (" << x.rows() << "x" << x.cols() << ")");
+  REQUIRE(analytic.rows() == x.rows());
+  REQUIRE(analytic.cols() == x.cols());
+  for (Index i = 0; i < x.rows(); ++i)
+    for (Index j = 0; j < x.cols(); ++j) {
+      const double numeric = numeric_derivative(x, i, j, h, lo, hi, loss);
+      const double a = static_cast<double>(analytic(i, j));
+      INFO("entry (" << i << ", " << j << "): numeric " << numeric << ", analytic " << a);
+      CHECK(std::abs(numeric - a) <= tol * (1 + std::abs(a)));
+    }
+}
+
+template <class Phi, class Rule>
+void check_all_inputs(Harness<Phi, Rule, double>& h) {
+  const auto g = h.gradients();
+  const auto L = [&] { return h.loss(); };
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  check_fd("Q", h.Q, g.Q, -inf, inf, L);
+  check_fd("K", h.K, g.K, -inf, inf, L);
+  check_fd("V", h.V, g.V, -inf, inf, L);
+  check_fd("S0", h.S0, g.initial.S, -inf, inf, L);
+  if constexpr (Rule::keeps_normalizer) check_fd("z0", h.z0, g.initial.z, 0.0, inf, L);
+  if constexpr (Rule::kind == WriteKind::gated) check_fd("log_gate", h.log_gate, g.inputs.log_gate, -inf, 0.0, L);
+  if constexpr (is_delta<Rule>) check_fd("beta", h.beta, g.inputs.beta, 0.0, 1.0, L);
+  if constexpr (Rule::kind == WriteKind::gated_delta)
+    check_fd("log_alpha", h.log_alpha, g.inputs.log_alpha, -inf, 0.0, L);
+}
+
+struct Shape {
+  Index T, chunk;
+};
+// T = 1, T a multiple of the chunk, T not a multiple of it, several chunks.
+constexpr Shape kShapes[] = {{1, 4}, {4, 4}, {5, 2}, {7, 3}};
+
+}  // namespace
+
+TEST_CASE("finite differences: every input of Decay and Gated, normalized and not") {
+  for (const Shape s : kShapes) {
+    for (const bool normalized : {false, true}) {
+      INFO("T = " << s.T << ", chunk " << s.chunk << (normalized ? ", strict" : ", unnormalized"));
+      const Normalization norm =
+          normalized ? Normalization::strict() : Normalization::unnormalized();
+      {
+        INFO("decay");
+        auto h = make_harness<EluPlusOne, Decay, double>(EluPlusOne{}, Decay(0.8), norm, s.T, 3,
+                                                         2, s.chunk, false, 11);
+        check_all_inputs(h);
+      }
+      for (const bool per_channel : {false, true}) {
+        INFO((per_channel ? "gated per channel" : "gated, one gate per token"));
+        auto h = make_harness<EluPlusOne, Gated, double>(EluPlusOne{}, Gated{}, norm, s.T, 3, 2,
+                                                         s.chunk, per_channel, 21);
+        check_all_inputs(h);
+      }
+    }
+    {
+      INFO("gated, identity map, unnormalized, T = " << s.T);
+      auto h = make_harness<Identity, Gated, double>(Identity{}, Gated{},
+                                                     Normalization::unnormalized(), s.T, 3, 2,
+                                                     s.chunk, true, 31);
+      check_all_inputs(h);
+    }
+  }
+}
+
+TEST_CASE("finite differences: every input of Delta and GatedDelta") {
+  for (const Shape s : kShapes) {
+    INFO("T = " << s.T << ", chunk " << s.chunk);
+    {
+      INFO("delta, L2Normalize");
+      auto h = make_harness<L2Normalize, Delta, double>(
+          L2Normalize{}, Delta{}, Normalization::unnormalized(), s.T, 3, 2, s.chunk, false, 41);
+      check_all_inputs(h);
+    }
+    {
+      INFO("gated delta, L2Normalize");
+      auto h = make_harness<L2Normalize, GatedDelta, double>(
+          L2Normalize{}, GatedDelta{}, Normalization::unnormalized(), s.T, 3, 2, s.chunk, false,
+          51);
+      check_all_inputs(h);
+    }
+    {
+      INFO("gated delta, identity map");
+      auto h = make_harness<Identity, GatedDelta, double>(
+          Identity{}, GatedDelta{}, Normalization::unnormalized(), s.T, 3, 2, s.chunk, false, 61);
+      check_all_inputs(h);
+    }
+  }
+}
+
+namespace {
+
+// The oracle's inputs from a harness whose map is Identity (features = inputs) or EluPlusOne
+// (features from the definition here; dQ = dqf .* phi'(Q) after the oracle).
+template <class Phi, class Rule>
+OracleIn oracle_inputs(const Harness<Phi, Rule, double>& h, bool elu) {
+  OracleIn in;
+  const auto feat = [&](const MatrixXdR& X) {
+    return elu ? MatrixXdR(X.unaryExpr([](double x) { return linattn_test::elu_plus_one(x); }))
+               : X;
+  };
+  in.qf = feat(h.Q);
+  in.kf = feat(h.K);
+  in.V = h.V;
+  in.dY = h.WY;
+  in.S0 = h.S0;
+  in.dS_T = h.WS;
+  in.normalized = h.attn.options().normalization.divides();
+  in.delta = is_delta<Rule>;
+  if constexpr (Rule::kind == WriteKind::decay)
+    in.log_gate = MatrixXdR::Constant(h.Q.rows(), 1, std::log(h.attn.rule().gamma()));
+  if constexpr (Rule::kind == WriteKind::gated) in.log_gate = h.log_gate;
+  if constexpr (Rule::keeps_normalizer) {
+    in.z0 = h.z0;
+    in.dz_T = h.wz;
+  }
+  if constexpr (is_delta<Rule>) in.beta = h.beta;
+  if constexpr (Rule::kind == WriteKind::gated_delta) in.log_alpha = h.log_alpha;
+  return in;
+}
+
+// phi'(x) of the map the oracle used, entry by entry (1 for Identity).
+MatrixXdR map_derivative(const MatrixXdR& X, bool elu) {
+  if (!elu) return MatrixXdR::Ones(X.rows(), X.cols());
+  return X.unaryExpr([](double x) { return x > 0 ? 1.0 : std::exp(x); });
+}
+
+// Rounding bound, in units of u, for an entry of the backward: each entry is a sum over at most
+// T tokens of terms built from dot products over r features or dv + 1 value columns and in-chunk
+// sums of at most C rows (T + C + r + dv + 1 roundings each, doubled for the quotient rule's
+// two sums and for the gate gradient's reverse cumulative sum); each decay weight exp(B) comes
+// from a cumulative sum of at most C log-gates, whose rounding (C u |B|, |B| <= 30 + 2 C with the
+// planted -30 and log-gates in [-2, 0)) moves the weight by that relative amount.
+double backward_units(Index T, Index C, Index r, Index dv) {
+  return 4.0 * static_cast<double>(T + C + r + dv + 1) +
+         static_cast<double>(C) * (30.0 + 2.0 * static_cast<double>(C));
+}
+
+// |actual - expected| <= units * u * magnitude, entry by entry (a tiny absolute floor of u for
+// entries whose magnitude underflows).
+template <class MA, class ME, class MM>
+void check_rounding(const char* what, const MA& actual, const ME& expected, const MM& magnitude,
+                    double units, double u) {
+  INFO(what);
+  REQUIRE(actual.rows() == expected.rows());
+  REQUIRE(actual.cols() == expected.cols());
+  double worst = 0;
+  for (Index i = 0; i < expected.rows(); ++i)
+    for (Index j = 0; j < expected.cols(); ++j) {
+      const double err = std::abs(static_cast<double>(actual(i, j)) - expected(i, j));
+      const double allowed = units * u * magnitude(i, j) + u;
+      worst = std::max(worst, err / allowed);
+    }
+  INFO("worst error / bound = " << worst);
+  CHECK(worst <= 1.0);
+}
+
+// The library's backward (Scalar) against the oracle in double, with its magnitude run.
+template <class Scalar, class Phi, class Rule>
+void check_against_oracle(const Harness<Phi, Rule, double>& hd, bool elu, double u) {
+  Harness<Phi, Rule, Scalar> h{RuleAttention<Phi, Rule, Scalar>(hd.attn.feature_map(),
+                                                                hd.attn.rule(), hd.attn.options()),
+                               hd.Q.template cast<Scalar>(),  hd.K.template cast<Scalar>(),
+                               hd.V.template cast<Scalar>(),  hd.WY.template cast<Scalar>(),
+                               hd.S0.template cast<Scalar>(), hd.WS.template cast<Scalar>(),
+                               hd.log_gate.template cast<Scalar>(), hd.z0.template cast<Scalar>(),
+                               hd.wz.template cast<Scalar>(), hd.beta.template cast<Scalar>(),
+                               hd.log_alpha.template cast<Scalar>()};
+  // The oracle sees exactly the inputs the library got (rounded to Scalar).
+  Harness<Phi, Rule, double> exact{hd.attn,
+                                   h.Q.template cast<double>(),
+                                   h.K.template cast<double>(),
+                                   h.V.template cast<double>(),
+                                   h.WY.template cast<double>(),
+                                   h.S0.template cast<double>(),
+                                   h.WS.template cast<double>(),
+                                   h.log_gate.template cast<double>(),
+                                   h.z0.template cast<double>(),
+                                   h.wz.template cast<double>(),
+                                   h.beta.template cast<double>(),
+                                   h.log_alpha.template cast<double>()};
+  const OracleIn in = oracle_inputs(exact, elu);
+  const OracleOut ref = oracle<false>(in);
+  const OracleOut mag = oracle<true>(in);
+  const auto g = h.gradients();
+  const Index T = hd.Q.rows(), r = in.qf.cols(), dv = hd.V.cols();
+  const Index C = std::min(hd.attn.chunk_size(r, dv), std::max<Index>(T, 1));
+  const double units = backward_units(T, C, r, dv);
+  const MatrixXdR dq_phi = map_derivative(exact.Q, elu), dk_phi = map_derivative(exact.K, elu);
+  check_rounding("dQ", g.Q, MatrixXdR(ref.dqf.cwiseProduct(dq_phi)),
+                 MatrixXdR(mag.dqf.cwiseProduct(dq_phi)), units, u);
+  check_rounding("dK", g.K, MatrixXdR(ref.dkf.cwiseProduct(dk_phi)),
+                 MatrixXdR(mag.dkf.cwiseProduct(dk_phi)), units, u);
+  check_rounding("dV", g.V, ref.dV, mag.dV, units, u);
+  check_rounding("dS0", g.initial.S, ref.dS0, mag.dS0, units, u);
+  if constexpr (Rule::keeps_normalizer) check_rounding("dz0", g.initial.z, ref.dz0, mag.dz0, units, u);
+  if constexpr (Rule::kind == WriteKind::gated) {
+    // The library sums the terms q .* dq + k .* dk of every later token: bound by their total.
+    MatrixXdR total(ref.d_log_gate.rows(), ref.d_log_gate.cols());
+    const Index gc = ref.d_log_gate.cols();
+    for (Index t = 0; t < T; ++t)
+      for (Index c = 0; c < gc; ++c)
+        total(t, c) = gc == 1 ? mag.gate_terms.bottomRows(T - t).sum()
+                              : mag.gate_terms.col(c).tail(T - t).sum();
+    check_rounding("d log_gate", g.inputs.log_gate, ref.d_log_gate, total, units, u);
+  }
+  if constexpr (is_delta<Rule>) check_rounding("d beta", g.inputs.beta, ref.d_beta, mag.d_beta, units, u);
+  if constexpr (Rule::kind == WriteKind::gated_delta) {
+    // The chunked form splits d log_alpha_s into per-chunk terms (pairs of tokens of the chunk,
+    // the state before it, the state after it) and sums them from the chunk's end: each such term
+    // crosses at least one token of the chunk, so the chunk's total of the per-token magnitudes
+    // bounds what that sum adds.
+    VectorXd total(T);
+    for (Index t = 0; t < T; ++t) {
+      const Index first = t / C * C, n = std::min(C, T - first);
+      total(t) = mag.d_log_alpha.segment(first, n).sum();
+    }
+    check_rounding("d log_alpha", g.inputs.log_alpha, ref.d_log_alpha, total, units, u);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("backward equals the reverse mode of the naive loop, double and float") {
+  constexpr Index T = 37, dk = 4, dv = 3;
+  for (const Index chunk : {Index{1}, Index{8}, Index{16}}) {
+    INFO("chunk " << chunk);
+    for (const bool normalized : {false, true}) {
+      INFO((normalized ? "strict" : "unnormalized"));
+      const Normalization norm =
+          normalized ? Normalization::strict() : Normalization::unnormalized();
+      const auto decay = make_harness<EluPlusOne, Decay, double>(EluPlusOne{}, Decay(0.9), norm,
+                                                                  T, dk, dv, chunk, false, 101);
+      check_against_oracle<double>(decay, true, unit_roundoff<double>());
+      check_against_oracle<float>(decay, true, unit_roundoff<float>());
+      for (const bool per_channel : {false, true}) {
+        INFO((per_channel ? "per channel" : "one gate per token"));
+        const auto gated = make_harness<EluPlusOne, Gated, double>(
+            EluPlusOne{}, Gated{}, norm, T, dk, dv, chunk, per_channel, 111);
+        check_against_oracle<double>(gated, true, unit_roundoff<double>());
+        check_against_oracle<float>(gated, true, unit_roundoff<float>());
+      }
+    }
+    auto delta = make_harness<Identity, Delta, double>(Identity{}, Delta{},
+                                                       Normalization::unnormalized(), T, dk, dv,
+                                                       chunk, false, 121);
+    delta.K /= 2.0;  // |k| about 1: I - beta k k^T about a contraction, the state stays O(1)
+    check_against_oracle<double>(delta, false, unit_roundoff<double>());
+    check_against_oracle<float>(delta, false, unit_roundoff<float>());
+    auto gated_delta = make_harness<Identity, GatedDelta, double>(
+        Identity{}, GatedDelta{}, Normalization::unnormalized(), T, dk, dv, chunk, false, 131);
+    gated_delta.K /= 2.0;
+    check_against_oracle<double>(gated_delta, false, unit_roundoff<double>());
+    check_against_oracle<float>(gated_delta, false, unit_roundoff<float>());
+  }
+}
+
+TEST_CASE("log-gate 0 and gamma = 1 give Additive's gradients") {
+  constexpr Index T = 29, dk = 4, dv = 3;
+  for (const bool normalized : {false, true}) {
+    INFO((normalized ? "strict" : "unnormalized"));
+    Options options;
+    options.normalization = normalized ? Normalization::strict() : Normalization::unnormalized();
+    options.chunk_size = 8;
+    const LinearAttention<EluPlusOne, double> additive(EluPlusOne{}, options);
+    auto h = make_harness<EluPlusOne, Gated, double>(EluPlusOne{}, Gated{}, options.normalization,
+                                                     T, dk, dv, 8, true, 141);
+    auto st = additive.make_state(dk, dv);
+    st.assign(h.S0, h.z0);
+    const StateGradient<double> final_gradient{h.WS, h.wz};
+    const auto ref = prefill_backward(additive, st, h.Q, h.K, h.V, h.WY, &final_gradient);
+    // Magnitudes for the bound: the oracle on absolute values with log-gates 0.
+    h.log_gate.setZero();
+    const OracleOut mag = oracle<true>(oracle_inputs(h, true));
+    const MatrixXdR dq_phi = map_derivative(h.Q, true), dk_phi = map_derivative(h.K, true);
+    const double units = backward_units(T, 8, dk, dv), u = unit_roundoff<double>();
+    const auto compare = [&](const char* what, const auto& g) {
+      INFO(what);
+      check_rounding("dQ", g.Q, ref.Q, MatrixXdR(mag.dqf.cwiseProduct(dq_phi)), units, u);
+      check_rounding("dK", g.K, ref.K, MatrixXdR(mag.dkf.cwiseProduct(dk_phi)), units, u);
+      check_rounding("dV", g.V, ref.V, mag.dV, units, u);
+      check_rounding("dS0", g.initial.S, ref.initial.S, mag.dS0, units, u);
+      check_rounding("dz0", g.initial.z, ref.initial.z, mag.dz0, units, u);
+    };
+    compare("gated, per-channel log-gates 0", h.gradients());
+    h.log_gate = MatrixXdR::Zero(T, 1);
+    compare("gated, one log-gate 0 per token", h.gradients());
+    const auto decay = make_harness<EluPlusOne, Decay, double>(
+        EluPlusOne{}, Decay(1.0), options.normalization, T, dk, dv, 8, false, 141);
+    compare("decay, gamma = 1", decay.gradients());
+  }
+}
+
+TEST_CASE("beta = 0 gives zero gradients into the update path") {
+  constexpr Index T = 13, dk = 4, dv = 3;
+  auto delta = make_harness<L2Normalize, Delta, double>(
+      L2Normalize{}, Delta{}, Normalization::unnormalized(), T, dk, dv, 4, false, 151);
+  auto gated_delta = make_harness<L2Normalize, GatedDelta, double>(
+      L2Normalize{}, GatedDelta{}, Normalization::unnormalized(), T, dk, dv, 4, false, 161);
+  const auto check = [](const auto& h, const char* what) {
+    INFO(what);
+    const auto g = h.gradients();
+    for (Index t = 0; t < T; ++t) {
+      INFO("token " << t << ", beta " << h.beta(t));
+      if (h.beta(t) == 0) {
+        // The token writes nothing: its key and value cannot move the loss.
+        CHECK(g.K.row(t).cwiseAbs().maxCoeff() == 0.0);
+        CHECK(g.V.row(t).cwiseAbs().maxCoeff() == 0.0);
+      } else {
+        CHECK(g.V.row(t).cwiseAbs().maxCoeff() > 0.0);
+      }
+    }
+  };
+  for (Index t = 0; t < T; t += 2) {
+    delta.beta(t) = 0;
+    gated_delta.beta(t) = 0;
+  }
+  check(delta, "delta, every other beta 0");
+  check(gated_delta, "gated delta, every other beta 0");
+  delta.beta.setZero();
+  check(delta, "delta, all beta 0");
+  // With no write, dS0 is the read's and the final state's gradient carried back unchanged.
+  const auto g = delta.gradients();
+  const MatrixXdR qf = MatrixXdR(delta.Q.rowwise().normalized());
+  const MatrixXdR expected = delta.WS + qf.transpose() * delta.WY;
+  check_rounding("dS0 with all beta 0", g.initial.S, expected,
+                 MatrixXdR(delta.WS.cwiseAbs() + qf.cwiseAbs().transpose() * delta.WY.cwiseAbs()),
+                 static_cast<double>(T + dk + 2), unit_roundoff<double>());
+}
+
+TEST_CASE("segments: the state and its gradient carried between calls") {
+  constexpr Index T = 23, split = 9, dk = 4, dv = 3;
+  const auto run = [&](auto h, const char* what) {
+    INFO(what);
+    using H = decltype(h);
+    const auto whole = h.gradients();
+    H first = h, second = h;
+    first.Q = h.Q.topRows(split);
+    first.K = h.K.topRows(split);
+    first.V = h.V.topRows(split);
+    first.WY = h.WY.topRows(split);
+    second.Q = h.Q.bottomRows(T - split);
+    second.K = h.K.bottomRows(T - split);
+    second.V = h.V.bottomRows(T - split);
+    second.WY = h.WY.bottomRows(T - split);
+    for (auto* m : {&first.log_gate, &second.log_gate}) static_cast<void>(m);
+    first.log_gate = h.log_gate.topRows(split);
+    second.log_gate = h.log_gate.bottomRows(T - split);
+    first.beta = h.beta.head(split);
+    second.beta = h.beta.tail(T - split);
+    first.log_alpha = h.log_alpha.head(split);
+    second.log_alpha = h.log_alpha.tail(T - split);
+    // The second segment starts from the state the first one leaves.
+    auto st = first.initial_state();
+    first.with_inputs([&](const auto&... in) {
+      static_cast<void>(first.attn.prefill(st, first.Q, first.K, first.V, in...));
+    });
+    second.S0 = st.S();
+    if constexpr (std::decay_t<decltype(h.attn.rule())>::keeps_normalizer) second.z0 = st.z();
+    const auto g2 = second.gradients();
+    first.WS = g2.initial.S;
+    first.wz = g2.initial.z;
+    const auto g1 = first.gradients();
+    // Both ways compute the same sums in a different order: compare to a bound of the same
+    // form as the oracle test's, with the magnitude of the whole call's gradients.
+    const double tol = 1e-11;  // (T + C + r + dv) u |grad| with |grad| = O(10): about 1e-13
+    const auto near = [&](const auto& a, const auto& b) {
+      return (a - b).cwiseAbs().maxCoeff() <= tol * (1 + b.cwiseAbs().maxCoeff());
+    };
+    CHECK(near(g1.Q, whole.Q.topRows(split)));
+    CHECK(near(g2.Q, whole.Q.bottomRows(T - split)));
+    CHECK(near(g1.K, whole.K.topRows(split)));
+    CHECK(near(g2.K, whole.K.bottomRows(T - split)));
+    CHECK(near(g1.V, whole.V.topRows(split)));
+    CHECK(near(g2.V, whole.V.bottomRows(T - split)));
+    CHECK(near(g1.initial.S, whole.initial.S));
+    if (whole.inputs.log_gate.size() > 0) {
+      CHECK(near(g1.inputs.log_gate, whole.inputs.log_gate.topRows(split)));
+      CHECK(near(g2.inputs.log_gate, whole.inputs.log_gate.bottomRows(T - split)));
+    }
+    if (whole.inputs.beta.size() > 0) {
+      CHECK(near(g1.inputs.beta, whole.inputs.beta.head(split)));
+      CHECK(near(g2.inputs.beta, whole.inputs.beta.tail(T - split)));
+    }
+    if (whole.inputs.log_alpha.size() > 0) {
+      CHECK(near(g1.inputs.log_alpha, whole.inputs.log_alpha.head(split)));
+      CHECK(near(g2.inputs.log_alpha, whole.inputs.log_alpha.tail(T - split)));
+    }
+  };
+  run(make_harness<EluPlusOne, Gated, double>(EluPlusOne{}, Gated{}, Normalization::strict(), T,
+                                              dk, dv, 4, true, 171),
+      "gated per channel, strict");
+  run(make_harness<EluPlusOne, Decay, double>(EluPlusOne{}, Decay(0.7), Normalization::strict(), T,
+                                              dk, dv, 4, false, 181),
+      "decay, strict");
+  run(make_harness<L2Normalize, GatedDelta, double>(L2Normalize{}, GatedDelta{},
+                                                    Normalization::unnormalized(), T, dk, dv, 4,
+                                                    false, 191),
+      "gated delta");
+}
+
+TEST_CASE("rule backward: errors") {
+  constexpr Index T = 6, dk = 3, dv = 2;
+  const auto h = make_harness<EluPlusOne, Gated, double>(EluPlusOne{}, Gated{},
+                                                         Normalization::strict(), T, dk, dv, 4,
+                                                         false, 201);
+  const MatrixXdR bad_dY = MatrixXdR::Zero(T, dv + 1);
+  CHECK_THROWS_AS(parallel_backward(h.attn, h.Q, h.K, h.V, h.log_gate, Mask::causal, bad_dY),
+                  ShapeError);
+  const MatrixXdR bad_gates = MatrixXdR::Zero(T, 2);
+  CHECK_THROWS_AS(parallel_backward(h.attn, h.Q, h.K, h.V, bad_gates, Mask::causal, h.WY),
+                  ShapeError);
+  MatrixXdR positive = h.log_gate;
+  positive(2, 0) = 0.5;
+  CHECK_THROWS_AS(parallel_backward(h.attn, h.Q, h.K, h.V, positive, Mask::causal, h.WY),
+                  std::invalid_argument);
+  const auto st = h.initial_state();
+  const StateGradient<double> bad_final{MatrixXdR::Zero(dk + 1, dv), VectorXd::Zero(dk)};
+  CHECK_THROWS_AS(prefill_backward(h.attn, st, h.Q, h.K, h.V, h.log_gate, h.WY, &bad_final),
+                  ShapeError);
+  const RuleAttention<Identity, Gated, double> other;
+  CHECK_THROWS_AS(prefill_backward(other, st, h.Q, h.K, h.V, h.log_gate, h.WY), StateMismatchError);
+  const VectorXd bad_beta = VectorXd::Constant(T, 1.5);
+  const RuleAttention<L2Normalize, Delta, double> delta;
+  CHECK_THROWS_AS(parallel_backward(delta, h.Q, h.K, h.V, bad_beta, Mask::causal, h.WY),
+                  std::invalid_argument);
+  // A normalized read whose denominator is not positive throws as the forward does.
+  const RuleAttention<Identity, Gated, double> identity_strict;
+  const MatrixXdR negative_keys = -h.Q.cwiseAbs();
+  CHECK_THROWS_AS(parallel_backward(identity_strict, h.Q.cwiseAbs(), negative_keys, h.V,
+                                    h.log_gate, Mask::causal, h.WY),
+                  DenominatorError);
+}
+
+TEST_CASE("parallel_backward equals prefill_backward from an empty state") {
+  constexpr Index T = 11, dk = 3, dv = 2;
+  auto h = make_harness<EluPlusOne, Gated, double>(EluPlusOne{}, Gated{}, Normalization::strict(),
+                                                   T, dk, dv, 4, true, 211);
+  const auto p = parallel_backward(h.attn, h.Q, h.K, h.V, h.log_gate, Mask::causal, h.WY);
+  h.S0.setZero();
+  h.z0.setZero();
+  h.WS.setZero();
+  h.wz.setZero();
+  const auto q = h.gradients();
+  CHECK(p.Q == q.Q);
+  CHECK(p.K == q.K);
+  CHECK(p.V == q.V);
+  CHECK(p.inputs.log_gate == q.inputs.log_gate);
+  CHECK(p.initial.S == q.initial.S);
+  auto gd = make_harness<L2Normalize, GatedDelta, double>(
+      L2Normalize{}, GatedDelta{}, Normalization::unnormalized(), T, dk, dv, 4, false, 221);
+  const auto pd = parallel_backward(gd.attn, gd.Q, gd.K, gd.V, gd.beta, gd.log_alpha,
+                                    Mask::causal, gd.WY);
+  gd.S0.setZero();
+  gd.WS.setZero();
+  const auto qd = gd.gradients();
+  CHECK(pd.Q == qd.Q);
+  CHECK(pd.inputs.beta == qd.inputs.beta);
+  CHECK(pd.inputs.log_alpha == qd.inputs.log_alpha);
+  const RuleAttention<EluPlusOne, Decay, double> decay(EluPlusOne{}, Decay(0.5));
+  const auto dd = parallel_backward(decay, h.Q, h.K, h.V, Mask::causal, h.WY);
+  CHECK(dd.inputs.log_gate.size() == 0);
+  CHECK(dd.initial.z.size() == dk);
+}
+
+TEST_CASE("parallel_backward_into writes strided views with parallel_backward's bits") {
+  constexpr Index T = 10, dk = 3, dv = 2, heads = 2;
+  const auto h = make_harness<EluPlusOne, Gated, double>(EluPlusOne{}, Gated{},
+                                                         Normalization::strict(), T, dk, dv, 4,
+                                                         true, 231);
+  const auto g = parallel_backward(h.attn, h.Q, h.K, h.V, h.log_gate, Mask::causal, h.WY);
+  // Head 1's columns of [T, heads d] buffers.
+  MatrixXdR dQ = MatrixXdR::Zero(T, heads * dk), dK = dQ, dV = MatrixXdR::Zero(T, heads * dv);
+  using View = Eigen::Map<MatrixXdR, 0, Eigen::OuterStride<>>;
+  View q(dQ.data() + dk, T, dk, Eigen::OuterStride<>(heads * dk));
+  View k(dK.data() + dk, T, dk, Eigen::OuterStride<>(heads * dk));
+  View v(dV.data() + dv, T, dv, Eigen::OuterStride<>(heads * dv));
+  RuleInputGradients<double> d_in;
+  StateGradient<double> initial;
+  parallel_backward_into(h.attn, h.Q, h.K, h.V, h.log_gate, Mask::causal, h.WY,
+                         GradientsRef<double>{q, k, v}, d_in, &initial);
+  CHECK(MatrixXdR(q) == g.Q);
+  CHECK(MatrixXdR(k) == g.K);
+  CHECK(MatrixXdR(v) == g.V);
+  CHECK(d_in.log_gate == g.inputs.log_gate);
+  CHECK(initial.S == g.initial.S);
+  CHECK(dQ.leftCols(dk).cwiseAbs().maxCoeff() == 0.0);  // the other head's columns untouched
+}
