@@ -2,8 +2,8 @@
 /// \file mpi_gradients.hpp
 /// mpi::prefill_backward: the gradients of a sequence-parallel causal prefill of the additive
 /// rule (LinearAttention), one head, each rank holding a contiguous slice of the sequence
-/// (CMake target linattn::mpi). The write rules' gradients do not exist yet (gradients.hpp has
-/// the additive rule only), so neither does their distributed backward.
+/// (CMake target linattn::mpi). The write rules have single-process gradients
+/// (rule_gradients.hpp) but no distributed backward yet (docs/distributed.md says what it needs).
 ///
 /// Math (gradients.hpp; REFERENCES.md sections 7 and 8). With rank p's slice of T_p tokens,
 /// kf_t = phi(k_t), v'_t = [v_t, 1], the state gradient H flowing into the state after the
@@ -18,7 +18,7 @@
 /// rank order: C_p = S_init + S_0 + ... + S_{p-1}.
 ///
 /// Cost per rank: the single-process backward of T_p tokens, plus 2 T_p r dv flops for S_p and
-/// 4 T_p r dv for the H terms and the feature map's chain rule once more; three gathers of
+/// 4 T_p r dv for the H terms and the feature map's chain rule once more; two gathers of
 /// (r dv + r) scalars (slice sums and L_p) and two records, two broadcasts of r dv + r scalars
 /// (the initial state from rank 0, the final-state gradient from the last rank): independent
 /// of T.
@@ -37,6 +37,7 @@
 #include <Eigen/Core>
 #include <mpi.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace linattn::mpi {
@@ -123,11 +124,13 @@ template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
   const auto& dYm = ld::materialize(dY);
   RowMatrix<Scalar> kf(T, r);
   std::vector<Scalar> sums(static_cast<std::size_t>(m)), all(static_cast<std::size_t>(m * P));
-  {
+  if (T > 0) {  // (Eigen's column sums of an empty matrix offset a null pointer)
     Eigen::Ref<RowMatrix<Scalar>> f(kf);
     attn.feature_map().apply(Km, f);
     Eigen::Map<RowMatrix<Scalar>>(sums.data(), r, dv).noalias() = kf.transpose() * Vm;
     Eigen::Map<ColVector<Scalar>>(sums.data() + r * dv, r) = kf.colwise().sum().transpose();
+  } else {
+    std::fill(sums.begin(), sums.end(), Scalar(0));
   }
   ld::check_mpi(MPI_Allgather(sums.data(), count, ld::mpi_type<Scalar>(), all.data(), count,
                               ld::mpi_type<Scalar>(), comm),
