@@ -64,7 +64,7 @@ fi
 
 # ---- build ------------------------------------------------------------------------------------
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DLINATTN_BUILD_BENCH=ON \
-  "${arch[@]}" -DLINATTN_BUILD_TESTS=OFF -DLINATTN_BUILD_EXAMPLES=OFF >/dev/null
+  "${arch[@]}" -DLINATTN_BUILD_TESTS=OFF -DLINATTN_BUILD_EXAMPLES=OFF -DLINATTN_TORCH=OFF >/dev/null
 if [ "$build_only" -eq 1 ]; then
   cmake --build "$build" -j "$jobs"
   echo "bench.sh: built every benchmark in $build"
