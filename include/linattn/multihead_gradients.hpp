@@ -10,7 +10,8 @@
 /// g = h / G (G = H_q / H_kv), so dQ[h] is that read's dQ, and dK[g], dV[g] are the sums of the
 /// single-head dK, dV over the G query heads of the group (each from linattn/gradients.hpp's
 /// parallel_backward_into on views of the buffers). Padded rows (SequenceLayout::padded) get
-/// zero gradients and their inputs are never read; packed sequences see only their own rows.
+/// zero gradients and their inputs are never read; packed sequences see only their own rows; a
+/// sequence with no queries or no keys gets zero gradients.
 ///
 /// Threads: the work items (sequence, key/value head) run on the layer's executor when the call
 /// has enough work (as the forward); each item sums its group's heads in head order into its
@@ -84,6 +85,13 @@ void parallel_backward_into(const MultiHeadAttention<LinearAttention<Phi, Scalar
       detail::zero_rows(grads.Q.slice(entry, q_len, Q.times() - q_len, g * G, G));
       detail::zero_rows(grads.K.slice(entry, k_len, K.times() - k_len, g, 1));
       detail::zero_rows(grads.V.slice(entry, k_len, V.times() - k_len, g, 1));
+    }
+    if (q_len == 0 || k_len == 0) {
+      // No query reads a key: every gradient of this sequence is zero (its rows, if any).
+      detail::zero_rows(grads.Q.slice(entry, first, q_len, g * G, G));
+      detail::zero_rows(grads.K.slice(entry, first, k_len, g, 1));
+      detail::zero_rows(grads.V.slice(entry, first, k_len, g, 1));
+      return;
     }
     const auto k = K.head_rows(entry, g, first, k_len);
     const auto v = V.head_rows(entry, g, first, k_len);
