@@ -13,6 +13,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "multihead_buffers.hpp"
 #include "test_support.hpp"
 
 #include <cmath>
@@ -20,36 +21,13 @@
 #include <vector>
 
 using namespace linattn;
+using linattn_test::cut;
+using linattn_test::flat;
+using linattn_test::Layout;
+using linattn_test::random_buffer;
+using linattn_test::view;
 
 namespace {
-
-enum class Layout { batch_first, head_first };
-
-Index flat(Layout l, Index b, Index t, Index h, Index c, Index T, Index H, Index d) {
-  return l == Layout::batch_first ? ((b * T + t) * H + h) * d + c : ((b * H + h) * T + t) * d + c;
-}
-
-template <class Scalar>
-std::vector<Scalar> random_buffer(Index n, std::uint64_t seed) {
-  const auto m = linattn_test::random_matrix<Scalar>(1, n, seed);
-  return {m.data(), m.data() + n};
-}
-
-template <class Scalar>
-TensorView<Scalar> view(Layout l, Scalar* p, Index B, Index T, Index H, Index d) {
-  return l == Layout::batch_first ? TensorView<Scalar>::batch_first(p, B, T, H, d)
-                                  : TensorView<Scalar>::head_first(p, B, H, T, d);
-}
-
-template <class Scalar>
-RowMatrix<Scalar> cut(const std::vector<Scalar>& buf, Layout l, Index b, Index h, Index first,
-                      Index n, Index T, Index H, Index d) {
-  RowMatrix<Scalar> m(n, d);
-  for (Index t = 0; t < n; ++t)
-    for (Index c = 0; c < d; ++c)
-      m(t, c) = buf[static_cast<std::size_t>(flat(l, b, first + t, h, c, T, H, d))];
-  return m;
-}
 
 // One multi-head problem: buffers for Q, K, V, dY and the three gradients, in one layout.
 template <class Scalar>

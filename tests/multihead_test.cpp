@@ -11,6 +11,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "multihead_buffers.hpp"
 #include "test_support.hpp"
 
 #include <atomic>
@@ -24,6 +25,11 @@
 
 using namespace linattn;
 using linattn_test::bound_units;
+using linattn_test::cut;
+using linattn_test::flat;
+using linattn_test::Layout;
+using linattn_test::random_buffer;
+using linattn_test::view;
 using linattn_test::naive_attention;
 using linattn_test::worst_error_ratio;
 
@@ -41,37 +47,6 @@ EluLayer<Scalar> elu_layer(HeadConfig heads, Index chunk = kAuto, Index block = 
   opt.chunk_size = chunk;
   opt.decode_block = block;
   return EluLayer<Scalar>(heads, Elu<Scalar>(EluPlusOne{}, opt));
-}
-
-enum class Layout { batch_first, head_first };
-
-// Flat offset of element (b, t, h, c) of a row-major [B, T, H, d] or [B, H, T, d] buffer,
-// written out independently of TensorView.
-Index flat(Layout l, Index b, Index t, Index h, Index c, Index T, Index H, Index d) {
-  return l == Layout::batch_first ? ((b * T + t) * H + h) * d + c : ((b * H + h) * T + t) * d + c;
-}
-
-template <class Scalar>
-std::vector<Scalar> random_buffer(Index n, std::uint64_t seed) {
-  const auto m = linattn_test::random_matrix<Scalar>(1, n, seed);
-  return {m.data(), m.data() + n};
-}
-
-template <class Scalar>
-TensorView<Scalar> view(Layout l, Scalar* p, Index B, Index T, Index H, Index d) {
-  return l == Layout::batch_first ? TensorView<Scalar>::batch_first(p, B, T, H, d)
-                                  : TensorView<Scalar>::head_first(p, B, H, T, d);
-}
-
-// Rows [first, first + n) of head h of entry b, copied into a contiguous matrix.
-template <class Scalar>
-RowMatrix<Scalar> cut(const std::vector<Scalar>& buf, Layout l, Index b, Index h, Index first,
-                      Index n, Index T, Index H, Index d) {
-  RowMatrix<Scalar> m(n, d);
-  for (Index t = 0; t < n; ++t)
-    for (Index c = 0; c < d; ++c)
-      m(t, c) = buf[static_cast<std::size_t>(flat(l, b, first + t, h, c, T, H, d))];
-  return m;
 }
 
 // Checks one head's output rows against the double loop (within the rounding bound) and
