@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <ctime>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <random>
@@ -294,6 +295,58 @@ void BM_recurrent(benchmark::State& state) {
   });
 }
 
+// Per-token cost against T (long_T rows): one head of a model's buffers ([T, H d] token-major,
+// or [H, T, d] for long_T_head_first), its own data, run in every iteration at each length of
+// kLongLengths in turn (so the 65,536-token pass evicts the shorter ones' inputs from cache and
+// every length starts cold, as a model's next layer would). Counters: ns/token at each T, and
+// the two ratios the targets read: flat = max / min of the per-token time over T >= 8192, and
+// long_over_short = per-token time at T = 65,536 over T = 1024 (both in the same iterations).
+constexpr Index kLongLengths[] = {1024, 8192, 16384, 32768, 65536};
+template <bool HeadFirst, bool Recurrent>
+void BM_long_T(benchmark::State& state) {
+  const Index d = state.range(0), T_max = 65536;
+  const Attention attn;
+  // Only head 0's columns hold data; the other heads' columns are there for the layout.
+  Matrix Q, K, V, out;
+  for (Matrix* m : {&Q, &K, &V, &out})
+    *m = HeadFirst ? Matrix::Zero(T_max, d) : Matrix::Zero(T_max, kHeads * d);
+  unsigned seed = 11;
+  for (Matrix* m : {&Q, &K, &V}) m->leftCols(d) = random(T_max, d, seed++);
+  const Eigen::OuterStride<> stride(Q.cols());
+  auto s = attn.make_state(d, d);
+  constexpr std::size_t n = std::size(kLongLengths);
+  double seconds[n] = {};
+  for (auto _ : state) {
+    for (std::size_t i = 0; i < n; ++i) {
+      const Index T = kLongLengths[i];
+      const ConstHeadMap q(Q.data(), T, d, stride), k(K.data(), T, d, stride),
+          v(V.data(), T, d, stride);
+      HeadMap y(out.data(), T, d, stride);
+      s.reset();
+      const double start = clock_seconds(1);
+      if constexpr (Recurrent)
+        attn.recurrent_into(s, q, k, v, y);
+      else
+        attn.prefill_into(s, q, k, v, y);
+      seconds[i] += clock_seconds(1) - start;
+      benchmark::ClobberMemory();
+    }
+  }
+  const double iters = static_cast<double>(state.iterations());
+  double per_token[n], flat_max = 0, flat_min = 1e300;
+  for (std::size_t i = 0; i < n; ++i) {
+    per_token[i] = seconds[i] / iters / static_cast<double>(kLongLengths[i]) * 1e9;
+    state.counters["ns/token@" + std::to_string(kLongLengths[i])] = per_token[i];
+    if (kLongLengths[i] >= 8192) {
+      flat_max = std::max(flat_max, per_token[i]);
+      flat_min = std::min(flat_min, per_token[i]);
+    }
+  }
+  state.counters["flat"] = flat_max / flat_min;
+  state.counters["long_over_short"] = per_token[n - 1] / per_token[0];
+  state.counters["d"] = static_cast<double>(d);
+}
+
 // Decode: step() token by token. Head-major (each head decodes its T tokens; its state stays
 // hot in cache between tokens) or, for `interleaved`, token-major (every head advances one token
 // before the next token, as a model decodes; the H states compete for L1/L2). `Attn` is the ELU+1
@@ -454,6 +507,17 @@ void register_all() {
           ->ArgNames({"T", "d", "threads"})
           ->Unit(benchmark::kMillisecond);
     }
+  // Per-token cost from T = 1024 to 65536, one head, both layouts.
+  for (Index d : dims) {
+    benchmark::RegisterBenchmark("long_T_chunked", BM_long_T<false, false>)
+        ->Arg(d)->ArgName("d")->Unit(benchmark::kMillisecond)->Iterations(3);
+    benchmark::RegisterBenchmark("long_T_recurrent", BM_long_T<false, true>)
+        ->Arg(d)->ArgName("d")->Unit(benchmark::kMillisecond)->Iterations(3);
+    benchmark::RegisterBenchmark("long_T_chunked_head_first", BM_long_T<true, false>)
+        ->Arg(d)->ArgName("d")->Unit(benchmark::kMillisecond)->Iterations(3);
+    benchmark::RegisterBenchmark("long_T_recurrent_head_first", BM_long_T<true, true>)
+        ->Arg(d)->ArgName("d")->Unit(benchmark::kMillisecond)->Iterations(3);
+  }
   add("decode", BM_decode<false>, 16384, true);
   if (full_sweep()) add("decode_interleaved", BM_decode<true>, 16384, true);
   // The default step (deferred where S outgrows L1) against the fused one, in both decode

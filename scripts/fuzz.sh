@@ -2,15 +2,21 @@
 # Builds the libFuzzer targets with clang (AddressSanitizer + UBSan), writes a seed corpus made
 # by the library, and runs each target for a bounded time.
 #   bash scripts/fuzz.sh [seconds per target]   (default 60)
+# LINATTN_FUZZ_DIR=build/asan reuses the sanitizer build of `scripts/test.sh --sanitize` (clang,
+# Debug, ASan + UBSan) instead of configuring build/fuzz: CI does, to save a configuration.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
 ensure_packages cmake make clang libclang-rt-14-dev libeigen3-dev
 seconds="${1:-60}"
-dir=build/fuzz
-CXX=clang++ cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLINATTN_FUZZ=ON \
-  -DLINATTN_BUILD_TESTS=OFF -DLINATTN_BUILD_EXAMPLES=OFF >/dev/null
-cmake --build "$dir" -j"$(nproc)"
+dir="${LINATTN_FUZZ_DIR:-build/fuzz}"
+if [ -f "$dir/CMakeCache.txt" ]; then
+  cmake -S . -B "$dir" -DLINATTN_FUZZ=ON >/dev/null  # keeps that build's compiler and flags
+else
+  CXX=clang++ cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLINATTN_FUZZ=ON \
+    -DLINATTN_BUILD_TESTS=OFF -DLINATTN_BUILD_EXAMPLES=OFF >/dev/null
+fi
+cmake --build "$dir" -j"$(nproc)" --target fuzz_state_blob fuzz_api make_seed_corpus
 mkdir -p "$dir/corpus/blob" "$dir/corpus/api"
 "$dir/tests/fuzz/make_seed_corpus" "$dir/corpus/blob" "$dir/corpus/api"
 for target in fuzz_state_blob fuzz_api; do

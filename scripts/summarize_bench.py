@@ -38,6 +38,16 @@ def load(path):
     for name, reps in runs.items():
         path = name.split("/")[0]
         first = reps[0]
+        if path.startswith("long_T"):
+            # Per-token time against T (bench_paths.cpp, BM_long_T): counters, no rate.
+            rows[name] = {"path": path, "d": int(first["d"]), "T": 0, "threads": 1, "chunk": 0,
+                          "gflops": 0.0, "ms": 0.0, "real_ms": 0.0, "paired": [],
+                          "reps": len(reps), "tokens": 0.0,
+                          "long": {k: min(r[k] for r in reps) for k in first
+                                   if k.startswith("ns/token@")},
+                          "flat": min(r["flat"] for r in reps),
+                          "long_over_short": min(r["long_over_short"] for r in reps)}
+            continue
         row = {
             "path": path,
             "T": int(first.get("T", 0)),
@@ -336,6 +346,21 @@ def print_layouts(rows, dims):
         print("Layouts (1 thread, every head its own data):")
         for line in lines:
             print(line)
+        print()
+    long_rows = [r for r in rows if r["path"].startswith("long_T")]
+    if long_rows:
+        print("Time per token against T (one head of a model's buffers, 1 thread, every length in "
+              "every iteration;\n  targets: max / min over T = 8192 ... 65536 <= 1.25, "
+              "T = 65536 within 1.3 x of T = 1024):")
+        for r in sorted(long_rows, key=lambda r: (r["d"], r["path"])):
+            per = sorted(((int(k.split("@")[1]), v) for k, v in r["long"].items()))
+            ok = r["flat"] <= 1.25 and r["long_over_short"] <= 1.3
+            layout = "head-major" if r["path"].endswith("head_first") else "token-major"
+            path = r["path"][len("long_T_"):].replace("_head_first", "")
+            print(f"  {path}, {layout}, d = {r['d']}: "
+                  + ", ".join(f"{T}: {v:.0f}" for T, v in per)
+                  + f" ns; max/min {r['flat']:.2f}, 65536/1024 {r['long_over_short']:.2f} "
+                  + ("met" if ok else "NOT met"))
         print()
 
 
