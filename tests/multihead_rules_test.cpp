@@ -89,7 +89,9 @@ struct RuleCase {
   std::array<InputSpec, N> inputs;
 };
 
-constexpr Index Hq = 4, Hkv = 2, G = Hq / Hkv, dk = 6, dv = 5, T0 = 7, steps = 4, T = T0 + steps;
+// T0 = 150: the prefill spans several of the layer's token blocks (MultiHeadAttention::
+// prefill_block(), 64 rows), and ends inside one.
+constexpr Index Hq = 4, Hkv = 2, G = Hq / Hkv, dk = 6, dv = 5, T0 = 150, steps = 4, T = T0 + steps;
 
 // The single-head reference for query head h of sequence (entry b, rows [first, first + n)):
 // prefill of the first n0 rows through the grouped call with this head alone (the arithmetic

@@ -659,6 +659,42 @@ TEST_CASE("an error in one head is reported once, after every other head ran", "
   CHECK(state.sequence(0).head(1).z().isZero(0));
 }
 
+TEST_CASE("a token-major prefill in blocks names the failing row within its sequence",
+          "[multihead][errors]") {
+  // Identity features, every key (1, 0): the denominator of row t is q_t . (t + 1, 0), zero
+  // where q_t = (0, 1). Plant that at row 90 of head 1, inside the second of the layer's
+  // 64-row blocks (chunk 32), so the block call sees it as its row 26.
+  const Index T = 100, H = 2, d = 2, bad_row = 90;
+  std::vector<double> q(T * H * d, 0.0), k(T * H * d, 0.0), v(T * H * d, 1.0), out(T * H * d);
+  for (Index t = 0; t < T; ++t)
+    for (Index h = 0; h < H; ++h) {
+      q[static_cast<std::size_t>((t * H + h) * d)] = 1.0;
+      k[static_cast<std::size_t>((t * H + h) * d)] = 1.0;
+    }
+  q[static_cast<std::size_t>((bad_row * H + 1) * d)] = 0.0;
+  q[static_cast<std::size_t>((bad_row * H + 1) * d + 1)] = 1.0;
+  Options opt;
+  opt.chunk_size = 32;
+  MultiHeadAttention<LinearAttention<Identity, double>> mha(
+      {H, H, d, d}, LinearAttention<Identity, double>(Identity{}, opt));
+  auto state = mha.make_state(1);
+  const auto view_of = [&](std::vector<double>& x) {
+    return TensorView<const double>::batch_first(x.data(), 1, T, H, d);
+  };
+  try {
+    mha.prefill_into(state, view_of(q), view_of(k), view_of(v),
+                     TensorView<double>::batch_first(out.data(), 1, T, H, d));
+    FAIL("no DenominatorError");
+  } catch (const DenominatorError& e) {
+    CHECK(e.row() == bad_row);
+    CHECK(std::string(e.what()).find("row 90 ") != std::string::npos);
+  }
+  // As after one call over the sequence: head 0 took every token, head 1 the chunks before
+  // the failing one (rows 64 ... 95 hold row 90).
+  CHECK(state.sequence(0).head(0).tokens() == T);
+  CHECK(state.sequence(0).head(1).tokens() == 64);
+}
+
 TEST_CASE("shape errors name the views", "[multihead][errors]") {
   const Index B = 2, T = 4, H = 2, d = 3;
   std::vector<float> buf(static_cast<std::size_t>(B * T * H * d * 2), 0.5f);

@@ -52,37 +52,60 @@ namespace detail {
 /// one core, so smaller calls lose more to the hand-off than they gain.
 inline constexpr double kParallelGrainFlops = 2e5;
 
-/// Calls f(i) for i in [0, n) on `executor` (or serially when it is null, has one thread, or the
-/// work, n * flops_per_item, is below kParallelGrainFlops). Every item runs even if another
-/// throws; afterwards the exception of the lowest failing item is rethrown, so what is thrown
-/// and which items completed do not depend on threads.
+/// Collects the exception of the lowest-numbered failing item of a call whose items may run
+/// on several threads, so what is rethrown does not depend on threads.
+class FirstItemError {
+ public:
+  explicit FirstItemError(Index items) noexcept : first_index_(items) {}
+  /// Records the exception being handled as item i's (call inside a catch block).
+  void record(Index i) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (i < first_index_) {
+      first_index_ = i;
+      error_ = std::current_exception();
+    }
+  }
+  void rethrow() const {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  std::mutex mutex_;
+  Index first_index_;
+  std::exception_ptr error_;
+};
+
+/// Calls range(begin, end) for the contiguous ranges that split [0, n) evenly over `executor`'s
+/// threads (one range [0, n) when it is null, has one thread, or the work, n * flops_per_item,
+/// is below kParallelGrainFlops). `range` must not throw.
+template <class F>
+void parallel_ranges(Index n, Executor* executor, double flops_per_item, F& range) {
+  const int parts =
+      executor == nullptr ? 1 : static_cast<int>(std::min<Index>(n, executor->concurrency()));
+  if (executor == nullptr || parts <= 1 ||
+      static_cast<double>(n) * flops_per_item < kParallelGrainFlops)
+    range(Index{0}, n);
+  else
+    executor->run(n, parts, TaskRange(range));
+}
+
+/// Calls f(i) for i in [0, n) on `executor` (or serially, as parallel_ranges decides). Every
+/// item runs even if another throws; afterwards the exception of the lowest failing item is
+/// rethrown, so what is thrown and which items completed do not depend on threads.
 template <class F>
 void parallel_for(Index n, Executor* executor, double flops_per_item, F&& f) {
-  std::exception_ptr first_error;
-  Index first_index = n;
-  std::mutex error_mutex;
+  FirstItemError errors(n);
   auto range = [&](Index begin, Index end) {
     for (Index i = begin; i < end; ++i) {
       try {
         f(i);
       } catch (...) {
-        const std::lock_guard<std::mutex> lock(error_mutex);
-        if (i < first_index) {
-          first_index = i;
-          first_error = std::current_exception();
-        }
+        errors.record(i);
       }
     }
   };
-  const int parts =
-      executor == nullptr ? 1 : static_cast<int>(std::min<Index>(n, executor->concurrency()));
-  if (executor == nullptr || parts <= 1 ||
-      static_cast<double>(n) * flops_per_item < kParallelGrainFlops)
-    range(0, n);
-  else
-    executor->run(n, parts, TaskRange(range));
-  if (first_error) std::rethrow_exception(first_error);
+  parallel_ranges(n, executor, flops_per_item, range);
+  errors.rethrow();
 }
-
 }  // namespace detail
 }  // namespace linattn

@@ -38,6 +38,7 @@
 #include <linattn/attention.hpp>
 #include <linattn/batch_state.hpp>
 #include <linattn/detail/multihead_views.hpp>
+#include <linattn/errors.hpp>
 #include <linattn/executor.hpp>
 #include <linattn/head_config.hpp>
 #include <linattn/sequence_layout.hpp>
@@ -46,11 +47,13 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <array>
 #include <concepts>
 #include <span>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace linattn {
 
@@ -235,7 +238,8 @@ class MultiHeadAttention {
 
   // Calls attend(queries, k, v, inputs, outputs, state) for every (sequence, state head) of
   // `layout`, spread over the executor: a group of G query heads (shares_states) or one query
-  // head, each cut to the sequence's rows; padded rows of the outputs are zeroed first.
+  // head, each cut to the sequence's rows; padded rows of the outputs are zeroed first. A
+  // prefill over token-major buffers runs block by block (prefill_block()).
   template <class Inputs, class Attend>
   void over_items(const ConstView& Q, const ConstView& K, const ConstView& V,
                   const Inputs& inputs, const View& out, const SequenceLayout& layout,
@@ -249,31 +253,94 @@ class MultiHeadAttention {
                                          : double(Q.times());
     const double flops = 4.0 * double(feature_dim()) * double(heads_.value_dim) *
                          rows_per_sequence * double(heads_per_item);
-    detail::parallel_for(sequences * H, executor_, flops, [&](Index item) {
+    const bool full_rows = layout.kind() == SequenceLayout::Kind::batch;
+    const auto query_rows = [&](Index s) {
+      return full_rows ? Q.times() : layout.length(s, Q.times());
+    };
+    // Item (sequence s, state head h) on rows [offset, offset + count) of its sequence.
+    const auto run = [&](Index item, Index offset, Index count) {
       const Index s = item / H, h = item % H;
-      const Index entry = layout.batch_entry(s), first = layout.first_row(s);
-      const bool full_rows = layout.kind() == SequenceLayout::Kind::batch;
-      const Index q_len = full_rows ? Q.times() : layout.length(s, Q.times());
-      const Index k_len = full_rows ? K.times() : q_len;
+      const Index entry = layout.batch_entry(s), first = layout.first_row(s) + offset;
+      const Index q_len = query_rows(s);
+      // All of K's rows for a whole sequence (a full mask may have Tk != Tq), else the block's.
+      const Index k_len = full_rows && count == q_len ? K.times() : count;
       const Index h0 = shares_states ? h * G : h, g = shares_states ? h : kv_head(h);
-      if (layout.kind() == SequenceLayout::Kind::padded)
+      if (offset == 0 && layout.kind() == SequenceLayout::Kind::padded)
         detail::zero_rows(out.slice(entry, q_len, out.times() - q_len, h0, heads_per_item));
       HeadState* head = state != nullptr ? &slot_state(*state, slots, s, h) : nullptr;
       const auto in = detail::rows_inputs(inputs, entry, g, first, k_len);
       const auto k = K.head_rows(entry, g, first, k_len), v = V.head_rows(entry, g, first, k_len);
-      const auto one = [&] {
-        attend(Q.head_rows(entry, h0, first, q_len), k, v, in,
-               out.head_rows(entry, h0, first, q_len), head);
-      };
-      if constexpr (!shares_states) {
-        one();
-      } else if (G == 1) {
-        one();
-      } else {
-        attend(Q.slice(entry, first, q_len, h0, G), k, v, in, out.slice(entry, first, q_len, h0, G),
-               head);
+      if constexpr (shares_states) {
+        if (G > 1) {
+          attend(Q.slice(entry, first, count, h0, G), k, v, in,
+                 out.slice(entry, first, count, h0, G), head);
+          return;
+        }
       }
-    });
+      attend(Q.head_rows(entry, h0, first, count), k, v, in,
+             out.head_rows(entry, h0, first, count), head);
+    };
+    const Index items = sequences * H, block = prefill_block(Q, state);
+    if (block == 0) {
+      detail::parallel_for(items, executor_, flops,
+                           [&](Index item) { run(item, 0, query_rows(item / H)); });
+      return;
+    }
+    // Blocks outer, the sequence's heads inner: each head's rows are the bits of one call
+    // (block is a multiple of the chunk size, so the chunks are the same), and the block's
+    // [block, H d] rows of the buffers stream through the cache once instead of once per head.
+    detail::FirstItemError errors(items);
+    auto range = [&](Index begin, Index end) {
+      std::vector<char> failed(static_cast<std::size_t>(end - begin), 0);
+      for (Index s_begin = begin; s_begin < end;) {
+        const Index s = s_begin / H, s_end = std::min(end, (s + 1) * H), rows = query_rows(s);
+        for (Index offset = 0; offset == 0 || offset < rows; offset += block)
+          for (Index item = s_begin; item < s_end; ++item) {
+            char& item_failed = failed[static_cast<std::size_t>(item - begin)];
+            if (item_failed) continue;
+            try {
+              // The whole sequence's room first, as a single call checks it.
+              if (offset == 0) slot_state(*state, slots, s, item % H).check_room(rows);
+              run(item, offset, std::min(block, rows - offset));
+            } catch (const DenominatorError& e) {
+              item_failed = 1;
+              try {
+                // Name the row within the sequence, as one call over it would.
+                if (offset > 0)
+                  static_cast<void>(attention_.options().normalization.divisor(
+                      static_cast<scalar_type>(e.value()), e.row() + offset));
+                throw;
+              } catch (...) {
+                errors.record(item);
+              }
+            } catch (...) {
+              item_failed = 1;
+              errors.record(item);
+            }
+          }
+        s_begin = s_end;
+      }
+    };
+    detail::parallel_ranges(items, executor_, flops, range);
+    errors.rethrow();
+  }
+
+  // Rows per block of a prefill that runs blocks outer and heads inner, or 0 for one call per
+  // item. Pays where one head's rows lie far apart (token-major [B, T, H, d] buffers: a row
+  // per token and head, H d apart, which the hardware prefetchers do not follow across pages)
+  // and there are heads to interleave. The smallest multiple of the chunk size from 64 rows:
+  // measured on Zen 3 (one thread, H = 8, T = 16384) at 1.29 x (d = 64) and 1.24 x (d = 128)
+  // the head-outer order, flat from 16 to 64 rows, slower from 128 (the block's rows of every
+  // head leave L2). Ordinary maps only: the log-domain kernels rescale per call.
+  [[nodiscard]] Index prefill_block(const ConstView& Q, const State* state) const {
+    if constexpr (LogScaledFeatureMap<typename Attention::feature_map_type, scalar_type>) {
+      return 0;
+    } else {
+      if (state == nullptr || state_heads() < 2 || Q.stride(ConstView::head) >= Q.stride(ConstView::time))
+        return 0;
+      const Index C = attention_.chunk_size(feature_dim(), heads_.value_dim);
+      return (64 + C - 1) / C * C;
+    }
   }
 
   Attention attention_;

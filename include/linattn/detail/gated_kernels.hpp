@@ -622,10 +622,10 @@ class ChannelGatedChunk {
     const Index c = gate_subchunk<Scalar>, r = r_, nb = (n + c - 1) / c;
     using Block = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>,
                              0, Eigen::OuterStride<>>;
-    if (log_gate.stride == r)  // contiguous rows: one pass
-      gates_from_logs(log_gate.data, 1, gates_.data(), n * r);
-    else
-      for (Index t = 0; t < n; ++t) gates_from_logs(log_gate[t], 1, gates_.row(t).data(), r);
+    // Row by row whatever the stride: a vectorized exponential's last bit depends on where its
+    // packets begin, and a head's result must not depend on the buffer's layout (a model's
+    // [B, T, H, r] gates against a contiguous copy).
+    for (Index t = 0; t < n; ++t) gates_from_logs(log_gate[t], 1, gates_.row(t).data(), r);
     for (Index I = 0; I < nb; ++I) {
       const Index i0 = I * c, end = std::min(n, i0 + c);
       prefix_.row(i0) = gates_.row(i0);
