@@ -2,8 +2,8 @@
 
 Every op runs in float64 (to rounding), float32 and bfloat16 (within bounds derived below),
 batch-first and head-first, contiguous and strided, packed with cu_seqlens, with initial and
-final states; linear_attn's gradients go through torch.autograd.gradcheck in float64; every
-bad input raises a Python exception with a message.
+final states; linear_attn's gradients go through torch.autograd.gradcheck in float64 (every
+op's gradients: test_autograd.py); every bad input raises a Python exception with a message.
 """
 
 import math
@@ -372,15 +372,7 @@ def test_linear_attn_float32_gradients_match_float64():
         assert ((b.double() - a).abs() <= 8 * (T + K + V) * 2.0 ** -24 * m).all()
 
 
-@pytest.mark.parametrize("rule", ["simple_gla", "gla", "delta_rule", "gated_delta_rule"])
-def test_other_rules_are_inference_only(rule):
-    q, k, v, g, beta = make_inputs(rule)
-    q.requires_grad_()
-    o, _ = call(rule, "chunk", q, k, v, g, beta)
-    with pytest.raises(NotImplementedError, match=f"gradients for {rule} are not available yet"):
-        o.sum().backward()
-    with torch.no_grad():
-        call(rule, "chunk", q, k, v, g, beta)  # inference works
+# The other rules' gradients: tests/torch/test_autograd.py.
 
 
 # ---- bad input ----------------------------------------------------------------------------------

@@ -7,9 +7,11 @@ T, D]``), float32, float64, bfloat16 or float16; ``scale=None`` means ``K ** -0.
 ``cu_seqlens`` packs N sequences along T with B = 1. See docs/pytorch.md for the formulas and
 where linattn's semantics differ from fla's.
 
-Autograd: the linear_attn ops have gradients (linattn's chunked backward) for q, k, v and the
-initial state; the other rules are inference-only for now and raise NotImplementedError from
-backward. Adding a rule's gradients is one function in ``_BACKWARD``.
+Autograd: every op has gradients (linattn's chunked backward, O(T K V) per sequence and head)
+for q, k, v, the gates g (and g_gamma, through the sum), beta, initial_state (and z), with the
+final state's gradient carried in when the loss uses it; through the in-kernel L2 norm of
+use_qk_l2norm_in_kernel too. Gradients are computed in float32 (float64 for float64 inputs) and
+returned in each input's dtype. Double backward is not supported.
 """
 
 from typing import Optional, Tuple, Union
@@ -44,24 +46,13 @@ class _Spec:
         self.head_first = head_first
 
 
-def _linear_attn_backward(ctx, do, dht, dzt):
-    """Gradients of linear_attn for (q, k, v, g, beta, initial_state, initial_z, cu_seqlens)."""
-    q, k, v, _, _, h0, z0, cu_seqlens = ctx.saved_tensors
-    s = ctx.spec
-    dq, dk, dv, dh0, dz0 = _ext.linear_attn_backward(
-        q, k, v, h0, z0, cu_seqlens, s.scale, s.normalize, s.head_first, do, dht, dzt)
-    cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-    return (cast(dq, q), cast(dk, k), cast(dv, v), None, None,
-            cast(dh0, h0) if h0 is not None else None,
-            cast(dz0, z0) if z0 is not None else None, None)
-
-
-# Rule name -> backward(ctx, d_o, d_final_state, d_final_z) returning the gradients of the
-# eight tensor inputs. Rules missing here are inference-only.
-_BACKWARD = {"linear_attn": _linear_attn_backward}
+def _cast(grad, like):
+    return None if grad is None or like is None else grad.to(like.dtype)
 
 
 class _Op(torch.autograd.Function):
+    """One op as an autograd node: forward and backward are linattn's kernels (_ext)."""
+
     @staticmethod
     def forward(ctx, spec, q, k, v, g, beta, h0, z0, cu_seqlens):
         o, ht, zt = _ext.forward(spec.rule, q, k, v, g, beta, h0, z0, cu_seqlens, spec.scale,
@@ -72,13 +63,17 @@ class _Op(torch.autograd.Function):
         return o, ht, zt
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht, dzt):
-        grad = _BACKWARD.get(ctx.spec.rule)
-        if grad is None:
-            raise NotImplementedError(
-                f"linattn.torch: gradients for {ctx.spec.rule} are not available yet; its ops "
-                "are inference-only (run them under torch.no_grad() or detach the inputs)")
-        return (None,) + tuple(grad(ctx, do, dht, dzt))
+        """Gradients of (spec, q, k, v, g, beta, initial_state, initial_z, cu_seqlens), each in
+        its input's dtype; dht and dzt (the final states' gradients) are None when unused."""
+        q, k, v, g, beta, h0, z0, cu_seqlens = ctx.saved_tensors
+        s = ctx.spec
+        dq, dk, dv, dg, dbeta, dh0, dz0 = _ext.backward(
+            s.rule, q, k, v, g, beta, h0, z0, cu_seqlens, s.scale, s.normalize, s.qk_l2norm,
+            s.head_first, do, dht, dzt)
+        return (None, _cast(dq, q), _cast(dk, k), _cast(dv, v), _cast(dg, g), _cast(dbeta, beta),
+                _cast(dh0, h0), _cast(dz0, z0), None)
 
 
 def _run(rule, q, k, v, g=None, beta=None, scale=None, initial_state=None,
