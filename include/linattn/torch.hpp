@@ -31,6 +31,9 @@
 /// fla would divide by a non-positive number; fla's chunk and recurrent kernels round in bf16
 /// in places, linattn computes in float32 throughout.
 ///
+/// Gradients: backward() (every op; through the final state, cu_seqlens, head_first, the scale
+/// and the L2 norm), the engine of linattn.torch's autograd.
+///
 /// Complexity per sequence and head of length T: O(T K V) (chunked: plus O(T C (K + V)) for
 /// chunk size C); memory beyond inputs and outputs: the states and, for conversions, one block.
 /// Sequences and heads run in parallel on torch's intra-op threads (torch::set_num_threads).

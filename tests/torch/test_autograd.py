@@ -281,6 +281,22 @@ def test_gradcheck_of_g_gamma_and_of_no_gate():
         lambda q, k, v: lt.fused_recurrent_gla(q, k, v, output_final_state=True), (q, k, v))
 
 
+@pytest.mark.parametrize("rule", ["linear_attn", "simple_gla", "gla"])
+def test_gradcheck_reverse_packed_head_first(rule):
+    cu = torch.tensor([0, 5, 5, 38, 39])
+    q, k, v, g, beta, _ = make_inputs(rule, 1, 39, 2, 3, 2, seed=25)
+    h0 = make_inputs(rule, 4, 1, 2, 3, 2, seed=26)[5]
+    q, k, v, g = (hf(x) for x in (q, k, v, g))
+    inputs = [x.requires_grad_() for x in (q, k, v, g, h0) if x is not None]
+
+    def f(q, k, v, *rest):
+        g_, h0_ = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+        return call(rule, "recurrent", q, k, v, g_, None, initial_state=h0_, cu_seqlens=cu,
+                    output_final_state=True, head_first=True, reverse=True)
+
+    assert torch.autograd.gradcheck(f, inputs)
+
+
 # ---- against autograd through the formulas, at the edges of the inputs' domain -------------------
 
 @pytest.mark.parametrize("rule,kind", [op for op in OPS if op[0] != "linear_attn"])
