@@ -8,8 +8,10 @@ Three independent checks of linattn's backward:
   * torch's autograd through a plain float64 loop written from the formulas (`reference`),
     where finite differences cannot go: log-gates of -30 and -1e-6 and betas of exactly 0 and 1
     (a step outside [0, 1] or above 0 is refused by the forward);
-  * float32 and bfloat16 gradients against the float64 ones, within bounds derived from the
-    arithmetic (`majorants`).
+  * float32, bfloat16 and float16 gradients against the float64 ones, within bounds derived
+    from the arithmetic (`majorants`);
+and the gradients of g_gamma, of reverse=True, of a loss that leaves the final state out, and
+the errors of the backward.
 """
 
 import pytest
@@ -22,7 +24,6 @@ from linattn.torch import _ext
 torch.set_num_threads(2)
 
 U64, U32 = 2.0 ** -53, 2.0 ** -24
-GATED = {"simple_gla", "gla", "gated_delta_rule"}
 DELTA = {"delta_rule", "gated_delta_rule"}
 RULES = ["linear_attn", "simple_gla", "gla", "delta_rule", "gated_delta_rule"]
 CHUNK = {"linear_attn": lt.chunk_linear_attn, "simple_gla": lt.chunk_simple_gla,
@@ -139,6 +140,7 @@ def majorants(rule, q, k, v, g, beta, h0, scale, w_o, w_s, cu_seqlens=None):
     linattn's backward adds up (see test_float32_gradients_match_float64)."""
     ref = lambda q, k, v, g, beta, h0: reference(rule, q, k, v, g, beta, h0, abs(scale),  # noqa: E731
                                                  cu_seqlens=cu_seqlens, majorant=True)
+    signed = (q, k, v, g, beta, h0)
     # Differentiated at |x| as leaves (not through abs(), whose derivative would carry signs).
     q, k, v, h0 = q.abs(), k.abs(), v.abs(), h0.abs()
     Mq, Mk, Mv, Mg, Mbeta, Mh0 = gradients(ref, (q, k, v, g, beta, h0), w_o.abs(), w_s.abs())
@@ -161,8 +163,8 @@ def majorants(rule, q, k, v, g, beta, h0, scale, w_o, w_s, cu_seqlens=None):
     if beta is not None:
         Mbeta = Mbeta + token_bound
     if rule in DELTA:  # the monomial sums grow like 2^T; the contraction gives a far tighter bound
-        nq, nk, nv, ntok, nh0 = delta_norm_bounds(rule, q, k, v, g, beta, h0, scale, w_o, w_s,
-                                                  seqs, cu_seqlens)
+        nq, nk, nv, ntok, nh0 = delta_norm_bounds(rule, *signed, scale, w_o, w_s, seqs,
+                                                  cu_seqlens)
         Mq, Mk, Mv, Mbeta, Mh0 = (torch.minimum(a, b) for a, b in
                                   zip((Mq, Mk, Mv, Mbeta, Mh0), (nq, nk, nv, ntok, nh0)))
         if g is not None:
@@ -172,8 +174,7 @@ def majorants(rule, q, k, v, g, beta, h0, scale, w_o, w_s, cu_seqlens=None):
 
 def delta_norm_bounds(rule, q, k, v, g, beta, h0, scale, w_o, w_s, seqs, cu_seqlens, chunk=32):
     """Normwise bounds on the sums of |terms| of the delta rules' gradients, for unit keys,
-    beta in [0, 1] and gates <= 1 (q, k, v, h0 here are absolute values; the norms are the
-    same). Every factor alpha (I - beta k k^T) is then a contraction: rounding errors made at
+    beta in [0, 1] and gates <= 1. Every factor alpha (I - beta k k^T) is then a contraction: rounding errors made at
     one token are not amplified later, so the terms that matter are those of one token's (or
     one chunk's) formulas. Per sequence and head, from the float64 reference: G bounds every
     state ||S_t|| and value |v_t|, so the WY form's corrected values u_t = beta_t (v_t -
@@ -277,6 +278,9 @@ def test_gradcheck_of_g_gamma_and_of_no_gate():
     assert torch.autograd.gradcheck(
         lambda q, g, gamma, h0: lt.chunk_simple_gla(q, k, v, g, g_gamma=gamma, initial_state=h0,
                                                     output_final_state=True), (q, g, gamma, h0))
+    assert torch.autograd.gradcheck(  # g_gamma alone: a stride-0 broadcast read in place
+        lambda q, gamma: lt.fused_recurrent_simple_gla(q, k, v, g_gamma=gamma, initial_state=h0,
+                                                       output_final_state=True), (q, gamma))
     assert torch.autograd.gradcheck(
         lambda q, k, v: lt.fused_recurrent_gla(q, k, v, output_final_state=True), (q, k, v))
 
