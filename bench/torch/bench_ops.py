@@ -5,6 +5,11 @@ prints one table with the ratio (plain PyTorch time / linattn time; > 1: linattn
 
     PYTHONPATH=build/test/python python3 bench/torch/bench_ops.py          # quick grid
     PYTHONPATH=build/test/python python3 bench/torch/bench_ops.py --full   # issue 17's grid
+    PYTHONPATH=build/test/python python3 bench/torch/bench_ops.py --backward   # training step
+
+With --backward each side runs forward and backward (the loss sum(o)): linattn's backward
+against PyTorch's autograd through the same chunked loop; the gradients of every input are
+checked to agree first.
 
 Both sides run float32 on the same thread count (torch.set_num_threads), B = 1, H = 8. Each
 row first checks that the two agree (a relative error well under 1e-3), then takes the median
@@ -91,13 +96,15 @@ def bht(x):  # [B, T, H] -> [B*H, T]
     return x.permute(0, 2, 1).reshape(-1, x.shape[1]).contiguous()
 
 
-def cases(B, T, H, D):
+def cases(B, T, H, D, leaves):
+    """Every op as (linattn, plain PyTorch) closures; `leaves` gets the input tensors."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, T, H, D, generator=gen) for _ in range(3))
     kn = F.normalize(k, dim=-1)
     g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 4)
     gk = F.logsigmoid(torch.randn(B, T, H, D, generator=gen) + 4)
     beta = torch.rand(B, T, H, generator=gen)
+    leaves.extend([q, kn, k, v, g, gk, beta])
     s = D ** -0.5
     return {
         "chunk_linear_attn": (lambda: lt.chunk_linear_attn(q, k, v, normalize=False)[0],
@@ -124,28 +131,59 @@ def median_seconds(fn, reps):
     return statistics.median(times)
 
 
+def with_backward(fn, leaves):
+    """fn's forward and backward of sum(o); the leaves' gradients reset first."""
+    def run():
+        for x in leaves:
+            x.grad = None
+        fn().sum().backward()
+    return run
+
+
+def check_gradients(name, ours, theirs, leaves):
+    grads = []
+    for fn in (ours, theirs):
+        fn()
+        grads.append([None if x.grad is None else x.grad.clone() for x in leaves])
+    for a, b in zip(*grads):
+        if a is None and b is None:
+            continue
+        rel = ((a - b).norm() / b.norm()).item()
+        if not rel < 1e-3:
+            raise SystemExit(f"{name}: the gradients of linattn and plain PyTorch disagree "
+                             f"(relative {rel:.2g})")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="D 64, 128; T 1024 to 16384")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--ops", nargs="*", help="only these ops")
+    parser.add_argument("--backward", action="store_true", help="time forward + backward")
     args = parser.parse_args()
     dims = [64, 128]
     lengths = [1024, 4096, 16384] if args.full else [1024, 4096]
     threads = [1, 2]
     B, H = 1, 8
     print(f"{'op':24} {'D':>4} {'T':>6} {'thr':>3} {'linattn ms':>11} {'torch ms':>10} {'ratio':>6}")
-    torch.set_grad_enabled(False)
+    torch.set_grad_enabled(args.backward)
     for D in dims:
         for T in lengths:
-            for name, (ours, theirs) in cases(B, T, H, D).items():
+            leaves = []
+            for name, (ours, theirs) in cases(B, T, H, D, leaves).items():
                 if args.ops and name not in args.ops:
                     continue
-                a = ours().permute(0, 2, 1, 3).reshape(B * H, T, D)
-                b = theirs()
+                with torch.no_grad():
+                    a = ours().permute(0, 2, 1, 3).reshape(B * H, T, D)
+                    b = theirs()
                 rel = ((a - b).norm() / b.norm()).item()
                 if not rel < 1e-3:
                     raise SystemExit(f"{name}: linattn and plain PyTorch disagree (relative {rel:.2g})")
+                if args.backward:
+                    for x in leaves:
+                        x.requires_grad_()
+                    ours, theirs = with_backward(ours, leaves), with_backward(theirs, leaves)
+                    check_gradients(name, ours, theirs, leaves)
                 for n in threads:
                     torch.set_num_threads(n)
                     t_ours = median_seconds(ours, args.reps)

@@ -31,6 +31,9 @@
 /// fla would divide by a non-positive number; fla's chunk and recurrent kernels round in bf16
 /// in places, linattn computes in float32 throughout.
 ///
+/// Gradients: backward() (every op; through the final state, cu_seqlens, head_first, the scale
+/// and the L2 norm), the engine of linattn.torch's autograd.
+///
 /// Complexity per sequence and head of length T: O(T K V) (chunked: plus O(T C (K + V)) for
 /// chunk size C); memory beyond inputs and outputs: the states and, for conversions, one block.
 /// Sequences and heads run in parallel on torch's intra-op threads (torch::set_num_threads).
@@ -64,23 +67,49 @@ namespace linattn::fla {
   TORCH_CHECK(false, "linattn: unknown op");
 }
 
-/// Gradients of run(Op::linear_attn, inputs, settings) given the output gradient d_o (o's
-/// shape) and, optionally, the gradients of the final state d_final_state [N, H, K, V] and
-/// z d_final_z [N, 1, H, K] (undefined: zero). Returns dq, dk, dv in the compute type and the
-/// inputs' layout, and the gradients of the initial state and z when those were given.
-/// The chunked backward of linattn/gradients.hpp per sequence and head: O(T K V), never T x T.
-[[nodiscard]] inline Gradients linear_attn_backward(const Inputs& inputs, const Settings& settings,
-                                                    const at::Tensor& d_o,
-                                                    const std::optional<at::Tensor>& d_final_state,
-                                                    const std::optional<at::Tensor>& d_final_z) {
+/// Gradients of run(op, inputs, settings) given the output gradient d_o (o's shape, any
+/// supported dtype) and, optionally, the gradients of the final state d_final_state [N, H, K, V]
+/// and (normalized linear_attn) z d_final_z [N, 1, H, K] (undefined: zero). Returns dq, dk, dv
+/// (q's layout), dg (g's layout: [B, T, H], or [B, T, H, K] for gla) and dbeta ([B, T, H]) when
+/// the op takes them, and the gradients of the initial state and z when those were given; all
+/// in the compute type. With settings.qk_l2norm the gradients of q and k go through the L2 norm:
+/// dx = (dx_hat - x_hat (x_hat . dx_hat)) / sqrt(|x|^2 + 1e-6). settings.chunked is ignored (the
+/// chunk and token-by-token forwards compute the same function). Per sequence and head the
+/// chunked backward of linattn/gradients.hpp (linear_attn) or linattn/rule_gradients.hpp:
+/// O(T K V) plus O(T C (K + V)) for chunk size C, never T x T. Throws as run() does, and
+/// c10::Error for gradients of the wrong shape.
+[[nodiscard]] inline Gradients backward(Op op, const Inputs& inputs, const Settings& settings,
+                                        const at::Tensor& d_o,
+                                        const std::optional<at::Tensor>& d_final_state,
+                                        const std::optional<at::Tensor>& d_final_z) {
   namespace tb = detail::torch_bridge;
-  const tb::Prepared p = tb::prepare(Op::linear_attn, inputs, settings);
+  const tb::Prepared p = tb::prepare(op, inputs, settings);
   const at::Tensor dht = tb::checked_state_gradient(d_final_state, "the final state's gradient",
                                                     {p.N, p.H, p.K, p.V});
   const at::Tensor dzt = tb::checked_state_gradient(d_final_z, "the final z's gradient",
                                                     {p.N, 1, p.H, p.K});
-  return p.compute_double ? tb::linear_attn_backward<double>(p, settings, d_o, dht, dzt)
-                          : tb::linear_attn_backward<float>(p, settings, d_o, dht, dzt);
+  TORCH_CHECK_VALUE(!dzt.defined() || settings.normalize,
+                    "linattn: a final z gradient is for linear_attn with normalize=True only");
+  auto dispatch = [&]<Op kOp>() {
+    return p.compute_double ? tb::backward<kOp, double>(p, settings, d_o, dht, dzt)
+                            : tb::backward<kOp, float>(p, settings, d_o, dht, dzt);
+  };
+  switch (op) {
+    case Op::linear_attn: return dispatch.template operator()<Op::linear_attn>();
+    case Op::simple_gla: return dispatch.template operator()<Op::simple_gla>();
+    case Op::gla: return dispatch.template operator()<Op::gla>();
+    case Op::delta_rule: return dispatch.template operator()<Op::delta_rule>();
+    case Op::gated_delta_rule: return dispatch.template operator()<Op::gated_delta_rule>();
+  }
+  TORCH_CHECK(false, "linattn: unknown op");
+}
+
+/// backward(Op::linear_attn, ...): kept for code written before every op had gradients.
+[[nodiscard]] inline Gradients linear_attn_backward(const Inputs& inputs, const Settings& settings,
+                                                    const at::Tensor& d_o,
+                                                    const std::optional<at::Tensor>& d_final_state,
+                                                    const std::optional<at::Tensor>& d_final_z) {
+  return backward(Op::linear_attn, inputs, settings, d_o, d_final_state, d_final_z);
 }
 
 /// A CPU float/double tensor [B, T, H, d] (head_first: [B, H, T, d]) as a TensorView of its

@@ -1,6 +1,6 @@
-// The Python extension behind linattn.torch: linattn/torch.hpp's run() and
-// linear_attn_backward() for the package's autograd functions. The only translation unit that
-// includes torch's headers (they take a minute and gigabytes to compile).
+// The Python extension behind linattn.torch: linattn/torch.hpp's run() and backward() for the
+// package's autograd functions. The only translation unit that includes torch's headers (they
+// take a minute and gigabytes to compile).
 
 #include <linattn/torch.hpp>
 
@@ -41,19 +41,21 @@ std::tuple<at::Tensor, OptTensor, OptTensor> forward(
   return {r.o, r.final_state, r.final_z};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, OptTensor, OptTensor> linear_attn_backward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& initial_state,
-    const OptTensor& initial_z, const OptTensor& cu_seqlens, std::optional<double> scale,
-    bool normalize, bool head_first, const at::Tensor& d_o, const OptTensor& d_final_state,
-    const OptTensor& d_final_z) {
-  const linattn::fla::Settings settings{scale, true, false, normalize, false, head_first};
-  linattn::fla::Gradients g;
+using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, OptTensor, OptTensor, OptTensor, OptTensor>;
+
+Grads backward(const std::string& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const OptTensor& g, const OptTensor& beta, const OptTensor& initial_state,
+               const OptTensor& initial_z, const OptTensor& cu_seqlens, std::optional<double> scale,
+               bool normalize, bool qk_l2norm, bool head_first, const at::Tensor& d_o,
+               const OptTensor& d_final_state, const OptTensor& d_final_z) {
+  const linattn::fla::Settings settings{scale, true, false, normalize, qk_l2norm, head_first};
+  linattn::fla::Gradients r;
   {
     pybind11::gil_scoped_release no_gil;
-    g = linattn::fla::linear_attn_backward({q, k, v, {}, {}, initial_state, initial_z, cu_seqlens},
-                                           settings, d_o, d_final_state, d_final_z);
+    r = linattn::fla::backward(op_from_name(op), {q, k, v, g, beta, initial_state, initial_z, cu_seqlens},
+                               settings, d_o, d_final_state, d_final_z);
   }
-  return {g.dq, g.dk, g.dv, g.d_initial_state, g.d_initial_z};
+  return {r.dq, r.dk, r.dv, r.dg, r.dbeta, r.d_initial_state, r.d_initial_z};
 }
 
 }  // namespace
@@ -66,12 +68,13 @@ PYBIND11_MODULE(_ext, m) {
         pybind11::arg("initial_z"), pybind11::arg("cu_seqlens"), pybind11::arg("scale"),
         pybind11::arg("chunked"), pybind11::arg("output_final_state"), pybind11::arg("normalize"),
         pybind11::arg("qk_l2norm"), pybind11::arg("head_first"));
-  m.def("linear_attn_backward", &linear_attn_backward,
-        "gradients of linear_attn; returns (dq, dk, dv, d_initial_state, d_initial_z)",
-        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("initial_state"),
+  m.def("backward", &backward,
+        "gradients of an fla-style op; returns (dq, dk, dv, dg, dbeta, d_initial_state, d_initial_z)",
+        pybind11::arg("op"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
+        pybind11::arg("g"), pybind11::arg("beta"), pybind11::arg("initial_state"),
         pybind11::arg("initial_z"), pybind11::arg("cu_seqlens"), pybind11::arg("scale"),
-        pybind11::arg("normalize"), pybind11::arg("head_first"), pybind11::arg("d_o"),
-        pybind11::arg("d_final_state"), pybind11::arg("d_final_z"));
+        pybind11::arg("normalize"), pybind11::arg("qk_l2norm"), pybind11::arg("head_first"),
+        pybind11::arg("d_o"), pybind11::arg("d_final_state"), pybind11::arg("d_final_z"));
 }
 
 // linattn::fla::tensor_view is for libtorch code; instantiated here so the build checks it.

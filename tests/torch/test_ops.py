@@ -2,8 +2,8 @@
 
 Every op runs in float64 (to rounding), float32 and bfloat16 (within bounds derived below),
 batch-first and head-first, contiguous and strided, packed with cu_seqlens, with initial and
-final states; linear_attn's gradients go through torch.autograd.gradcheck in float64; every
-bad input raises a Python exception with a message.
+final states; linear_attn's gradients go through torch.autograd.gradcheck in float64 (every
+op's gradients: test_autograd.py); every bad input raises a Python exception with a message.
 """
 
 import math
@@ -372,15 +372,35 @@ def test_linear_attn_float32_gradients_match_float64():
         assert ((b.double() - a).abs() <= 8 * (T + K + V) * 2.0 ** -24 * m).all()
 
 
-@pytest.mark.parametrize("rule", ["simple_gla", "gla", "delta_rule", "gated_delta_rule"])
-def test_other_rules_are_inference_only(rule):
-    q, k, v, g, beta = make_inputs(rule)
-    q.requires_grad_()
-    o, _ = call(rule, "chunk", q, k, v, g, beta)
-    with pytest.raises(NotImplementedError, match=f"gradients for {rule} are not available yet"):
-        o.sum().backward()
-    with torch.no_grad():
-        call(rule, "chunk", q, k, v, g, beta)  # inference works
+# The other rules' gradients: tests/torch/test_autograd.py.
+
+
+@pytest.mark.parametrize("rule", ["linear_attn", "simple_gla", "gla"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_reverse_reads_every_sequence_backwards(rule, packed):
+    # fla's reverse=True (fused_recurrent_linear_attn / simple_gla / gla): the recursion runs
+    # from each sequence's last token to its first. The reference runs the same loop over the
+    # tokens of each sequence taken in reverse order.
+    lengths = [5, 0, 17, 1, 14] if packed else [T]
+    Bn = 1 if packed else B
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0))) if packed else None
+    q, k, v, g, beta = make_inputs(rule, Bn=Bn, Tn=sum(lengths))
+    h0 = torch.randn(len(lengths) if packed else Bn, H, K, V, dtype=torch.float64) * 0.5
+    starts = [0] + list(torch.tensor(lengths).cumsum(0).tolist())
+    backwards = lambda x: None if x is None else torch.cat(  # noqa: E731
+        [x[:, a:e].flip(1) for a, e in zip(starts[:-1], starts[1:])], dim=1)
+    ref, S, _, bound = reference(rule, *(backwards(x) for x in (q, k, v, g, beta)), h0=h0,
+                                 cu_seqlens=cu)
+    o, ht = call(rule, "recurrent", q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                 cu_seqlens=cu, reverse=True)
+    assert_close_to(o, backwards(ref), backwards(bound[..., None])[..., 0], torch.float64,
+                    max(lengths), f"{rule} reverse")
+    assert torch.allclose(ht, S, rtol=0, atol=1e-12 * (1 + S.abs().max().item()))
+    # head-first gives the same bits
+    hf = lambda x: None if x is None else x.transpose(1, 2).contiguous()  # noqa: E731
+    o_hf, _ = call(rule, "recurrent", hf(q), hf(k), hf(v), hf(g), hf(beta), initial_state=h0,
+                   cu_seqlens=cu, reverse=True, head_first=True)
+    assert torch.equal(o_hf.transpose(1, 2), o)
 
 
 # ---- bad input ----------------------------------------------------------------------------------
@@ -419,7 +439,10 @@ def test_bad_inputs_raise_with_a_message():
     bad(lt.chunk_delta_rule, q, k, v, beta + 1.5, match="beta")
     bad(lt.chunk_simple_gla, q, k, v, g_gamma=torch.zeros(H + 1), match="g_gamma")
     bad(lt.fused_recurrent_gla, q, k, v, gk=None, gv=v, match="gv")
-    bad(lt.fused_recurrent_linear_attn, q, k, v, reverse=True, match="reverse")
+    bad(lt.fused_recurrent_linear_attn, q1, k1, v1, reverse=True, cu_seqlens=torch.tensor([0, 5]),
+        match="end at T")
+    bad(lt.fused_recurrent_simple_gla, q1, k1, v1, g[:1], reverse=True,
+        cu_seqlens=torch.tensor([0.0, T]), match="int32/int64")
     bad(lt.chunk_linear_attn, -q, k.abs(), v, match="denominator")  # q.z + eps <= 0
     bad(la, q, k, v, initial_state=(torch.zeros(B, H, K, V), torch.zeros(B, 1, H, K)),
         match="normalize=True")

@@ -9,6 +9,7 @@
 #include <linattn/gradients.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/options.hpp>
+#include <linattn/rule_gradients.hpp>
 #include <linattn/tensor_view.hpp>
 #include <linattn/types.hpp>
 #include <linattn/write_rules.hpp>
@@ -64,11 +65,13 @@ struct Result {
   std::optional<at::Tensor> final_state, final_z;
 };
 
-/// Gradients of linear_attn with respect to q, k, v (compute type, the inputs' layout) and to
-/// the initial state and z (when given).
+/// Gradients of an op with respect to q, k, v (compute type, the inputs' layout), to the
+/// per-token inputs g and beta (compute type, their layout; when the op takes them) and to the
+/// initial state and z (when given).
 struct Gradients {
   at::Tensor dq, dk, dv;
   std::optional<at::Tensor> d_initial_state, d_initial_z;
+  std::optional<at::Tensor> dg, dbeta;
 };
 
 [[nodiscard]] inline const char* op_name(Op op) noexcept {
@@ -316,11 +319,15 @@ TokenRows<Scalar> read_token_rows(const at::Tensor& t, Index b, Index h, Index f
   return TokenRows<Scalar>(rows.data(), n, c, Strides(c, 1));
 }
 
-// fla's in-kernel L2 norm of every row, in place: x / sqrt(|x|^2 + 1e-6).
+// fla's in-kernel L2 norm of every row, in place: x / sqrt(|x|^2 + 1e-6); the divisors go
+// into `norms`.
 template <class Scalar>
-void l2_normalize_rows(RowMatrix<Scalar>& x) {
-  for (Index i = 0; i < x.rows(); ++i)
-    x.row(i) /= std::sqrt(x.row(i).squaredNorm() + static_cast<Scalar>(kL2NormEpsilon));
+void l2_normalize_rows(RowMatrix<Scalar>& x, ColVector<Scalar>& norms) {
+  norms.resize(x.rows());
+  for (Index i = 0; i < x.rows(); ++i) {
+    norms(i) = std::sqrt(x.row(i).squaredNorm() + static_cast<Scalar>(kL2NormEpsilon));
+    x.row(i) /= norms(i);
+  }
 }
 
 // Head matrix (K x V) or vector of state tensor `t` ([N, H, K, V] or [N, 1, H, K]) as Scalar,
@@ -416,12 +423,13 @@ typename Attention::State initial_state(const Attention& attn, const Prepared& p
   return state;
 }
 
-// Q and K of one (sequence, head), L2-normalized the way fla's kernels do when asked.
+// Q and K of one (sequence, head), L2-normalized the way fla's kernels do when asked (then
+// each row's norm sqrt(|x|^2 + 1e-6) is left in `norms`, for the backward).
 template <class Scalar>
 ConstRowsView<Scalar> read_qk(const at::Tensor& t, Index b, Index h, Index first, Index n,
-                              RowMatrix<Scalar>& buffer, bool l2norm) {
+                              RowMatrix<Scalar>& buffer, bool l2norm, ColVector<Scalar>& norms) {
   const ConstRowsView<Scalar> rows = read_rows<Scalar>(t, b, h, first, n, buffer, l2norm);
-  if (l2norm) l2_normalize_rows(buffer);
+  if (l2norm) l2_normalize_rows(buffer, norms);
   return rows;
 }
 
@@ -454,13 +462,14 @@ fla::Result forward(const Prepared& p, const Settings& s) {
 
   at::parallel_for(0, p.N * p.H, 1, [&](int64_t begin, int64_t end) {
     RowMatrix<Scalar> qb, kb, vb, gb, bb, ob;
+    ColVector<Scalar> norms;
     for (int64_t task = begin; task < end; ++task) {
       const Index n = task / p.H, h = task % p.H;
       const Index b = p.batch_of(n), first = p.first_of(n), len = p.length_of(n);
       auto state = initial_state(attn, p, n, h);
       if (len > 0) {
-        const ConstRowsView<Scalar> Q = read_qk<Scalar>(p.q, b, h, first, len, qb, s.qk_l2norm);
-        const ConstRowsView<Scalar> Kr = read_qk<Scalar>(p.k, b, h, first, len, kb, s.qk_l2norm);
+        const ConstRowsView<Scalar> Q = read_qk<Scalar>(p.q, b, h, first, len, qb, s.qk_l2norm, norms);
+        const ConstRowsView<Scalar> Kr = read_qk<Scalar>(p.k, b, h, first, len, kb, s.qk_l2norm, norms);
         const ConstRowsView<Scalar> Vr = read_rows<Scalar>(p.v, b, h, first, len, vb);
         if (!direct_out) ob.resize(len, p.V);
         RowsView<Scalar> out = direct_out
@@ -510,23 +519,65 @@ inline at::Tensor checked_state_gradient(const std::optional<at::Tensor>& t, con
   return *t;
 }
 
-// Gradients of linear_attn (Additive, Identity map) over every (sequence, head) pair: the
-// chunked backward of linattn/gradients.hpp continuing each initial state, with the final
-// state's gradient (dht, dzt) carried in.
+// fla's in-kernel L2 norm backward, in place on the rows of dx: with n = sqrt(|x|^2 + 1e-6) and
+// x_hat = x / n (the rows the forward used), d x_hat / dx = (I - x_hat x_hat^T) / n, so
+// dx = (dx_hat - x_hat (x_hat . dx_hat)) / n. `norms` holds each row's n.
+template <class Scalar, class Rows>
+void l2_normalize_backward(const RowMatrix<Scalar>& x_hat, const ColVector<Scalar>& norms, Rows&& dx) {
+  for (Index i = 0; i < dx.rows(); ++i) {
+    const Scalar along = x_hat.row(i).dot(dx.row(i));
+    dx.row(i) = (dx.row(i) - along * x_hat.row(i)) / norms(i);
+  }
+}
+
+// A per-token gradient tensor in the user's layout ([B, T, H] or [B, T, H, c], head_first swaps
+// T and H) in Scalar, returned with its logical [B, T, H, c] view.
 template <class Scalar>
-fla::Gradients linear_attn_backward(const Prepared& p, const Settings& s, const at::Tensor& d_o_user,
-                                    const at::Tensor& dht, const at::Tensor& dzt) {
-  using Attention = LinearAttention<Identity, Scalar>;
+std::pair<at::Tensor, at::Tensor> make_token_gradient(const Prepared& p, Index c, bool per_channel,
+                                                      bool head_first) {
+  if (per_channel) return make_activation(p.B, p.T, p.H, c, scalar_type_of<Scalar>(), head_first);
+  const auto opts = at::TensorOptions().dtype(scalar_type_of<Scalar>()).device(at::kCPU);
+  at::Tensor user = head_first ? at::empty({p.B, p.H, p.T}, opts) : at::empty({p.B, p.T, p.H}, opts);
+  return {user, logical(user, head_first).unsqueeze(-1)};
+}
+
+// Gradients of op over every (sequence, head) pair: linattn's chunked backward
+// (linattn/gradients.hpp for linear_attn, linattn/rule_gradients.hpp for the other rules)
+// continuing each initial state, with the final state's gradient (dht, dzt) carried in, and
+// through the in-kernel L2 norm of q and k when the forward used it. The same backward serves
+// the chunk and the fused_recurrent forward: both compute the same function.
+template <Op op, class Scalar>
+fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& d_o_user,
+                        const at::Tensor& dht, const at::Tensor& dzt) {
+  using Rule = typename RuleOf<op>::type;
+  using Attention = RuleAttention<Identity, Rule, Scalar>;
   const Attention attn(Identity{}, options_for(s.normalize, p.scale));
   check_tensor(d_o_user, "the output gradient");
+  TORCH_CHECK_VALUE(d_o_user.dim() == 4, "linattn: the output gradient must be 4-D like o, got ",
+                    d_o_user.sizes());
   const at::Tensor d_o = logical(d_o_user, s.head_first);
   check_dims(d_o, "the output gradient (logical)", {p.B, p.T, p.H, p.V}, "([B, T, H, V])");
   const at::ScalarType st = scalar_type_of<Scalar>();
+  // (no structured bindings: clang 14 cannot capture them in the task lambda)
   const std::pair<at::Tensor, at::Tensor> dq_pair = make_activation(p.B, p.T, p.H, p.K, st, s.head_first);
   const std::pair<at::Tensor, at::Tensor> dk_pair = make_activation(p.B, p.T, p.H, p.K, st, s.head_first);
   const std::pair<at::Tensor, at::Tensor> dv_pair = make_activation(p.B, p.T, p.H, p.V, st, s.head_first);
   const at::Tensor &dq = dq_pair.second, &dk = dk_pair.second, &dv = dv_pair.second;
-  fla::Gradients grads{dq_pair.first, dk_pair.first, dv_pair.first, std::nullopt, std::nullopt};
+  fla::Gradients grads;
+  grads.dq = dq_pair.first;
+  grads.dk = dk_pair.first;
+  grads.dv = dv_pair.first;
+  at::Tensor dg, dbeta;  // logical [B, T, H, c]
+  if (p.g.defined()) {
+    const auto pair = make_token_gradient<Scalar>(p, p.g.size(3), op == Op::gla, s.head_first);
+    grads.dg = pair.first;
+    dg = pair.second;
+  }
+  if (p.beta.defined()) {
+    const auto pair = make_token_gradient<Scalar>(p, 1, false, s.head_first);
+    grads.dbeta = pair.first;
+    dbeta = pair.second;
+  }
   const auto state_opts = at::TensorOptions().dtype(st).device(at::kCPU);
   at::Tensor dh0, dz0;
   if (p.h0.defined()) grads.d_initial_state = dh0 = at::empty({p.N, p.H, p.K, p.V}, state_opts);
@@ -536,8 +587,10 @@ fla::Gradients linear_attn_backward(const Prepared& p, const Settings& s, const 
   const bool has_final = dht.defined() || dzt.defined();
 
   at::parallel_for(0, p.N * p.H, 1, [&](int64_t begin, int64_t end) {
-    RowMatrix<Scalar> qb, kb, vb, yb;
+    RowMatrix<Scalar> qb, kb, vb, gb, bb, yb;
+    ColVector<Scalar> q_norms, k_norms;
     StateGradient<Scalar> final_gradient, initial;
+    RuleInputGradients<Scalar> d_in;
     for (int64_t task = begin; task < end; ++task) {
       const Index n = task / p.H, h = task % p.H;
       const Index b = p.batch_of(n), first = p.first_of(n), len = p.length_of(n);
@@ -548,15 +601,36 @@ fla::Gradients linear_attn_backward(const Prepared& p, const Settings& s, const 
         final_gradient.z = dzt.defined() ? ColVector<Scalar>(read_state<Scalar>(dzt, n, h, true).transpose())
                                          : ColVector<Scalar>::Zero(p.K);
       }
+      const StateGradient<Scalar>* carried = has_final ? &final_gradient : nullptr;
       if (len > 0) {
-        const ConstRowsView<Scalar> Q = read_rows<Scalar>(p.q, b, h, first, len, qb);
-        const ConstRowsView<Scalar> Kr = read_rows<Scalar>(p.k, b, h, first, len, kb);
+        const ConstRowsView<Scalar> Q = read_qk<Scalar>(p.q, b, h, first, len, qb, s.qk_l2norm, q_norms);
+        const ConstRowsView<Scalar> Kr = read_qk<Scalar>(p.k, b, h, first, len, kb, s.qk_l2norm, k_norms);
         const ConstRowsView<Scalar> Vr = read_rows<Scalar>(p.v, b, h, first, len, vb);
         read_rows<Scalar>(d_o, b, h, first, len, yb, true);
         yb *= dy_factor;
         auto rows = [&](const at::Tensor& t) { return tensor_view_of<Scalar>(t).head_rows(b, h, first, len); };
-        prefill_backward_into(attn, state, Q, Kr, Vr, yb, has_final ? &final_gradient : nullptr,
-                              GradientsRef<Scalar>{rows(dq), rows(dk), rows(dv)}, initial);
+        const GradientsRef<Scalar> out{rows(dq), rows(dk), rows(dv)};
+        if constexpr (Rule::kind == WriteKind::additive) {
+          prefill_backward_into(attn, state, Q, Kr, Vr, yb, carried, out, initial);
+        } else if constexpr (Rule::kind == WriteKind::gated) {
+          prefill_backward_into(attn, state, Q, Kr, Vr, read_token_rows<Scalar>(p.g, b, h, first, len, gb),
+                                yb, carried, out, d_in, initial);
+          write_rows<Scalar>(dg, b, h, first, d_in.log_gate, Scalar(1));
+        } else if constexpr (Rule::kind == WriteKind::delta) {
+          prefill_backward_into(attn, state, Q, Kr, Vr, read_token_rows<Scalar>(p.beta, b, h, first, len, bb),
+                                yb, carried, out, d_in, initial);
+          write_rows<Scalar>(dbeta, b, h, first, d_in.beta, Scalar(1));
+        } else {  // linattn takes beta then log_alpha; fla's g is log_alpha
+          prefill_backward_into(attn, state, Q, Kr, Vr, read_token_rows<Scalar>(p.beta, b, h, first, len, bb),
+                                read_token_rows<Scalar>(p.g, b, h, first, len, gb), yb, carried, out,
+                                d_in, initial);
+          write_rows<Scalar>(dbeta, b, h, first, d_in.beta, Scalar(1));
+          write_rows<Scalar>(dg, b, h, first, d_in.log_alpha, Scalar(1));
+        }
+        if (s.qk_l2norm) {
+          l2_normalize_backward(qb, q_norms, rows(dq));
+          l2_normalize_backward(kb, k_norms, rows(dk));
+        }
       } else if (has_final) {
         initial = final_gradient;  // no token: the initial state is the final one
       } else {

@@ -7,9 +7,11 @@ T, D]``), float32, float64, bfloat16 or float16; ``scale=None`` means ``K ** -0.
 ``cu_seqlens`` packs N sequences along T with B = 1. See docs/pytorch.md for the formulas and
 where linattn's semantics differ from fla's.
 
-Autograd: the linear_attn ops have gradients (linattn's chunked backward) for q, k, v and the
-initial state; the other rules are inference-only for now and raise NotImplementedError from
-backward. Adding a rule's gradients is one function in ``_BACKWARD``.
+Autograd: every op has gradients (linattn's chunked backward, O(T K V) per sequence and head)
+for q, k, v, the gates g (and g_gamma, through the sum), beta, initial_state (and z), with the
+final state's gradient carried in when the loss uses it; through the in-kernel L2 norm of
+use_qk_l2norm_in_kernel too. Gradients are computed in float32 (float64 for float64 inputs) and
+returned in each input's dtype. Double backward is not supported.
 """
 
 from typing import Optional, Tuple, Union
@@ -44,24 +46,13 @@ class _Spec:
         self.head_first = head_first
 
 
-def _linear_attn_backward(ctx, do, dht, dzt):
-    """Gradients of linear_attn for (q, k, v, g, beta, initial_state, initial_z, cu_seqlens)."""
-    q, k, v, _, _, h0, z0, cu_seqlens = ctx.saved_tensors
-    s = ctx.spec
-    dq, dk, dv, dh0, dz0 = _ext.linear_attn_backward(
-        q, k, v, h0, z0, cu_seqlens, s.scale, s.normalize, s.head_first, do, dht, dzt)
-    cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-    return (cast(dq, q), cast(dk, k), cast(dv, v), None, None,
-            cast(dh0, h0) if h0 is not None else None,
-            cast(dz0, z0) if z0 is not None else None, None)
-
-
-# Rule name -> backward(ctx, d_o, d_final_state, d_final_z) returning the gradients of the
-# eight tensor inputs. Rules missing here are inference-only.
-_BACKWARD = {"linear_attn": _linear_attn_backward}
+def _cast(grad, like):
+    return None if grad is None or like is None else grad.to(like.dtype)
 
 
 class _Op(torch.autograd.Function):
+    """One op as an autograd node: forward and backward are linattn's kernels (_ext)."""
+
     @staticmethod
     def forward(ctx, spec, q, k, v, g, beta, h0, z0, cu_seqlens):
         o, ht, zt = _ext.forward(spec.rule, q, k, v, g, beta, h0, z0, cu_seqlens, spec.scale,
@@ -72,21 +63,35 @@ class _Op(torch.autograd.Function):
         return o, ht, zt
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht, dzt):
-        grad = _BACKWARD.get(ctx.spec.rule)
-        if grad is None:
-            raise NotImplementedError(
-                f"linattn.torch: gradients for {ctx.spec.rule} are not available yet; its ops "
-                "are inference-only (run them under torch.no_grad() or detach the inputs)")
-        return (None,) + tuple(grad(ctx, do, dht, dzt))
+        """Gradients of (spec, q, k, v, g, beta, initial_state, initial_z, cu_seqlens), each in
+        its input's dtype; dht and dzt (the final states' gradients) are None when unused."""
+        q, k, v, g, beta, h0, z0, cu_seqlens = ctx.saved_tensors
+        s = ctx.spec
+        dq, dk, dv, dg, dbeta, dh0, dz0 = _ext.backward(
+            s.rule, q, k, v, g, beta, h0, z0, cu_seqlens, s.scale, s.normalize, s.qk_l2norm,
+            s.head_first, do, dht, dzt)
+        return (None, _cast(dq, q), _cast(dk, k), _cast(dv, v), _cast(dg, g), _cast(dbeta, beta),
+                _cast(dh0, h0), _cast(dz0, z0), None)
 
 
 def _run(rule, q, k, v, g=None, beta=None, scale=None, initial_state=None,
          output_final_state=False, normalize=False, qk_l2norm=False, cu_seqlens=None,
-         head_first=False, chunked=True):
+         head_first=False, chunked=True, reverse=False):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"linattn.torch: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if reverse:
+        # Each sequence read from its last token to its first: the op on the sequences flipped
+        # along T (one gather, differentiable by PyTorch), its output flipped back.
+        time_dim = 2 if head_first else 1
+        order = _reversed_order(q.shape[time_dim] if q.dim() == 4 else 0, cu_seqlens)
+        flip = lambda x: None if x is None else x.index_select(time_dim, order)  # noqa: E731
+        o, state = _run(rule, flip(q), flip(k), flip(v), flip(g), flip(beta), scale,
+                        initial_state, output_final_state, normalize, qk_l2norm, cu_seqlens,
+                        head_first, chunked)
+        return flip(o), state
     h0, z0 = initial_state, None
     if isinstance(initial_state, (tuple, list)):
         if not normalize or len(initial_state) != 2:
@@ -103,10 +108,22 @@ def _run(rule, q, k, v, g=None, beta=None, scale=None, initial_state=None,
     return o, ((ht, zt) if normalize else ht)
 
 
-def _no_reverse(reverse):
-    if reverse:
-        raise NotImplementedError("linattn.torch: reverse=True is not supported (flip the "
-                                  "sequences with torch.flip and call the op)")
+def _reversed_order(T, cu_seqlens):
+    """Indices along T that reverse every sequence in place (all of T without cu_seqlens);
+    checks cu_seqlens as the kernels do, since the order is built before they see it."""
+    if cu_seqlens is None:
+        return torch.arange(T - 1, -1, -1)
+    if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1
+            or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2):
+        raise ValueError("linattn: cu_seqlens must be a 1-D int32/int64 CPU tensor with at least "
+                         "2 entries")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != T:
+        raise ValueError(f"linattn: cu_seqlens must start at 0 and end at T={T}, got "
+                         f"{bounds[0]} ... {bounds[-1]}")
+    if any(a > e for a, e in zip(bounds[:-1], bounds[1:])):
+        raise ValueError("linattn: cu_seqlens must not decrease")
+    return torch.cat([torch.arange(e - 1, a - 1, -1) for a, e in zip(bounds[:-1], bounds[1:])])
 
 
 def chunk_linear_attn(q: _Tensor, k: _Tensor, v: _Tensor, scale: Optional[float] = None,
@@ -125,15 +142,16 @@ def fused_recurrent_linear_attn(q: _Tensor, k: _Tensor, v: _Tensor, scale: Optio
                                 output_final_state: bool = False, reverse: bool = False,
                                 normalize: bool = False, cu_seqlens: Optional[_Tensor] = None,
                                 head_first: bool = False):
-    """chunk_linear_attn token by token (normalize defaults to False, as in fla)."""
-    _no_reverse(reverse)
+    """chunk_linear_attn token by token (normalize defaults to False, as in fla); reverse=True
+    reads every sequence from its last token to its first (o_t then covers tokens t..end, and
+    the final state is the one after the first token)."""
     return _run("linear_attn", q, k, v, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, normalize=normalize,
-                cu_seqlens=cu_seqlens, head_first=head_first, chunked=False)
+                cu_seqlens=cu_seqlens, head_first=head_first, chunked=False, reverse=reverse)
 
 
 def _simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
-                head_first, chunked):
+                head_first, chunked, reverse=False):
     if g_gamma is not None:
         H = q.shape[1] if head_first else q.shape[2]
         if g_gamma.shape != (H,):
@@ -144,10 +162,10 @@ def _simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, c
     if g is None:  # no gate: fla's simple_gla is then unnormalized linear attention
         return _run("linear_attn", q, k, v, scale=scale, initial_state=initial_state,
                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                    head_first=head_first, chunked=chunked)
+                    head_first=head_first, chunked=chunked, reverse=reverse)
     return _run("simple_gla", q, k, v, g=g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                head_first=head_first, chunked=chunked)
+                head_first=head_first, chunked=chunked, reverse=reverse)
 
 
 def chunk_simple_gla(q: _Tensor, k: _Tensor, v: _Tensor, g: Optional[_Tensor] = None,
@@ -165,10 +183,10 @@ def fused_recurrent_simple_gla(q: _Tensor, k: _Tensor, v: _Tensor, g: Optional[_
                                initial_state: Optional[_Tensor] = None,
                                output_final_state: bool = False, reverse: bool = False,
                                cu_seqlens: Optional[_Tensor] = None, head_first: bool = False):
-    """chunk_simple_gla token by token."""
-    _no_reverse(reverse)
+    """chunk_simple_gla token by token; reverse=True reads every sequence backwards (as in
+    fused_recurrent_linear_attn)."""
     return _simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state,
-                       cu_seqlens, head_first, False)
+                       cu_seqlens, head_first, False, reverse)
 
 
 def chunk_gla(q: _Tensor, k: _Tensor, v: _Tensor, g: _Tensor, scale: Optional[float] = None,
@@ -187,18 +205,17 @@ def fused_recurrent_gla(q: _Tensor, k: _Tensor, v: _Tensor, gk: Optional[_Tensor
                         reverse: bool = False, cu_seqlens: Optional[_Tensor] = None,
                         head_first: bool = False):
     """chunk_gla token by token, the gates named gk as in fla; gv (value-channel gates) is not
-    supported."""
-    _no_reverse(reverse)
+    supported; reverse=True reads every sequence backwards (as in fused_recurrent_linear_attn)."""
     if gv is not None:
         raise NotImplementedError("linattn.torch: value-channel gates gv are not supported "
                                   "(linattn gates the key channels of S)")
     if gk is None:
         return _run("linear_attn", q, k, v, scale=scale, initial_state=initial_state,
                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                    head_first=head_first, chunked=False)
+                    head_first=head_first, chunked=False, reverse=reverse)
     return _run("gla", q, k, v, g=gk, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                head_first=head_first, chunked=False)
+                head_first=head_first, chunked=False, reverse=reverse)
 
 
 def _ones_beta(q, head_first):
