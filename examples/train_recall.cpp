@@ -22,6 +22,8 @@
 #include <linattn/gradients.hpp>
 #include <linattn/random_features.hpp>
 
+#include "recall_task.hpp"
+
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -30,69 +32,10 @@
 
 namespace {
 
-using linattn::Index;
 using linattn::Mask;
-using Matrix = linattn::RowMatrix<float>;
+using namespace recall;  // the task: its constants, Sequence, Parameter, Score
 
-constexpr Index kPairs = 8;                        // N key/value pairs per sequence
-constexpr Index kKeyDim = 16, kValueDim = 8;       // key and value sizes in the input
-constexpr Index kInput = kKeyDim + kValueDim + 1;  // [key, value, is_query]
-constexpr Index kHead = 16;                        // dk of the layer (and r of both maps)
-constexpr Index kBatch = 32;
 constexpr int kSteps = 4000;
-constexpr int kEvalEvery = 50;
-constexpr Index kEvalSequences = 256;
-
-struct Sequence {
-  Matrix X;       // 2N x kInput
-  Matrix values;  // N x kValueDim, the pairs' values in order
-  std::vector<Index> asked;  // the pair each query asks for
-};
-
-Sequence make_sequence(std::mt19937_64& gen) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  Sequence s{Matrix::Zero(2 * kPairs, kInput), Matrix(kPairs, kValueDim), {}};
-  Matrix keys(kPairs, kKeyDim);
-  for (Index i = 0; i < keys.size(); ++i) keys.data()[i] = normal(gen);
-  keys.rowwise().normalize();
-  for (Index i = 0; i < s.values.size(); ++i)
-    s.values.data()[i] = normal(gen) / std::sqrt(static_cast<float>(kValueDim));
-  for (Index i = 0; i < kPairs; ++i) s.asked.push_back(i);
-  std::shuffle(s.asked.begin(), s.asked.end(), gen);
-  for (Index i = 0; i < kPairs; ++i) {
-    s.X.row(i).head(kKeyDim) = keys.row(i);
-    s.X.row(i).segment(kKeyDim, kValueDim) = s.values.row(i);
-    const Index q = kPairs + i;
-    s.X.row(q).head(kKeyDim) = keys.row(s.asked[static_cast<std::size_t>(i)]);
-    s.X(q, kInput - 1) = 1.0f;
-  }
-  return s;
-}
-
-// One projection matrix with its Adam moments.
-struct Parameter {
-  Matrix W, grad, m, v;
-  Parameter(Index rows, Index cols, std::mt19937_64& gen)
-      : W(rows, cols), grad(Matrix::Zero(rows, cols)), m(Matrix::Zero(rows, cols)),
-        v(Matrix::Zero(rows, cols)) {
-    std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(rows)));
-    for (Index i = 0; i < W.size(); ++i) W.data()[i] = normal(gen);
-  }
-  // Adam (Kingma and Ba 2015) with bias correction; step t counts from 1.
-  void adam(float lr, int t) {
-    constexpr float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
-    m = beta1 * m + (1 - beta1) * grad;
-    v = beta2 * v + (1 - beta2) * grad.cwiseAbs2();
-    const float c1 = 1 - std::pow(beta1, static_cast<float>(t));
-    const float c2 = 1 - std::pow(beta2, static_cast<float>(t));
-    W.array() -= lr * (m.array() / c1) / ((v.array() / c2).sqrt() + eps);
-    grad.setZero();
-  }
-};
-
-struct Score {
-  double loss = 0, accuracy = 0;
-};
 
 template <class Phi>
 class Model {
@@ -106,18 +49,8 @@ class Model {
     for (const Sequence& s : batch) {
       const Matrix Q = s.X * q_.W, K = s.X * k_.W, V = s.X * v_.W;
       const Matrix Y = attn_.parallel(Q, K, V, Mask::causal);
-      Matrix dY = Matrix::Zero(Y.rows(), Y.cols());
-      for (Index i = 0; i < kPairs; ++i) {
-        const auto y = Y.row(kPairs + i);
-        const auto target = s.values.row(s.asked[static_cast<std::size_t>(i)]);
-        score.loss += weight * (y - target).squaredNorm();
-        dY.row(kPairs + i) = 2 * weight * (y - target);
-        Index nearest = 0;
-        for (Index j = 1; j < kPairs; ++j)
-          if ((y - s.values.row(j)).squaredNorm() < (y - s.values.row(nearest)).squaredNorm())
-            nearest = j;
-        score.accuracy += nearest == s.asked[static_cast<std::size_t>(i)] ? weight : 0.0;
-      }
+      Matrix dY;
+      recall::score_queries(Y, s, weight, score, dY);
       if (!train) continue;
       const auto g = linattn::parallel_backward(attn_, Q, K, V, Mask::causal, dY);
       q_.grad.noalias() += s.X.transpose() * g.Q;
@@ -136,7 +69,9 @@ class Model {
  private:
   linattn::LinearAttention<Phi, float> attn_;
   std::mt19937_64 gen_;
-  Parameter q_{kInput, kHead, gen_}, k_{kInput, kHead, gen_}, v_{kInput, kValueDim, gen_};
+  const float scale_ = 1.0f / std::sqrt(static_cast<float>(kInput));
+  Parameter q_{kInput, kHead, gen_, scale_}, k_{kInput, kHead, gen_, scale_},
+      v_{kInput, kValueDim, gen_, scale_};
 };
 
 }  // namespace

@@ -27,6 +27,8 @@
 #include <linattn/gradients.hpp>
 #include <linattn/rule_gradients.hpp>
 
+#include "recall_task.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -36,73 +38,11 @@
 
 namespace {
 
-using linattn::Index;
 using linattn::Mask;
-using Matrix = linattn::RowMatrix<float>;
+using namespace recall;  // the task: its constants, Sequence, Parameter, Score
 using Vector = linattn::ColVector<float>;
 
-constexpr Index kPairs = 8;
-constexpr Index kKeyDim = 16, kValueDim = 8;
-constexpr Index kInput = kKeyDim + kValueDim + 1;  // [key, value, is_query]
-constexpr Index kHead = 16;
-constexpr Index kBatch = 32;
 constexpr int kSteps = 3000;
-constexpr int kEvalEvery = 50;
-constexpr Index kEvalSequences = 256;
-
-struct Sequence {
-  Matrix X;
-  Matrix values;
-  std::vector<Index> asked;
-};
-
-Sequence make_sequence(std::mt19937_64& gen) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  Sequence s{Matrix::Zero(2 * kPairs, kInput), Matrix(kPairs, kValueDim), {}};
-  Matrix keys(kPairs, kKeyDim);
-  for (Index i = 0; i < keys.size(); ++i) keys.data()[i] = normal(gen);
-  keys.rowwise().normalize();
-  for (Index i = 0; i < s.values.size(); ++i)
-    s.values.data()[i] = normal(gen) / std::sqrt(static_cast<float>(kValueDim));
-  for (Index i = 0; i < kPairs; ++i) s.asked.push_back(i);
-  std::shuffle(s.asked.begin(), s.asked.end(), gen);
-  for (Index i = 0; i < kPairs; ++i) {
-    s.X.row(i).head(kKeyDim) = keys.row(i);
-    s.X.row(i).segment(kKeyDim, kValueDim) = s.values.row(i);
-    const Index q = kPairs + i;
-    s.X.row(q).head(kKeyDim) = keys.row(s.asked[static_cast<std::size_t>(i)]);
-    s.X(q, kInput - 1) = 1.0f;
-  }
-  return s;
-}
-
-// A weight matrix with its Adam moments (Kingma and Ba 2015, bias-corrected; t counts from 1).
-struct Parameter {
-  Matrix W, grad, m, v;
-  Parameter(Index rows, Index cols, std::mt19937_64& gen, float scale)
-      : W(rows, cols), grad(Matrix::Zero(rows, cols)), m(Matrix::Zero(rows, cols)),
-        v(Matrix::Zero(rows, cols)) {
-    if (scale == 0) {
-      W.setZero();
-      return;
-    }
-    std::normal_distribution<float> normal(0.0f, scale);
-    for (Index i = 0; i < W.size(); ++i) W.data()[i] = normal(gen);
-  }
-  void adam(float lr, int t) {
-    constexpr float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
-    m = beta1 * m + (1 - beta1) * grad;
-    v = beta2 * v + (1 - beta2) * grad.cwiseAbs2();
-    const float c1 = 1 - std::pow(beta1, static_cast<float>(t));
-    const float c2 = 1 - std::pow(beta2, static_cast<float>(t));
-    W.array() -= lr * (m.array() / c1) / ((v.array() / c2).sqrt() + eps);
-    grad.setZero();
-  }
-};
-
-struct Score {
-  double loss = 0, accuracy = 0;
-};
 
 enum class Kind { additive, gated, delta };
 
@@ -138,18 +78,8 @@ class Model {
           Y = delta_.parallel(Q, K, V, token, Mask::causal);
           break;
       }
-      Matrix dY = Matrix::Zero(Y.rows(), Y.cols());
-      for (Index i = 0; i < kPairs; ++i) {
-        const auto y = Y.row(kPairs + i);
-        const auto target = s.values.row(s.asked[static_cast<std::size_t>(i)]);
-        score.loss += weight * (y - target).squaredNorm();
-        dY.row(kPairs + i) = 2 * weight * (y - target);
-        Index nearest = 0;
-        for (Index j = 1; j < kPairs; ++j)
-          if ((y - s.values.row(j)).squaredNorm() < (y - s.values.row(nearest)).squaredNorm())
-            nearest = j;
-        score.accuracy += nearest == s.asked[static_cast<std::size_t>(i)] ? weight : 0.0;
-      }
+      Matrix dY;
+      recall::score_queries(Y, s, weight, score, dY);
       if (!train) continue;
       Matrix dQ, dK, dV;
       Vector d_pre = Vector::Zero(pre.size());
