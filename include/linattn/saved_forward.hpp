@@ -102,7 +102,10 @@ struct SavedForwardAccess {
   static void finish(SavedForward<Scalar>& s, Index T) noexcept { s.tokens_ = T; }
 };
 
-/// Copies the state before each chunk into a SavedForward's ChunkStates (the kernels' observer).
+/// Copies the state before each chunk into a SavedForward's ChunkStates (the kernels' observer;
+/// S is contiguous r x dv in both chunked kernels). Non-temporal stores for S: the saved states
+/// are written once and read back only by the backward, after the whole forward, so they
+/// should not evict the forward's working set nor read their lines before overwriting them.
 template <class Scalar>
 struct SaveChunkStates {
   ChunkStates<Scalar>& out;
@@ -110,7 +113,7 @@ struct SaveChunkStates {
   template <class S, class Z, class... M>
   void operator()(Index first, const S& state, const Z& z, const M&... log_scale) const {
     const Index c = first / chunk_size, r = state.rows();
-    out.states.middleRows(c * r, r) = state;
+    stream_copy(state.data(), state.size(), out.states.data() + c * r * state.cols());
     out.sums.row(c) = z.transpose();
     if constexpr (sizeof...(M) == 1) ((out.log_scales(c) = log_scale), ...);
   }
@@ -187,6 +190,7 @@ void prefill_saving_into(const LinearAttention<Phi, Scalar>& attn,
     const auto output = [&](Index) -> Eigen::Ref<RowMatrix<Scalar>> { return out; };
     detail::causal_chunked<Scalar>(phi, 1, query, Km, Vm, S, z, tokens, C, norm, output, save);
   }
+  detail::stream_fence();
   detail::SavedForwardAccess::finish(saved, T);
 }
 
@@ -304,7 +308,7 @@ template <class Phi, class Scalar>
   const Index r = attn.feature_map().feature_dim(dk), C = attn.chunk_size(r, dv);
   return detail::BackwardScratch<Scalar>::bytes_for(std::min(T, C), C, r, dv,
                                                      LogScaledFeatureMap<Phi, Scalar>, false,
-                                                     false);
+                                                     false, false);
 }
 
 }  // namespace linattn
