@@ -9,19 +9,21 @@
 ///   auto g = parallel_backward(attn, saved, Q, K, V, Mask::causal, dY);
 ///
 /// The saving forward is the forward (detail::causal_chunked, or the log-domain kernel for
-/// random features) with the state copied out at the start of every chunk of C rows: its
-/// outputs are the forward's bits, and the copy costs r (dv + 1) scalars per chunk. The backward
-/// from it is one reverse sweep over the chunks (detail/saved_backward.hpp): per token about
-/// 8 r dv + C (3 r + 2 dv) flops and one evaluation of the feature map and its derivative per
-/// input, against 10 r dv + C (3 r + 2 dv) and two evaluations when it rebuilds the states;
-/// the forward is 4 r dv + C (r + dv).
+/// random features) with the state copied out at the start of every backward chunk of B rows
+/// (B = Options::chunk_size when set, else 32: a multiple of the forward's chunk, see
+/// detail::backward_chunk_size): its outputs are the forward's bits, and the copy costs
+/// r (dv + 1) scalars per B rows. The backward from it is one reverse sweep over the chunks
+/// (detail/saved_backward.hpp): per token about 8 r dv + B (3 r + 2 dv) flops and one
+/// evaluation of the feature map and its derivative per input, against 10 r dv + B (3 r + 2 dv)
+/// and two evaluations when it rebuilds the states; the forward is 4 r dv + C (r + dv).
 ///
-/// Memory: SavedForward holds ceil(T / C) (r dv + r) scalars (+ 1 per chunk for log-scaled
-/// maps), i.e. (r dv + r) / C scalars per token: r = dv = 128 in float is 4,128 B per token
-/// with the automatic chunk of 16 (S does not fit L1d), 2,064 B with C = 32; T = 65,536 is then
-/// 258 MiB or 129 MiB. Every chunk is kept (no checkpoints every n chunks): at these sizes that
-/// is well under a GiB per head, and checkpoints would bring back a state sweep. The backward
-/// from it allocates one chunk's scratch, O(C (r + C + dv) + r dv) (saved_backward_bytes).
+/// Memory: SavedForward holds ceil(T / B) (r dv + r) scalars (+ 1 per chunk for log-scaled
+/// maps), i.e. (r dv + r) / B scalars per token: r = dv = 128 in float is 2,064 B per token
+/// with the default B = 32 (4,128 B with chunk_size = 16); T = 65,536 is then 129 MiB (258 MiB).
+/// Every backward chunk's state is kept, none recomputed: at these sizes that is well under a
+/// GiB per head, and checkpoints every n chunks would bring back a sweep that rebuilds the
+/// states between them. The backward allocates one chunk's scratch, O(B (r + B + dv) + r dv)
+/// (saved_backward_bytes).
 ///
 /// The saved states belong to the inputs of the forward that filled them: the backward must
 /// get the same Q, K, V (it checks the shapes, the attention's identity and the length, not
@@ -43,7 +45,8 @@ struct SavedForwardAccess;
 }
 
 /// The chunk-boundary states of one causal forward (see the file comment): the stored S (r x dv)
-/// and z (r) before each chunk of chunk_size() rows, and for log-scaled maps their log-scale.
+/// and z (r) before each backward chunk of chunk_size() rows (B, a multiple of the forward's
+/// chunk), and for log-scaled maps their log-scale.
 /// Filled by parallel_saving_into / prefill_saving_into; read by the backward overloads below.
 /// Empty (tokens() == 0, no chunks) until filled; a forward that throws leaves it empty.
 template <class Scalar>
@@ -109,10 +112,11 @@ struct SavedForwardAccess {
 template <class Scalar>
 struct SaveChunkStates {
   ChunkStates<Scalar>& out;
-  Index chunk_size;
+  Index stride;  // the backward's chunk, a multiple of the forward's: every k-th state is kept
   template <class S, class Z, class... M>
   void operator()(Index first, const S& state, const Z& z, const M&... log_scale) const {
-    const Index c = first / chunk_size, r = state.rows();
+    if (first % stride != 0) return;
+    const Index c = first / stride, r = state.rows();
     stream_copy(state.data(), state.size(), out.states.data() + c * r * state.cols());
     out.sums.row(c) = z.transpose();
     if constexpr (sizeof...(M) == 1) ((out.log_scales(c) = log_scale), ...);
@@ -171,9 +175,10 @@ void prefill_saving_into(const LinearAttention<Phi, Scalar>& attn,
   state.check_identity(attn.state_identity());
   state.check_room(T);
   constexpr bool log_scaled = LogScaledFeatureMap<Phi, Scalar>;
-  const Index C = attn.chunk_size(r, dv);
-  detail::SavedForwardAccess::prepare(saved, T, C, r, dk, dv, log_scaled, attn.state_identity());
-  const detail::SaveChunkStates<Scalar> save{detail::SavedForwardAccess::data(saved), C};
+  const Index C = attn.chunk_size(r, dv), stride = detail::backward_chunk_size(attn, r, dv);
+  detail::SavedForwardAccess::prepare(saved, T, stride, r, dk, dv, log_scaled,
+                                      attn.state_identity());
+  const detail::SaveChunkStates<Scalar> save{detail::SavedForwardAccess::data(saved), stride};
   const auto& Qm = detail::materialize(Q);
   const auto& Km = detail::materialize(K);
   const auto& Vm = detail::materialize(V);
@@ -290,13 +295,13 @@ template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
 }
 
 /// Bytes a SavedForward holds for T tokens of key dim dk and value dim dv with this attention's
-/// chunk C: ceil(T / C) (r dv + r) scalars (+ ceil(T / C) for log-scaled maps). r = dv = 128,
-/// float, T = 65,536: 270,532,608 (258 MiB) with the automatic C = 16.
+/// backward chunk B: ceil(T / B) (r dv + r) scalars (+ ceil(T / B) for log-scaled maps).
+/// r = dv = 128, float, T = 65,536: 135,266,304 (129 MiB) with the default B = 32.
 template <class Phi, class Scalar>
 [[nodiscard]] std::size_t saved_forward_bytes(const LinearAttention<Phi, Scalar>& attn, Index T,
                                               Index dk, Index dv) {
   const Index r = attn.feature_map().feature_dim(dk);
-  return detail::ChunkStates<Scalar>::bytes_for(T, attn.chunk_size(r, dv), r, dv,
+  return detail::ChunkStates<Scalar>::bytes_for(T, detail::backward_chunk_size(attn, r, dv), r, dv,
                                                 LogScaledFeatureMap<Phi, Scalar>);
 }
 
@@ -305,7 +310,7 @@ template <class Phi, class Scalar>
 template <class Phi, class Scalar>
 [[nodiscard]] std::size_t saved_backward_bytes(const LinearAttention<Phi, Scalar>& attn, Index T,
                                                Index dk, Index dv) {
-  const Index r = attn.feature_map().feature_dim(dk), C = attn.chunk_size(r, dv);
+  const Index r = attn.feature_map().feature_dim(dk), C = detail::backward_chunk_size(attn, r, dv);
   return detail::BackwardScratch<Scalar>::bytes_for(std::min(T, C), C, r, dv,
                                                      LogScaledFeatureMap<Phi, Scalar>, false,
                                                      false, false);
