@@ -4,20 +4,18 @@
 // central differences for the log-scaled maps whose forward sums in another order, segments,
 // errors and the memory figures.
 
-#include <linattn/random_features.hpp>
-#include <linattn/saved_forward.hpp>
-
-#include <catch2/catch.hpp>
-
-#include "test_support.hpp"
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <linattn/random_features.hpp>
+#include <linattn/saved_forward.hpp>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+
+#include "test_support.hpp"
 
 using namespace linattn;
 using linattn_test::MatrixXdR;
@@ -98,9 +96,10 @@ void check_bitwise(const Attn& attn, Index T, Index d, Index dv, Index prefix, b
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("the saving forward is the forward, and its backward the recomputing one, "
-                   "bit for bit on the register kernel",
-                   "[saved_forward]", float, double) {
+TEMPLATE_TEST_CASE(
+    "the saving forward is the forward, and its backward the recomputing one, "
+    "bit for bit on the register kernel",
+    "[saved_forward]", float, double) {
   using Scalar = TestType;
   // dv a multiple of every packet width (16 floats with AVX-512): both forwards and the
   // backward's state rebuild run on the register kernel, with the same sums in the same order.
@@ -108,8 +107,8 @@ TEMPLATE_TEST_CASE("the saving forward is the forward, and its backward the reco
     for (Index T : {0, 1, 7, 32, 45, 100}) {
       const LinearAttention<EluPlusOne, Scalar> elu(EluPlusOne{}, chunked<Scalar>(chunk));
       check_bitwise(elu, T, 8, 16, 0, false, false, 1.0, false);
-      const LinearAttention<Identity, Scalar> id(Identity{},
-                                                 chunked<Scalar>(chunk, Normalization::clamped(0.5)));
+      const LinearAttention<Identity, Scalar> id(
+          Identity{}, chunked<Scalar>(chunk, Normalization::clamped(0.5)));
       check_bitwise(id, T, 8, 32, 0, false, true, 1.0, true);
     }
   // Continuing a state with pending decode tokens, and the automatic chunk at d = 64.
@@ -180,8 +179,8 @@ namespace {
 // map's exponents: 3 (d + 2) (2 P + X2) with P = sqrt(tau) max |w_i| max |x|, X2 = tau max
 // |x|^2 (tests/gradients_test.cpp's rounding_units).
 template <class Phi>
-void check_saved_differences(const Phi& phi, Index T, Index d, Index dv, Index chunk,
-                             double sigma, bool final_gradient, Index prefix) {
+void check_saved_differences(const Phi& phi, Index T, Index d, Index dv, Index chunk, double sigma,
+                             bool final_gradient, Index prefix) {
   const LinearAttention<Phi, double> attn(phi, chunked<double>(chunk));
   const Index r = attn.feature_dim(d);
   CAPTURE(T, d, dv, r, chunk, final_gradient, prefix);
@@ -224,8 +223,7 @@ void check_saved_differences(const Phi& phi, Index T, Index d, Index dv, Index c
 
   double P = 0, X2 = 0;
   if constexpr (requires { phi.projection(); }) {
-    const double norm =
-        std::max(Q0.rowwise().norm().maxCoeff(), K0.rowwise().norm().maxCoeff());
+    const double norm = std::max(Q0.rowwise().norm().maxCoeff(), K0.rowwise().norm().maxCoeff());
     P = std::sqrt(phi.scale()) * phi.projection().rowwise().norm().maxCoeff() * norm;
     X2 = phi.scale() * norm * norm;
   }
@@ -250,8 +248,9 @@ void check_saved_differences(const Phi& phi, Index T, Index d, Index dv, Index c
           Xp(i, c) += step;
           Xm(i, c) -= step;
           const auto at = [&](const MatrixXdR& Xe) {
-            return which == 0 ? loss(Xe, K0, V0, false)
-                              : which == 1 ? loss(Q0, Xe, V0, false) : loss(Q0, K0, Xe, false);
+            return which == 0   ? loss(Xe, K0, V0, false)
+                   : which == 1 ? loss(Q0, Xe, V0, false)
+                                : loss(Q0, K0, Xe, false);
           };
           return (at(Xp) - at(Xm)) / (2 * step);
         };
@@ -268,9 +267,10 @@ void check_saved_differences(const Phi& phi, Index T, Index d, Index dv, Index c
 
 }  // namespace
 
-TEST_CASE("the backward from a saved forward matches central differences, random features "
-          "included",
-          "[saved_forward][finite-differences]") {
+TEST_CASE(
+    "the backward from a saved forward matches central differences, random features "
+    "included",
+    "[saved_forward][finite-differences]") {
   // The log-scaled maps' forward sums its states with Eigen's product in its own order, so
   // the saved states differ from the rebuilt ones in rounding: differentiate the saving forward
   // itself. ELU + 1 as a control; chunks of 3 with T = 7 cross two boundaries.
@@ -278,8 +278,8 @@ TEST_CASE("the backward from a saved forward matches central differences, random
     check_saved_differences(EluPlusOne{}, 7, 3, 2, 3, 1.0, final_gradient, 0);
     check_saved_differences(PositiveRandomFeatures<double>(3, 4, 5), 7, 3, 2, 3, 0.5,
                             final_gradient, 0);
-    check_saved_differences(TrigRandomFeatures<double>(3, 4, 7), 7, 3, 2, 3, 0.25,
-                            final_gradient, 0);
+    check_saved_differences(TrigRandomFeatures<double>(3, 4, 7), 7, 3, 2, 3, 0.25, final_gradient,
+                            0);
     // A carried state: the saved first state is the prefix's.
     check_saved_differences(PositiveRandomFeatures<double>(3, 4, 5), 7, 3, 2, 3, 0.5,
                             final_gradient, 4);
@@ -287,9 +287,10 @@ TEST_CASE("the backward from a saved forward matches central differences, random
   check_saved_differences(EluPlusOne{}, 1, 3, 2, 3, 1.0, true, 2);
 }
 
-TEST_CASE("segments: saved forwards chained through the state gradient give the whole "
-          "sequence's bits",
-          "[saved_forward][segments]") {
+TEST_CASE(
+    "segments: saved forwards chained through the state gradient give the whole "
+    "sequence's bits",
+    "[saved_forward][segments]") {
   // Segments of whole chunks (16 and 32 rows with C = 8) split the whole sequence's chunks
   // exactly, so each segment's saved states are the whole forward's and the chained backward
   // (each segment's `initial` as the previous one's final gradient) gives the same bits.
@@ -309,8 +310,8 @@ TEST_CASE("segments: saved forwards chained through the state gradient give the 
   prefill_saving_into(attn, state, Q.bottomRows(T2), K.bottomRows(T2), V.bottomRows(T2), Y2, s2);
   CHECK(Y1 == Y.topRows(T1));
   CHECK(Y2 == Y.bottomRows(T2));
-  const auto g2 = prefill_backward(attn, s2, Q.bottomRows(T2), K.bottomRows(T2),
-                                   V.bottomRows(T2), dY.bottomRows(T2));
+  const auto g2 = prefill_backward(attn, s2, Q.bottomRows(T2), K.bottomRows(T2), V.bottomRows(T2),
+                                   dY.bottomRows(T2));
   const auto g1 = prefill_backward(attn, s1, Q.topRows(T1), K.topRows(T1), V.topRows(T1),
                                    dY.topRows(T1), &g2.initial);
   CHECK(g1.Q == g.Q.topRows(T1));
@@ -331,8 +332,8 @@ TEST_CASE("segments: saved forwards chained through the state gradient give the 
   prefill_saving_into(attn, before_b, Q.topRows(23), K.topRows(23), V.topRows(23), Ya, sa);
   auto after_b = before_b;
   prefill_saving_into(attn, after_b, Q.bottomRows(25), K.bottomRows(25), V.bottomRows(25), Yb, sb);
-  const auto hb = prefill_backward(attn, sb, Q.bottomRows(25), K.bottomRows(25),
-                                   V.bottomRows(25), dY.bottomRows(25));
+  const auto hb = prefill_backward(attn, sb, Q.bottomRows(25), K.bottomRows(25), V.bottomRows(25),
+                                   dY.bottomRows(25));
   const auto rb = prefill_backward(attn, before_b, Q.bottomRows(25), K.bottomRows(25),
                                    V.bottomRows(25), dY.bottomRows(25));
   const auto ha = prefill_backward(attn, sa, Q.topRows(23), K.topRows(23), V.topRows(23),
@@ -393,8 +394,7 @@ TEST_CASE("a saved forward of other inputs or another attention is refused, nami
   const LinearAttention<Identity, float> other(Identity{}, chunked<float>(4));
   CHECK_THROWS_AS(parallel_backward(other, saved, Q, K, V, Mask::causal, dY), StateMismatchError);
   // Mask::none: a saved forward is causal.
-  CHECK_THROWS_AS(parallel_saving_into(attn, Q, K, V, Mask::none, Y, saved),
-                  std::invalid_argument);
+  CHECK_THROWS_AS(parallel_saving_into(attn, Q, K, V, Mask::none, Y, saved), std::invalid_argument);
   CHECK_THROWS_AS(parallel_backward(attn, saved, Q, K, V, Mask::none, dY), std::invalid_argument);
   // Bad forward shapes, and a final gradient of the wrong shape.
   RowMatrix<float> Y_short(T - 1, dv);
@@ -424,8 +424,8 @@ TEST_CASE("the saved forward's memory", "[saved_forward][memory]") {
       parallel_saving_into(attn, Q, K, V, Mask::causal, Y, saved);
       CHECK(saved.bytes() == saved_forward_bytes(attn, T, 8, 16));
       CHECK(saved.chunks() == (T + chunk - 1) / chunk);
-      const detail::BackwardScratch<float> w(std::min(T, chunk), chunk, 8, 16, false, false,
-                                             false, false);
+      const detail::BackwardScratch<float> w(std::min(T, chunk), chunk, 8, 16, false, false, false,
+                                             false);
       CHECK(w.bytes() == saved_backward_bytes(attn, T, 8, 16));
     }
   // The figures of docs/gradients.md: T = 65,536, r = dv = 128, float, one head:

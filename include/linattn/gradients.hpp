@@ -27,7 +27,7 @@
 /// to the true sums exp(M) S(), exp(M) z() times exp(M). A loss that depends on a state only
 /// through its true sums (as the next segment's outputs do) gets its exact gradient that way.
 ///
-/// Cost, causal: about 10 r dv + B (3 r + 2 dv) flops per token for the backward's chunk B
+/// Cost, causal: about 10 r dv + B (4 r + 3 dv) flops per token for the backward's chunk B
 /// (backward_chunk_size: Options::chunk_size, or 32 rows under kAuto), against the forward's
 /// 4 r dv + C (r + dv), plus the feature map twice per input and its derivative once. A forward
 /// that keeps its chunk-boundary states (linattn/saved_forward.hpp) saves the 2 r dv of the

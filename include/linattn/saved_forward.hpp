@@ -14,7 +14,7 @@
 /// detail::backward_chunk_size): its outputs are the forward's bits, and the copy costs
 /// r (dv + 1) scalars per B rows. The backward from it is one reverse sweep over the chunks
 /// (detail/saved_backward.hpp): per token about 8 r dv + B (3 r + 2 dv) flops and one
-/// evaluation of the feature map and its derivative per input, against 10 r dv + B (3 r + 2 dv)
+/// evaluation of the feature map and its derivative per input, against 10 r dv + B (4 r + 3 dv)
 /// and two evaluations when it rebuilds the states; the forward is 4 r dv + C (r + dv).
 ///
 /// Memory: SavedForward holds ceil(T / B) (r dv + r) scalars (+ 1 per chunk for log-scaled
@@ -29,13 +29,11 @@
 /// get the same Q, K, V (it checks the shapes, the attention's identity and the length, not
 /// the values).
 
+#include <Eigen/Core>
+#include <cstddef>
 #include <linattn/attention.hpp>
 #include <linattn/detail/saved_backward.hpp>
 #include <linattn/gradients.hpp>
-
-#include <Eigen/Core>
-
-#include <cstddef>
 #include <stdexcept>
 
 namespace linattn {
@@ -83,11 +81,17 @@ namespace detail {
 
 struct SavedForwardAccess {
   template <class Scalar>
-  static ChunkStates<Scalar>& data(SavedForward<Scalar>& s) noexcept { return s.data_; }
+  static ChunkStates<Scalar>& data(SavedForward<Scalar>& s) noexcept {
+    return s.data_;
+  }
   template <class Scalar>
-  static const ChunkStates<Scalar>& data(const SavedForward<Scalar>& s) noexcept { return s.data_; }
+  static const ChunkStates<Scalar>& data(const SavedForward<Scalar>& s) noexcept {
+    return s.data_;
+  }
   template <class Scalar>
-  static const StateIdentity& identity(const SavedForward<Scalar>& s) noexcept { return s.identity_; }
+  static const StateIdentity& identity(const SavedForward<Scalar>& s) noexcept {
+    return s.identity_;
+  }
   /// Sizes `s` for T tokens (allocating only when the size changes) and marks it empty.
   template <class Scalar>
   static void prepare(SavedForward<Scalar>& s, Index T, Index C, Index r, Index dk, Index dv,
@@ -102,7 +106,9 @@ struct SavedForwardAccess {
     s.identity_ = identity;
   }
   template <class Scalar>
-  static void finish(SavedForward<Scalar>& s, Index T) noexcept { s.tokens_ = T; }
+  static void finish(SavedForward<Scalar>& s, Index T) noexcept {
+    s.tokens_ = T;
+  }
 };
 
 /// Copies the state before each chunk into a SavedForward's ChunkStates (the kernels' observer;
@@ -129,9 +135,10 @@ void check_forward_shapes(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBas
                           const Eigen::MatrixBase<DV>& V, const Out& out) {
   if (Q.cols() != K.cols() || K.rows() != V.rows() || Q.rows() != K.rows() || K.cols() < 1 ||
       V.cols() < 1)
-    throw_shape_error("a causal read needs Q, K, V with one row per token, Q and K of one key "
-                      "dimension and dk, dv >= 1, got Q ", shape_of(Q), ", K ", shape_of(K),
-                      " and V ", shape_of(V));
+    throw_shape_error(
+        "a causal read needs Q, K, V with one row per token, Q and K of one key "
+        "dimension and dk, dv >= 1, got Q ",
+        shape_of(Q), ", K ", shape_of(K), " and V ", shape_of(V));
   if (out.rows() != Q.rows() || out.cols() != V.cols())
     throw_shape_error("output is ", shape_of(out), ", expected ", Q.rows(), "x", V.cols(),
                       " (Q rows x V cols)");
@@ -203,14 +210,14 @@ void prefill_saving_into(const LinearAttention<Phi, Scalar>& attn,
 /// (same bits in out). A saved forward is causal: Mask::none throws std::invalid_argument (the
 /// full read's backward needs nothing saved). Otherwise as prefill_saving_into.
 template <class Phi, class Scalar, class DQ, class DK, class DV, class Out>
-void parallel_saving_into(const LinearAttention<Phi, Scalar>& attn,
-                          const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-                          const Eigen::MatrixBase<DV>& V, Mask mask, Out&& out_arg,
-                          SavedForward<Scalar>& saved) {
+void parallel_saving_into(const LinearAttention<Phi, Scalar>& attn, const Eigen::MatrixBase<DQ>& Q,
+                          const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, Mask mask,
+                          Out&& out_arg, SavedForward<Scalar>& saved) {
   Eigen::Ref<RowMatrix<Scalar>> out(out_arg);
   if (mask != Mask::causal)
-    throw std::invalid_argument("parallel_saving_into: a saved forward is causal (Mask::causal); "
-                                "Mask::none needs nothing saved, use parallel_into");
+    throw std::invalid_argument(
+        "parallel_saving_into: a saved forward is causal (Mask::causal); "
+        "Mask::none needs nothing saved, use parallel_into");
   detail::check_forward_shapes(Q, K, V, out);
   auto state = attn.make_state(K.cols(), V.cols());
   prefill_saving_into(attn, state, Q, K, V, out, saved);
@@ -246,19 +253,16 @@ void prefill_backward_into(const LinearAttention<Phi, Scalar>& attn,
       attn.feature_map(), detail::materialize(Q), detail::materialize(K), detail::materialize(V),
       detail::materialize(dY), detail::SavedForwardAccess::data(saved), saved.chunk_size(),
       final_gradient != nullptr ? &final_gradient->S : nullptr,
-      final_gradient != nullptr ? &final_gradient->z : nullptr, attn.options().normalization,
-      out.Q, out.K, out.V, initial.S, initial.z);
+      final_gradient != nullptr ? &final_gradient->z : nullptr, attn.options().normalization, out.Q,
+      out.K, out.V, initial.S, initial.z);
 }
 
 /// prefill_backward_into() from a saved forward, returning the gradients (and `initial`).
 template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
-[[nodiscard]] Gradients<Scalar> prefill_backward(const LinearAttention<Phi, Scalar>& attn,
-                                                 const SavedForward<Scalar>& saved,
-                                                 const Eigen::MatrixBase<DQ>& Q,
-                                                 const Eigen::MatrixBase<DK>& K,
-                                                 const Eigen::MatrixBase<DV>& V,
-                                                 const Eigen::MatrixBase<DY>& dY,
-                                                 const StateGradient<Scalar>* final_gradient = nullptr) {
+[[nodiscard]] Gradients<Scalar> prefill_backward(
+    const LinearAttention<Phi, Scalar>& attn, const SavedForward<Scalar>& saved,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DY>& dY, const StateGradient<Scalar>* final_gradient = nullptr) {
   detail::check_backward_shapes(Q, K, V, dY, Mask::causal);
   auto grads = detail::sized_gradients<Scalar>(Q.rows(), K.rows(), K.cols(), V.cols());
   prefill_backward_into(attn, saved, Q, K, V, dY, final_gradient, {grads.Q, grads.K, grads.V},
@@ -277,7 +281,8 @@ void parallel_backward_into(const LinearAttention<Phi, Scalar>& attn,
   if (mask != Mask::causal)
     throw std::invalid_argument("parallel_backward_into: a saved forward is causal (Mask::causal)");
   StateGradient<Scalar> discarded;
-  prefill_backward_into(attn, saved, Q, K, V, dY, static_cast<const StateGradient<Scalar>*>(nullptr), out,
+  prefill_backward_into(attn, saved, Q, K, V, dY,
+                        static_cast<const StateGradient<Scalar>*>(nullptr), out,
                         initial != nullptr ? *initial : discarded);
 }
 
@@ -311,9 +316,8 @@ template <class Phi, class Scalar>
 [[nodiscard]] std::size_t saved_backward_bytes(const LinearAttention<Phi, Scalar>& attn, Index T,
                                                Index dk, Index dv) {
   const Index r = attn.feature_map().feature_dim(dk), C = detail::backward_chunk_size(attn, r, dv);
-  return detail::BackwardScratch<Scalar>::bytes_for(std::min(T, C), C, r, dv,
-                                                     LogScaledFeatureMap<Phi, Scalar>, false,
-                                                     false, false);
+  return detail::BackwardScratch<Scalar>::bytes_for(
+      std::min(T, C), C, r, dv, LogScaledFeatureMap<Phi, Scalar>, false, false, false);
 }
 
 }  // namespace linattn

@@ -462,7 +462,7 @@ void start_state_gradient(BackwardScratch<Scalar>& w, const RowMatrix<Scalar>* d
 /// gradient (dS_T, dz_T) of the stored final state (null: zero). Writes dQ, dK, dV (T x dk,
 /// T x dk, T x dv; may be strided views) and the gradient of the stored initial state into
 /// (dS0, dz0). Pass 1 (forward) rebuilds S and writes dQ and (a, b); pass 2 (reverse) carries H
-/// and writes dK, dV. Per token about 10 r dv + C (3 r + 2 dv) flops (4 r dv in pass 1's
+/// and writes dK, dV. Per token about 10 r dv + C (4 r + 3 dv) flops (4 r dv in pass 1's
 /// products against the state, 6 r dv in pass 2) plus the feature maps twice and their
 /// derivatives once; memory: BackwardScratch, O(C (r + C + dv) + r dv) plus 2 or 3 scalars per
 /// token. DenominatorError as the forward read would throw it (nothing then is meaningful).

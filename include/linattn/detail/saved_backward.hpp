@@ -4,17 +4,15 @@
 // sweep over the chunks that does pass 1's and pass 2's work of detail::causal_backward on each
 // chunk while its features and score blocks are at hand.
 
+#include <Eigen/Core>
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <linattn/detail/backward_chunked.hpp>
 #include <linattn/detail/prefetch.hpp>
 #include <linattn/feature_maps.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/types.hpp>
-
-#include <Eigen/Core>
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
 #include <type_traits>
 
 #if defined(__SSE2__)
@@ -32,11 +30,9 @@ struct ChunkStates {
   ColVector<Scalar> log_scales;
 
   /// Scalars kept for T tokens in chunks of C: ceil(T / C) (r dv + r (+ 1 when log_scaled)).
-  [[nodiscard]] static std::size_t bytes_for(Index T, Index C, Index r, Index dv,
-                                             bool log_scaled) {
+  [[nodiscard]] static std::size_t bytes_for(Index T, Index C, Index r, Index dv, bool log_scaled) {
     const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
-    return static_cast<std::size_t>(chunks * (r * dv + r + (log_scaled ? 1 : 0))) *
-           sizeof(Scalar);
+    return static_cast<std::size_t>(chunks * (r * dv + r + (log_scaled ? 1 : 0))) * sizeof(Scalar);
   }
 };
 
@@ -82,12 +78,12 @@ inline void stream_fence() noexcept {
 /// Gradients of the causal read whose chunk-boundary states `saved` holds (chunks of
 /// `chunk_size` rows), given dY and the gradient (dS_T, dz_T) of the stored final state (null:
 /// zero). Writes dQ, dK, dV and the gradient of the stored initial state into (dS0, dz0), as
-/// causal_backward does and with its arithmetic: per chunk, from the last, the state before it
-/// is transposed out of `saved`, then chunk_query_gradients and chunk_key_value_gradients run on
-/// one load of the chunk (features once per input, score blocks once). Where the saved states
-/// have the bits causal_backward rebuilds (the register forward and backward products), the
-/// result is its result bit for bit. Each saved S is read in place (the left operand of
-/// X^T = S dY^T), and the next chunk's is prefetched while this one computes. Per token about 8 r dv + C (3 r + 2 dv) flops plus one
+/// causal_backward does and with its arithmetic: per chunk, from the last, chunk_query_gradients
+/// and chunk_key_value_gradients run on one load of the chunk (features once per input, score
+/// blocks once), with the state before the chunk read in place from `saved` (the left operand
+/// of X^T = S dY^T; the next chunk's is prefetched while this one computes). Where the saved
+/// states have the bits causal_backward rebuilds (the register forward and backward products),
+/// the result is its result bit for bit. Per token about 8 r dv + C (3 r + 2 dv) flops plus one
 /// evaluation of the feature map and its derivative per input; memory: BackwardScratch for one
 /// chunk (O(C (r + C + dv) + r dv)), nothing per token.
 template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
