@@ -13,6 +13,17 @@
 //       Counters: fwd_ms, bwd_ms (per iteration), bwd_over_fwd (sum of backward time over sum
 //       of forward time), step_over_fwd ((forward + backward) / forward), scratch_B/token (what
 //       the backward allocates for itself per token, causal_backward_bytes / T).
+//   train_saved/d:D/T:T
+//       the saved-forward design (linattn/saved_forward.hpp), one head, in every iteration:
+//       the plain forward (parallel_into), the saving forward (parallel_saving_into), the
+//       backward from its saved states, and the recomputing backward (parallel_backward_into),
+//       each timed separately in thread CPU time, so all ratios are measured in the same
+//       moments. Counters: fwd_ms, save_fwd_ms, bwd_ms (from the saved forward), recompute_ms,
+//       bwd_over_fwd (saved backward / plain forward: the target's ratio), save_over_fwd
+//       (saving / plain forward), step_over_fwd ((saving forward + saved backward) / plain
+//       forward), recompute_over_fwd, recompute_step_over_fwd ((forward + recomputing backward)
+//       / forward), saved_B/token (saved_forward_bytes / T) and scratch_B/token
+//       (saved_backward_bytes / T).
 //   quadratic_bwd/d:D/T:T  the gradients of the same read through the T x T masked form in
 //       Eigen (scores, their gradient and the products, all T x T), from the same inputs: the
 //       comparison for the crossover T. Counter bwd_ms.
@@ -27,6 +38,7 @@
 // scripts/summarize_gradients.py turns the JSON into the ratios and the crossover.
 
 #include <linattn/gradients.hpp>
+#include <linattn/saved_forward.hpp>
 
 #include <benchmark/benchmark.h>
 
@@ -143,6 +155,63 @@ void BM_train(benchmark::State& state) {
   state.counters["d"] = static_cast<double>(d);
   state.counters["heads"] = static_cast<double>(heads);
   state.counters["threads"] = threads;
+}
+
+void BM_train_saved(benchmark::State& state) {
+  const Index d = state.range(0), T = state.range(1);
+  const Attention attn;
+  Layer layer(T, d, 1);
+  linattn::SavedForward<float> saved;
+  // Untimed first step: the saved states' pages are touched here, once, as in a training loop
+  // that reuses its SavedForward (otherwise the first iteration's page faults, a few ms at
+  // 33 MiB, weigh on the rows with few iterations).
+  linattn::parallel_saving_into(attn, layer.Q, layer.K, layer.V, Mask::causal, layer.out, saved);
+  linattn::parallel_backward_into(attn, saved, layer.Q, layer.K, layer.V, Mask::causal, layer.dY,
+                                  {layer.dQ, layer.dK, layer.dV});
+  double fwd = 0, save = 0, bwd = 0, recompute = 0, checksum = 0;
+  for (auto _ : state) {
+    const double t0 = clock_seconds(1);
+    attn.parallel_into(layer.Q, layer.K, layer.V, Mask::causal, layer.out);
+    benchmark::DoNotOptimize(layer.out.data());
+    benchmark::ClobberMemory();
+    const double t1 = clock_seconds(1);
+    linattn::parallel_saving_into(attn, layer.Q, layer.K, layer.V, Mask::causal, layer.out, saved);
+    benchmark::DoNotOptimize(layer.out.data());
+    benchmark::ClobberMemory();
+    const double t2 = clock_seconds(1);
+    linattn::parallel_backward_into(attn, saved, layer.Q, layer.K, layer.V, Mask::causal,
+                                    layer.dY, {layer.dQ, layer.dK, layer.dV});
+    checksum += double(layer.dQ(T - 1, 0) + layer.dK(0, 0) + layer.dV(0, 0));
+    benchmark::ClobberMemory();
+    const double t3 = clock_seconds(1);
+    linattn::parallel_backward_into(attn, layer.Q, layer.K, layer.V, Mask::causal, layer.dY,
+                                    {layer.dQ, layer.dK, layer.dV});
+    checksum += double(layer.dQ(T - 1, 0) + layer.dK(0, 0) + layer.dV(0, 0));
+    benchmark::ClobberMemory();
+    const double t4 = clock_seconds(1);
+    fwd += t1 - t0;
+    save += t2 - t1;
+    bwd += t3 - t2;
+    recompute += t4 - t3;
+    state.SetIterationTime(t4 - t0);
+  }
+  benchmark::DoNotOptimize(checksum);
+  const double iters = static_cast<double>(state.iterations());
+  state.counters["fwd_ms"] = 1e3 * fwd / iters;
+  state.counters["save_fwd_ms"] = 1e3 * save / iters;
+  state.counters["bwd_ms"] = 1e3 * bwd / iters;
+  state.counters["recompute_ms"] = 1e3 * recompute / iters;
+  state.counters["bwd_over_fwd"] = bwd / fwd;
+  state.counters["save_over_fwd"] = save / fwd;
+  state.counters["step_over_fwd"] = (save + bwd) / fwd;
+  state.counters["recompute_over_fwd"] = recompute / fwd;
+  state.counters["recompute_step_over_fwd"] = (fwd + recompute) / fwd;
+  state.counters["saved_B/token"] =
+      static_cast<double>(linattn::saved_forward_bytes(attn, T, d, d)) / static_cast<double>(T);
+  state.counters["scratch_B/token"] =
+      static_cast<double>(linattn::saved_backward_bytes(attn, T, d, d)) / static_cast<double>(T);
+  state.counters["T"] = static_cast<double>(T);
+  state.counters["d"] = static_cast<double>(d);
 }
 
 // The gradients of the causal ELU + 1 read by its quadratic form: P = tril(phi(Q) phi(K)^T),
@@ -305,6 +374,9 @@ void quadratic_args(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_memory)->Name("memory")->ArgNames({"d", "T"})->Args({128, 65536})->Iterations(1)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_train)->Name("train")->Apply(train_args)->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_train_saved)->Name("train_saved")->ArgNames({"d", "T"})
+    ->ArgsProduct({{64, 128}, {2048, 4096, 8192, 16384}})->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_scaling)->Name("scaling")->ArgNames({"d"})->Arg(64)->Arg(128)->UseManualTime()
     ->Unit(benchmark::kMillisecond);

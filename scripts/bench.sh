@@ -104,7 +104,8 @@ echo "bench.sh: summary saved to $build/bench_summary.txt, plot to $plot"
 # ---- write rules and gradients ------------------------------------------------------------------
 # Three repetitions each (paired ratios, so the medians hold on a noisy machine); the gradients'
 # rows are the subset the targets read: T = 2048 and 16384, one head and 8 heads on 1 and 2
-# threads, the paired scaling row and the memory row.
+# threads, the saved-forward design's paired rows (train_saved, T = 2048 to 16384), the paired
+# scaling row and the memory row.
 summary="$build/bench_summary.txt"
 rules_json="$build/bench_write_rules.json"
 echo "bench.sh: running bench_write_rules (raw results: $rules_json)"
@@ -117,7 +118,7 @@ echo | tee -a "$summary"
 grad_json="$build/bench_gradients.json"
 echo "bench.sh: running bench_gradients (raw results: $grad_json)"
 "$build/bench/bench_gradients" --benchmark_out="$grad_json" --benchmark_out_format=json \
-  --benchmark_filter='^(memory|scaling|train/d:(64|128)/T:(2048|16384)/)' \
+  --benchmark_filter='^(memory|scaling|train/d:(64|128)/T:(2048|16384)/|train_saved/)' \
   --benchmark_min_time=0.05 --benchmark_repetitions=3 >"$build/bench_gradients.log"
 echo | tee -a "$summary"
 "$python" "$root/scripts/summarize_gradients.py" "$grad_json" | tee -a "$summary"

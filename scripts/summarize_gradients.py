@@ -10,6 +10,10 @@ Prints, for the chunked causal path (float, ELU + 1, default chunk):
   - the scaling t(16384) / t(2048) of the backward, judged on the paired `scaling` row
     (both lengths timed in every iteration), with the ratio of separate rows beside it;
   - the targets of issue 14: backward <= 2.5 x forward, scaling within 10% of 8;
+  - the saved-forward design (train_saved rows): the saving forward, the backward from its
+    saved states and the recomputing backward against the plain forward, all four timed in
+    the same iterations, with the saved states' bytes per token; and the target line for both
+    designs (backward / forward: recomputing, and from a saved forward);
   - the crossover against the quadratic (T x T) backward of the same shapes;
   - the backward's memory per token at T = 65,536, d = 128.
 Standard library only (json), so it runs wherever the benchmark does.
@@ -52,7 +56,7 @@ def main():
         print(__doc__.strip(), file=sys.stderr)
         sys.exit(2)
     context, rows = load(sys.argv[1])
-    train, quadratic, memory, scaling = {}, {}, {}, {}
+    train, quadratic, memory, scaling, saved = {}, {}, {}, {}, {}
     for name, reps in rows.items():
         f = parse_name(name)
         if f["kind"] == "train":
@@ -63,6 +67,21 @@ def main():
                 "fwd": min(r["fwd_ms"] for r in reps),
                 "bwd": min(r["bwd_ms"] for r in reps),
                 "reps": len(reps),
+                "scratch": reps[0]["scratch_B/token"],
+            }
+        elif f["kind"] == "train_saved":
+            med = lambda k: statistics.median(r[k] for r in reps)
+            saved[(f["d"], f["T"])] = {
+                "fwd": min(r["fwd_ms"] for r in reps),
+                "save": min(r["save_fwd_ms"] for r in reps),
+                "bwd": min(r["bwd_ms"] for r in reps),
+                "recompute": min(r["recompute_ms"] for r in reps),
+                "ratio": med("bwd_over_fwd"),
+                "save_ratio": med("save_over_fwd"),
+                "step": med("step_over_fwd"),
+                "recompute_ratio": med("recompute_over_fwd"),
+                "recompute_step": med("recompute_step_over_fwd"),
+                "saved_bytes": reps[0]["saved_B/token"],
                 "scratch": reps[0]["scratch_B/token"],
             }
         elif f["kind"] == "quadratic_bwd":
@@ -105,6 +124,38 @@ def main():
         ok = abs(ratio / SCALING_TARGET - 1) <= SCALING_TOLERANCE
         print(f"  d = {d:>3}, backward t(16384)/t(2048) paired in one row: {ratio:.2f} "
               f"({'met' if ok else 'missed'})")
+
+    if saved:
+        print()
+        print("## The saved-forward design (train_saved: four phases timed in every iteration, "
+              "one head, one thread)")
+        print("saving forward + backward from its states, against the plain forward and the "
+              "recomputing backward of the same iterations")
+        print()
+        print(f"{'d':>4} {'T':>6} {'fwd ms':>8} {'save ms':>8} {'bwd ms':>8} {'recomp ms':>9} "
+              f"{'save/fwd':>8} {'bwd/fwd':>8} {'recomp/fwd':>10} {'(s+b)/f':>8} "
+              f"{'(f+r)/f':>8} {'saved B/tok':>11} {'scratch B/tok':>13}")
+        for (d, T) in sorted(saved):
+            r = saved[(d, T)]
+            print(f"{d:>4} {T:>6} {r['fwd']:>8.2f} {r['save']:>8.2f} {r['bwd']:>8.2f} "
+                  f"{r['recompute']:>9.2f} {r['save_ratio']:>8.2f} {r['ratio']:>8.2f} "
+                  f"{r['recompute_ratio']:>10.2f} {r['step']:>8.2f} {r['recompute_step']:>8.2f} "
+                  f"{r['saved_bytes']:>11.1f} {r['scratch']:>13.1f}")
+        print()
+        print(f"Target backward <= {BWD_TARGET} x forward, both designs (paired in the same "
+              "iterations):")
+        for d in sorted({d for d, _ in saved}):
+            rows = [saved[k] for k in saved if k[0] == d]
+            for label, key in (("recomputing backward", "recompute_ratio"),
+                               ("backward from a saved forward", "ratio")):
+                vals = [r[key] for r in rows]
+                worst = max(vals)
+                print(f"  d = {d:>3}, {label}: bwd/fwd {min(vals):.2f} to {worst:.2f} "
+                      f"({'met' if worst <= BWD_TARGET else 'missed'})")
+            steps = [r["step"] for r in rows]
+            rsteps = [r["recompute_step"] for r in rows]
+            print(f"  d = {d:>3}, whole step / plain forward: saved design {min(steps):.2f} to "
+                  f"{max(steps):.2f}, recomputing design {min(rsteps):.2f} to {max(rsteps):.2f}")
 
     if quadratic:
         print()

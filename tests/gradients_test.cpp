@@ -1292,14 +1292,17 @@ TEST_CASE("the backward's memory: 2 scalars per token plus per-call buffers",
   CHECK(bytes < per_token * 65536 + (std::size_t{1} << 20));  // per-call part under 1 MiB
   CHECK(bytes < (std::size_t{1} << 20) + 65536 * 8);
   // Exactly, from bytes_for's sum with C = P = 32 (every packet width divides 32): per call
-  // 2 C r + 2 r P + dv P + 4 C P + 2 C r + C dv + 2 r dv + 2 r + 3 C = 69,984 floats, and
-  // 2 floats per token: (69,984 + 131,072) * 4 = 804,224 bytes.
-  CHECK(bytes == 804224);
-  // Under kAuto the same sum with the chunk this machine chooses.
+  // 2 C r + 3 r P + 2 dv P + 4 C P + 2 C r + C dv + 2 r dv + 2 r + 3 C = 78,176 floats, and
+  // 2 floats per token: (78,176 + 131,072) * 4 = 836,992 bytes.
+  CHECK(bytes == 836992);
+  // Under kAuto the same sum with the backward's chunk: 32 rows, a multiple of the chunk this
+  // machine's forward chooses (16 or 32).
   const LinearAttention<EluPlusOne, float> automatic;
+  CHECK(detail::backward_chunk_size(automatic, 128, 128) == 32);
+  CHECK(detail::backward_chunk_size(automatic, 128, 128) % automatic.chunk_size(128, 128) == 0);
+  CHECK(detail::backward_chunk_size(attn, 128, 128) == 32);
   CHECK(causal_backward_bytes(automatic, 65536, 128, 128) ==
-        detail::BackwardScratch<float>::bytes_for(65536, automatic.chunk_size(128, 128), 128, 128,
-                                                  false, false, false));
+        detail::BackwardScratch<float>::bytes_for(65536, 32, 128, 128, false, false, false));
 }
 
 TEST_CASE("the _into calls write strided head views and equal the allocating calls",

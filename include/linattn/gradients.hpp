@@ -27,8 +27,11 @@
 /// to the true sums exp(M) S(), exp(M) z() times exp(M). A loss that depends on a state only
 /// through its true sums (as the next segment's outputs do) gets its exact gradient that way.
 ///
-/// Cost, causal: about 10 r dv + C (3 r + 2 dv) flops per token for chunk size C (about 2.5 x
-/// the forward's 4 r dv + C (r + dv)), plus the feature map and its derivative twice per input.
+/// Cost, causal: about 10 r dv + B (4 r + 3 dv) flops per token for the backward's chunk B
+/// (backward_chunk_size: Options::chunk_size, or 32 rows under kAuto), against the forward's
+/// 4 r dv + C (r + dv), plus the feature map twice per input and its derivative once. A forward
+/// that keeps its chunk-boundary states (linattn/saved_forward.hpp) saves the 2 r dv of the
+/// sweep that rebuilds them and one evaluation of the map.
 /// Memory: 2 scalars per token (3 for log-scaled maps) plus O(C (r + C + dv) + r dv), beside
 /// the inputs and the returned gradients (causal_backward_bytes; docs/gradients.md). Full:
 /// O((Tq + Tk) r dv) time, the features of all rows in memory (as the forward's full read).
@@ -80,6 +83,20 @@ constexpr void require_differentiable() {
                 "the feature map has no derivative: give it `void backward(const In& x, const F& "
                 "features, const DF& d_features, DX& d_x) const` computing d_x = J^T d_features "
                 "per row (see linattn/feature_maps.hpp)");
+}
+
+/// The causal backward's chunk: Options::chunk_size when it is set, and under kAuto the
+/// forward's automatic chunk C times ceil(32 / C), i.e. 32 rows (C is 16 or 32). The backward
+/// reads H (r x dv) three times per chunk where the forward reads S twice, and at r = dv = 128
+/// measured 15% faster in chunks of 32 than of 16 (docs/gradients.md); a multiple of the
+/// forward's chunk, so its chunk boundaries are the forward's (a saved forward keeps every k-th
+/// state, and the states rebuilt at them have the forward's bits).
+template <class Attn>
+Index backward_chunk_size(const Attn& attn, Index r, Index dv) {
+  const Index C = attn.chunk_size(r, dv);
+  if (attn.options().chunk_size != kAuto) return C;
+  constexpr Index kRows = 32;
+  return C * ((kRows + C - 1) / C);
 }
 
 // Q, K, V and dY fit together: dk, rows per token, dY = Tq x dv, and Tq = Tk when causal.
@@ -149,7 +166,8 @@ void parallel_backward_into(const LinearAttention<Phi, Scalar>& attn,
   StateGradient<Scalar> discarded;
   StateGradient<Scalar>& d0 = initial != nullptr ? *initial : discarded;
   detail::causal_backward<Scalar>(phi, Qm, Km, Vm, dYm, S0, z0, M0, nullptr, nullptr,
-                                  attn.chunk_size(r, dv), attn.options().normalization, out.Q,
+                                  detail::backward_chunk_size(attn, r, dv),
+                                  attn.options().normalization, out.Q,
                                   out.K, out.V, d0.S, d0.z);
 }
 
@@ -198,8 +216,9 @@ void prefill_backward_into(const LinearAttention<Phi, Scalar>& attn,
       phi, detail::materialize(Q), detail::materialize(K), detail::materialize(V),
       detail::materialize(dY), initial_state.S(), initial_state.z(), initial_state.log_scale(),
       final_gradient != nullptr ? &final_gradient->S : nullptr,
-      final_gradient != nullptr ? &final_gradient->z : nullptr, attn.chunk_size(r, dv),
-      attn.options().normalization, out.Q, out.K, out.V, initial.S, initial.z);
+      final_gradient != nullptr ? &final_gradient->z : nullptr,
+      detail::backward_chunk_size(attn, r, dv), attn.options().normalization, out.Q, out.K,
+      out.V, initial.S, initial.z);
 }
 
 /// Gradients of the causal read that continues `initial_state` (made by attn.make_state; read,
@@ -231,13 +250,14 @@ template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
 /// Bytes the causal backward allocates for itself for T tokens of key dim dk and value dim dv
 /// (beyond the inputs and the returned gradients), with row-major contiguous V and dY (others
 /// add two C x dv copies): 2 scalars per token (3 for log-scaled maps) plus per-call buffers of
-/// O(C (r + C + dv) + r dv). For T = 65,536, r = dv = 128, C = 32, float: 804,224 bytes
-/// (0.77 MiB: 8 per token and 279,936 per call).
+/// O(C (r + C + dv) + r dv). For T = 65,536, r = dv = 128, C = 32, float: 836,992 bytes
+/// (0.80 MiB: 8 per token and 312,704 per call).
 template <class Phi, class Scalar>
 [[nodiscard]] std::size_t causal_backward_bytes(const LinearAttention<Phi, Scalar>& attn, Index T,
                                                 Index dk, Index dv) {
   const Index r = attn.feature_map().feature_dim(dk);
-  return detail::BackwardScratch<Scalar>::bytes_for(T, attn.chunk_size(r, dv), r, dv,
+  return detail::BackwardScratch<Scalar>::bytes_for(T, detail::backward_chunk_size(attn, r, dv),
+                                                     r, dv,
                                                      LogScaledFeatureMap<Phi, Scalar>, false,
                                                      false);
 }

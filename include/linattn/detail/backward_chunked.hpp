@@ -160,26 +160,28 @@ ReadGradient<Scalar> read_gradient(const Normalization& norm, Scalar den, Scalar
 }
 
 /// Everything the causal backward allocates, once per call: per-chunk buffers (C rows, or
-/// r x C transposes), the two r x dv sweeps' matrices, and per token (a, b) and, for log-scaled
-/// maps, m. `padded` is C rounded up to the register kernel's packet width; padding columns are
-/// zero-filled once and only ever hold finite values.
+/// r x C transposes), the r x dv matrices of the sweeps, and per token (a, b) and, for
+/// log-scaled maps, m. `padded` is C rounded up to the register kernel's packet width; padding
+/// columns are zero-filled once and only ever hold finite values. `rebuilds_state`: the state
+/// buffer of the recomputing backward (the backward from a saved forward reads the saved one).
 template <class Scalar>
 struct BackwardScratch {
   Index C = 0, padded = 0;
   RowMatrix<Scalar> qf, kf;                // C x r features (scaled ones for log-scaled maps)
-  RowMatrix<Scalar> qf_t, kf_t, v_t;       // r x padded, r x padded, dv x padded transposes
+  RowMatrix<Scalar> qf_t, kf_t, v_t, dy_t; // r x padded, r x padded, dv x padded, dv x padded
+  RowMatrix<Scalar> rows_t;                // r x padded: X^T = S dY^T, then dk^T = H V^T
   RowMatrix<Scalar> scores, d_scores;      // C x padded: A and D-hat of the chunk
-  RowMatrix<Scalar> scores_t, d_scores_t;  // their reversed transposes (pass 2, upper_product)
+  RowMatrix<Scalar> scores_t, d_scores_t;  // their reversed transposes (upper_product)
   RowMatrix<Scalar> weights;               // C x C, exp(lk_j - m_i) (log-scaled maps only)
-  RowMatrix<Scalar> rows_r, d_features;    // C x r: X = dY S^T or dk; dq
+  RowMatrix<Scalar> rows_r, d_features;    // C x r: X or dk; dq
   RowMatrix<Scalar> rows_v, v_copy, dy_copy;  // C x dv: a dY; copies of rows that are not
                                               // row-major (0 rows when not needed)
-  RowMatrix<Scalar> state_t, H;            // dv x r (S^T, then H^T), r x dv (H)
+  RowMatrix<Scalar> state, H;              // r x dv: S (0 x 0 unless rebuilds_state), H
   ColVector<Scalar> z, hz, lq, lk, scale;  // r, r, C, C, C
   ColVector<Scalar> a, b, m;               // T, T, T (m: log-scaled only)
 
   BackwardScratch(Index T, Index chunk, Index r, Index dv, bool log_scaled, bool copy_v,
-                  bool copy_dy) {
+                  bool copy_dy, bool rebuilds_state = true) {
     const Index lanes = kernel_lanes<Scalar>();
     C = std::min(chunk, std::max<Index>(T, 1));
     padded = (C + lanes - 1) / lanes * lanes;
@@ -188,6 +190,8 @@ struct BackwardScratch {
     qf_t = RowMatrix<Scalar>::Zero(r, padded);
     kf_t = RowMatrix<Scalar>::Zero(r, padded);
     v_t = RowMatrix<Scalar>::Zero(dv, padded);
+    dy_t = RowMatrix<Scalar>::Zero(dv, padded);
+    rows_t = RowMatrix<Scalar>::Zero(r, padded);
     scores = RowMatrix<Scalar>::Zero(C, padded);
     d_scores = RowMatrix<Scalar>::Zero(C, padded);
     scores_t = RowMatrix<Scalar>::Zero(C, padded);
@@ -198,7 +202,7 @@ struct BackwardScratch {
     rows_v.resize(C, dv);
     v_copy.resize(copy_v ? C : 0, dv);
     dy_copy.resize(copy_dy ? C : 0, dv);
-    state_t.resize(dv, r);
+    state.resize(rebuilds_state ? r : 0, rebuilds_state ? dv : 0);
     H.resize(r, dv);
     z.resize(r);
     hz.resize(r);
@@ -211,18 +215,20 @@ struct BackwardScratch {
   }
 
   /// Bytes the constructor allocates for these arguments, without allocating them:
-  /// per token 2 scalars (3 when log_scaled); per call 2 C r + 2 r P + dv P + 4 C P
-  /// (+ C^2 when log_scaled) + 2 C r + C dv (+ C dv per copy) + 2 r dv + 2 r + 3 C, with
-  /// C = min(chunk, T) and P = C rounded up to the packet width.
+  /// per token 2 scalars (3 when log_scaled); per call 2 C r + 3 r P + 2 dv P + 4 C P
+  /// (+ C^2 when log_scaled) + 2 C r + C dv (+ C dv per copy) + r dv (+ r dv when
+  /// rebuilds_state) + 2 r + 3 C, with C = min(chunk, T) and P = C rounded up to the packet
+  /// width.
   [[nodiscard]] static std::size_t bytes_for(Index T, Index chunk, Index r, Index dv,
-                                             bool log_scaled, bool copy_v, bool copy_dy) {
+                                             bool log_scaled, bool copy_v, bool copy_dy,
+                                             bool rebuilds_state = true) {
     const Index lanes = kernel_lanes<Scalar>();
     const Index C = std::min(chunk, std::max<Index>(T, 1));
     const Index P = (C + lanes - 1) / lanes * lanes;
-    const Index per_call = 2 * C * r + 2 * r * P + dv * P + 4 * C * P +
+    const Index per_call = 2 * C * r + 3 * r * P + 2 * dv * P + 4 * C * P +
                            (log_scaled ? C * C : 0) + 2 * C * r + C * dv +
-                           (copy_v ? C * dv : 0) + (copy_dy ? C * dv : 0) + 2 * r * dv + 2 * r +
-                           3 * C;
+                           (copy_v ? C * dv : 0) + (copy_dy ? C * dv : 0) +
+                           (rebuilds_state ? 2 : 1) * r * dv + 2 * r + 3 * C;
     const Index per_token = log_scaled ? 3 : 2;
     return static_cast<std::size_t>(per_call + per_token * T) * sizeof(Scalar);
   }
@@ -230,11 +236,12 @@ struct BackwardScratch {
   /// Bytes held by the buffers above (bytes_for() of the constructor's arguments).
   [[nodiscard]] std::size_t bytes() const {
     const Index scalars = qf.size() + kf.size() + qf_t.size() + kf_t.size() + v_t.size() +
-                          scores.size() + d_scores.size() + scores_t.size() +
-                          d_scores_t.size() + weights.size() + rows_r.size() +
-                          d_features.size() + rows_v.size() + v_copy.size() + dy_copy.size() +
-                          state_t.size() + H.size() + z.size() + hz.size() + lq.size() +
-                          lk.size() + scale.size() + a.size() + b.size() + m.size();
+                          dy_t.size() + rows_t.size() + scores.size() + d_scores.size() +
+                          scores_t.size() + d_scores_t.size() + weights.size() +
+                          rows_r.size() + d_features.size() + rows_v.size() + v_copy.size() +
+                          dy_copy.size() + state.size() + H.size() + z.size() + hz.size() +
+                          lq.size() + lk.size() + scale.size() + a.size() + b.size() +
+                          m.size();
     return static_cast<std::size_t>(scalars) * sizeof(Scalar);
   }
 };
@@ -252,7 +259,7 @@ void chunk_features(const Phi& phi, const DX& X, Index first, Index n, RowMatrix
 }
 
 /// The chunk's score block A = tril(f(Q) f(K)^T), weighted by exp(lk_j - m_i) for log-scaled
-/// maps, and the raw D = tril(dY V^T) in d_scores; kf_t and v_t get the transposes.
+/// maps, and the raw D = tril(dY V^T) in d_scores; kf_t, v_t and dy_t get the transposes.
 /// `m` holds the chunk's running maxima (log-scaled only).
 template <class Scalar, bool LogScaled>
 void chunk_scores(BackwardScratch<Scalar>& w, Index n, Index r, Index dv, const Scalar* v,
@@ -261,6 +268,7 @@ void chunk_scores(BackwardScratch<Scalar>& w, Index n, Index r, Index dv, const 
   const Index n_padded = (n + lanes - 1) / lanes * lanes;
   transpose_block(n, r, w.kf.data(), r, w.kf_t.data(), w.padded);
   transpose_block(n, dv, v, ld_v, w.v_t.data(), w.padded);
+  transpose_block(n, dv, dy, ld_dy, w.dy_t.data(), w.padded);
   product<Scalar, false>(n, n_padded, r, w.qf.data(), r, w.kf_t.data(), w.padded,
                          w.scores.data(), w.padded, Triangle::lower_result);
   product<Scalar, false>(n, n_padded, dv, dy, ld_dy, w.v_t.data(), w.padded, w.d_scores.data(),
@@ -288,15 +296,180 @@ void weight_score_gradients(BackwardScratch<Scalar>& w, Index n, const Scalar* a
   }
 }
 
+/// Rows of one chunk as the pieces below read them: the first row, the count, and V and dY as
+/// row-major pointers with their row strides (the inputs' own storage or the scratch copies).
+template <class Scalar>
+struct ChunkRows {
+  Index first, n;
+  const Scalar* v;
+  Index ld_v;
+  const Scalar* dy;
+  Index ld_dy;
+};
+
+/// Loads one chunk: the features of its queries and keys (and log-scales), for log-scaled maps
+/// its running maxima m[i] = max(M_before, lk_0..lk_i) into `m` (when `fill_m`; else m holds
+/// them already), and the score blocks A and D (chunk_scores).
+template <class Scalar, bool LogScaled, class Phi, class DQ, class DK, class DV, class DY>
+ChunkRows<Scalar> load_chunk(BackwardScratch<Scalar>& w, const Phi& phi, const DQ& Q,
+                             const DK& K, const DV& V, const DY& dY, Index first, Index n,
+                             Index r, Index dv, Scalar M_before, Scalar* m, bool fill_m) {
+  chunk_features<Scalar, LogScaled>(phi, Q, first, n, w.qf, w.lq);
+  chunk_features<Scalar, LogScaled>(phi, K, first, n, w.kf, w.lk);
+  if constexpr (LogScaled) {
+    if (fill_m) {
+      Scalar running = M_before;
+      for (Index i = 0; i < n; ++i) m[i] = running = running_max(running, w.lk(i));
+    }
+  } else {
+    static_cast<void>(M_before);
+    static_cast<void>(fill_m);
+  }
+  const auto [v, ld_v] = row_major_rows(V, first, n, w.v_copy);
+  const auto [dy, ld_dy] = row_major_rows(dY, first, n, w.dy_copy);
+  chunk_scores<Scalar, LogScaled>(w, n, r, dv, v, ld_v, dy, ld_dy, m);
+  return {first, n, v, ld_v, dy, ld_dy};
+}
+
+/// The read's share of one chunk, given the stored state before it (S, r x dv row-major at
+/// `state`; z in w.z; log-scale M_before): each row's (a, b) by the quotient rule into a[i],
+/// b[i], D-hat in place of D, and dq = D-hat f(K) + s (a X + b z^T) with X = dY S^T, through
+/// the map into the chunk's rows of dQ. X is formed as X^T = S dY^T (S read in place as the
+/// kernel's left operand, one transpose of C x r back): the sums are X's, term by term in the
+/// same order, and no r x dv transpose is made. 2 r dv flops per token in X, about C r in
+/// D-hat f(K).
+template <class Scalar, bool LogScaled, class Phi, class DQ>
+void chunk_query_gradients(BackwardScratch<Scalar>& w, const Phi& phi, const DQ& Q,
+                           const ChunkRows<Scalar>& c, Index r, Index dv, const Scalar* state,
+                           Scalar M_before, const Scalar* m, const Normalization& norm,
+                           Scalar* a, Scalar* b, Eigen::Ref<RowMatrix<Scalar>>& dQ) {
+  const Index n = c.n;
+  const Index lanes = kernel_lanes<Scalar>();
+  const Index n_padded = (n + lanes - 1) / lanes * lanes;
+  if constexpr (LogScaled)
+    for (Index i = 0; i < n; ++i) w.scale(i) = rescale_factor(M_before, m[i]);  // state's weight
+  else
+    static_cast<void>(M_before);
+  // X = dY S^T: the state's share of dy . num, and of dq.
+  product<Scalar, false>(r, n_padded, dv, state, dv, w.dy_t.data(), w.padded, w.rows_t.data(),
+                         w.padded);
+  transpose_block(r, n, w.rows_t.data(), w.padded, w.rows_r.data(), r);
+  for (Index i = 0; i < n; ++i) {
+    const Scalar s = LogScaled ? w.scale(i) : Scalar(1);
+    const auto A_i = w.scores.row(i).head(i + 1);
+    const Scalar den = s * w.qf.row(i).dot(w.z.transpose()) + A_i.sum();
+    const Scalar dy_num =
+        s * w.qf.row(i).dot(w.rows_r.row(i)) + A_i.dot(w.d_scores.row(i).head(i + 1));
+    const Scalar L = LogScaled ? Scalar(w.lq(i) + m[i]) : Scalar(0);
+    const ReadGradient<Scalar> g =
+        read_gradient<Scalar, LogScaled>(norm, den, dy_num, L, c.first + i);
+    a[i] = g.numerator;
+    b[i] = g.denominator;
+  }
+  weight_score_gradients<Scalar, LogScaled>(w, n, a, b);
+  // dq = D-hat f(K) + s (a X + b z^T)
+  for (Index i = 0; i < n; ++i) {
+    const Scalar s = LogScaled ? w.scale(i) : Scalar(1);
+    w.d_features.row(i) = (s * a[i]) * w.rows_r.row(i) + (s * b[i]) * w.z.transpose();
+  }
+  product<Scalar, true>(n, r, n, w.d_scores.data(), w.padded, w.kf.data(), r,
+                        w.d_features.data(), r, Triangle::lower_lhs);
+  Eigen::Ref<RowMatrix<Scalar>> dq_rows(dQ.middleRows(c.first, n));
+  phi.backward(Q.middleRows(c.first, n), w.qf.topRows(n), w.d_features.topRows(n), dq_rows);
+}
+
+/// The state gradient's share of one chunk, given H (w.H, w.hz: the gradient of the stored
+/// state after the chunk, at log-scale M_after = m[n-1]), D-hat in d_scores and (a, b):
+///   dk = diag(scale) (V H^T + 1 hz^T) + D-hat^T f(Q)      through the map into dK
+///   dv = diag(scale) f(K) H + A^T diag(a) dY              into dV
+///   H  = exp(M_before - M_after) H + f(Q)^T diag(exp(M_before - m)) [a dY, b]
+/// with scale_j = exp(lk_j - M_after) (1 for ordinary maps). V H^T is formed as H V^T from the
+/// chunk's v_t (no r x dv transpose of H). 6 r dv flops per token against H, about C (r + dv)
+/// in the two transposed-triangle products.
+template <class Scalar, bool LogScaled, class Phi, class DK>
+void chunk_key_value_gradients(BackwardScratch<Scalar>& w, const Phi& phi, const DK& K,
+                               const ChunkRows<Scalar>& c, Index r, Index dv, Scalar M_before,
+                               const Scalar* m, const Scalar* a, const Scalar* b,
+                               Eigen::Ref<RowMatrix<Scalar>>& dK,
+                               Eigen::Ref<RowMatrix<Scalar>>& dV) {
+  const Index n = c.n, first = c.first;
+  Scalar M_after = 0;
+  if constexpr (LogScaled) {
+    M_after = m[n - 1];
+    for (Index j = 0; j < n; ++j) w.scale(j) = rescale_factor(w.lk(j), M_after);
+  } else {
+    static_cast<void>(m);
+  }
+  const Scalar* key_scale = LogScaled ? w.scale.data() : nullptr;
+
+  const Index lanes = kernel_lanes<Scalar>();
+  const Index n_padded = (n + lanes - 1) / lanes * lanes;
+  product<Scalar, false>(r, n_padded, dv, w.H.data(), dv, w.v_t.data(), w.padded,
+                         w.rows_t.data(), w.padded);
+  transpose_block(r, n, w.rows_t.data(), w.padded, w.rows_r.data(), r);
+  for (Index j = 0; j < n; ++j) {
+    w.rows_r.row(j) += w.hz.transpose();
+    if constexpr (LogScaled) w.rows_r.row(j) *= w.scale(j);
+  }
+  upper_product<Scalar, true>(n, r, w.d_scores.data(), w.padded, w.qf.data(), r,
+                              w.rows_r.data(), r, w.d_scores_t.data(), w.padded);
+  {
+    Eigen::Ref<RowMatrix<Scalar>> dk_rows(dK.middleRows(first, n));
+    phi.backward(K.middleRows(first, n), w.kf.topRows(n), w.rows_r.topRows(n), dk_rows);
+  }
+
+  Scalar* dv_rows = dV.data() + first * dV.outerStride();
+  product<Scalar, false>(n, dv, r, w.kf.data(), r, w.H.data(), dv, dv_rows, dV.outerStride(),
+                         Triangle::none, key_scale);
+  for (Index i = 0; i < n; ++i)
+    w.rows_v.row(i) = a[i] * Eigen::Map<const RowVector<Scalar>>(c.dy + i * c.ld_dy, dv);
+  upper_product<Scalar, true>(n, dv, w.scores.data(), w.padded, w.rows_v.data(), dv, dv_rows,
+                              dV.outerStride(), w.scores_t.data(), w.padded);
+
+  if constexpr (LogScaled) {
+    const Scalar decay = rescale_factor(M_before, M_after);
+    w.H *= decay;
+    w.hz *= decay;
+    for (Index i = 0; i < n; ++i) {
+      w.scale(i) = rescale_factor(M_before, m[i]);
+      w.rows_v.row(i) *= w.scale(i);
+    }
+  } else {
+    static_cast<void>(M_before);
+  }
+  transpose_block(n, r, w.qf.data(), r, w.qf_t.data(), w.padded);
+  product<Scalar, true>(r, dv, n, w.qf_t.data(), w.padded, w.rows_v.data(), dv, w.H.data(), dv);
+  for (Index i = 0; i < n; ++i)
+    w.hz += (LogScaled ? Scalar(b[i] * w.scale(i)) : b[i]) * w.qf.row(i).transpose();
+}
+
+/// Starts H at the final state's gradient (dS_T, dz_T), zero where null.
+template <class Scalar>
+void start_state_gradient(BackwardScratch<Scalar>& w, const RowMatrix<Scalar>* dS_T,
+                          const ColVector<Scalar>* dz_T) {
+  if (dS_T != nullptr)
+    w.H = *dS_T;
+  else
+    w.H.setZero();
+  if (dz_T != nullptr)
+    w.hz = *dz_T;
+  else
+    w.hz.setZero();
+}
+
 /// Gradients of the causal read continuing the stored state (S0, z0) at log-scale M0 (0 for
 /// ordinary maps), in chunks of `chunk_size` rows, given the output gradient dY and the
 /// gradient (dS_T, dz_T) of the stored final state (null: zero). Writes dQ, dK, dV (T x dk,
 /// T x dk, T x dv; may be strided views) and the gradient of the stored initial state into
 /// (dS0, dz0). Pass 1 (forward) rebuilds S and writes dQ and (a, b); pass 2 (reverse) carries H
-/// and writes dK, dV. Per token about 10 r dv + C (3 r + 2 dv) flops (6 r dv in the register
-/// kernel's products against the state, 4 r dv in pass 2) plus the feature maps and their
-/// derivatives twice; memory: BackwardScratch, O(C (r + C + dv) + r dv) plus 2 or 3 scalars per
+/// and writes dK, dV. Per token about 10 r dv + C (4 r + 3 dv) flops (4 r dv in pass 1's
+/// products against the state, 6 r dv in pass 2) plus the feature maps twice and their
+/// derivatives once; memory: BackwardScratch, O(C (r + C + dv) + r dv) plus 2 or 3 scalars per
 /// token. DenominatorError as the forward read would throw it (nothing then is meaningful).
+/// The state is rebuilt with the arithmetic of the register forward (detail::causal_chunked:
+/// the same product sums in the same order, z a running sum row by row), so where both run on
+/// the register kernel the rebuilt states are the forward's bits, and this backward equals
+/// saved_causal_backward's from a saved forward bit for bit.
 template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
 void causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
                      const RowMatrix<Scalar>& S0, const ColVector<Scalar>& z0, Scalar M0,
@@ -311,131 +484,48 @@ void causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, cons
                             !has_row_major_storage<DY>());
   const Index C = w.C;
 
-  // ---- pass 1: forward over the chunks, S^T in state_t, z, M; dQ and (a, b) per row ----
-  w.state_t = S0.transpose();
+  // ---- pass 1: forward over the chunks, S in w.state, z, M; dQ and (a, b) per row ----
+  w.state = S0;
   w.z = z0;
   Scalar M = M0;
   for (Index first = 0; first < T; first += C) {
     const Index n = std::min(C, T - first);
-    chunk_features<Scalar, LogScaled>(phi, Q, first, n, w.qf, w.lq);
-    chunk_features<Scalar, LogScaled>(phi, K, first, n, w.kf, w.lk);
     Scalar* m = LogScaled ? w.m.data() + first : nullptr;
-    if constexpr (LogScaled) {
-      Scalar running = M;
-      for (Index i = 0; i < n; ++i) m[i] = running = running_max(running, w.lk(i));
-      for (Index i = 0; i < n; ++i) w.scale(i) = rescale_factor(M, m[i]);  // state's weight
-    }
-    const auto [v, ld_v] = row_major_rows(V, first, n, w.v_copy);
-    const auto [dy, ld_dy] = row_major_rows(dY, first, n, w.dy_copy);
-    chunk_scores<Scalar, LogScaled>(w, n, r, dv, v, ld_v, dy, ld_dy, m);
-    // X = dY S^T: the state's share of dy . num, and of dq.
-    product<Scalar, false>(n, r, dv, dy, ld_dy, w.state_t.data(), r, w.rows_r.data(), r);
-    Scalar* a = w.a.data() + first;
-    Scalar* b = w.b.data() + first;
-    for (Index i = 0; i < n; ++i) {
-      const Scalar s = LogScaled ? w.scale(i) : Scalar(1);
-      const auto A_i = w.scores.row(i).head(i + 1);
-      const Scalar den = s * w.qf.row(i).dot(w.z.transpose()) + A_i.sum();
-      const Scalar dy_num = s * w.qf.row(i).dot(w.rows_r.row(i)) +
-                            A_i.dot(w.d_scores.row(i).head(i + 1));
-      const Scalar L = LogScaled ? Scalar(w.lq(i) + m[i]) : Scalar(0);
-      const ReadGradient<Scalar> g = read_gradient<Scalar, LogScaled>(norm, den, dy_num, L, first + i);
-      a[i] = g.numerator;
-      b[i] = g.denominator;
-    }
-    weight_score_gradients<Scalar, LogScaled>(w, n, a, b);
-    // dq = D-hat f(K) + s (a X + b z^T)
-    for (Index i = 0; i < n; ++i) {
-      const Scalar s = LogScaled ? w.scale(i) : Scalar(1);
-      w.d_features.row(i) = (s * a[i]) * w.rows_r.row(i) + (s * b[i]) * w.z.transpose();
-    }
-    product<Scalar, true>(n, r, n, w.d_scores.data(), w.padded, w.kf.data(), r,
-                          w.d_features.data(), r, Triangle::lower_lhs);
-    {
-      Eigen::Ref<RowMatrix<Scalar>> dq_rows(dQ.middleRows(first, n));
-      phi.backward(Q.middleRows(first, n), w.qf.topRows(n), w.d_features.topRows(n), dq_rows);
-    }
+    const ChunkRows<Scalar> c =
+        load_chunk<Scalar, LogScaled>(w, phi, Q, K, V, dY, first, n, r, dv, M, m, true);
+    chunk_query_gradients<Scalar, LogScaled>(w, phi, Q, c, r, dv, w.state.data(), M, m, norm,
+                                             w.a.data() + first, w.b.data() + first, dQ);
     // The state absorbs the chunk (as detail::log_domain_causal_chunk for log-scaled maps).
     if constexpr (LogScaled) {
       const Scalar M_new = m[n - 1];
       const Scalar alpha = rescale_factor(M, M_new);
       if (alpha != Scalar(1)) {
-        w.state_t *= alpha;
+        w.state *= alpha;
         w.z *= alpha;
       }
       for (Index j = 0; j < n; ++j) w.kf.row(j) *= rescale_factor(w.lk(j), M_new);
+      transpose_block(n, r, w.kf.data(), r, w.kf_t.data(), w.padded);
       M = M_new;
     }
-    product<Scalar, true>(dv, r, n, w.v_t.data(), w.padded, w.kf.data(), r, w.state_t.data(), r);
-    w.z += w.kf.topRows(n).colwise().sum().transpose();
+    // S += f(K)^T V as the register forward does it (detail::causal_chunked: the same operands
+    // in the same order), so the rebuilt states are the forward's bits.
+    product<Scalar, true>(r, dv, n, w.kf_t.data(), w.padded, c.v, c.ld_v, w.state.data(), dv);
+    for (Index j = 0; j < n; ++j) w.z += w.kf.row(j).transpose();  // the forward's running z
   }
 
   // ---- pass 2: reverse over the chunks, H (gradient of the stored state after the chunk) ----
-  if (dS_T != nullptr)
-    w.H = *dS_T;
-  else
-    w.H.setZero();
-  if (dz_T != nullptr)
-    w.hz = *dz_T;
-  else
-    w.hz.setZero();
+  start_state_gradient(w, dS_T, dz_T);
   const Index last_first = T == 0 ? -1 : (T - 1) / C * C;
   for (Index first = last_first; first >= 0; first -= C) {
     const Index n = std::min(C, T - first);
-    chunk_features<Scalar, LogScaled>(phi, Q, first, n, w.qf, w.lq);
-    chunk_features<Scalar, LogScaled>(phi, K, first, n, w.kf, w.lk);
-    const Scalar* m = LogScaled ? w.m.data() + first : nullptr;
-    const auto [v, ld_v] = row_major_rows(V, first, n, w.v_copy);
-    const auto [dy, ld_dy] = row_major_rows(dY, first, n, w.dy_copy);
-    chunk_scores<Scalar, LogScaled>(w, n, r, dv, v, ld_v, dy, ld_dy, m);
+    Scalar* m = LogScaled ? w.m.data() + first : nullptr;
+    const Scalar M_before = LogScaled ? (first == 0 ? M0 : w.m(first - 1)) : Scalar(0);
+    const ChunkRows<Scalar> c =
+        load_chunk<Scalar, LogScaled>(w, phi, Q, K, V, dY, first, n, r, dv, M_before, m, false);
     const Scalar* a = w.a.data() + first;
     const Scalar* b = w.b.data() + first;
     weight_score_gradients<Scalar, LogScaled>(w, n, a, b);
-    Scalar M_before = 0, M_after = 0;
-    if constexpr (LogScaled) {
-      M_before = first == 0 ? M0 : w.m(first - 1);
-      M_after = m[n - 1];
-      for (Index j = 0; j < n; ++j) w.scale(j) = rescale_factor(w.lk(j), M_after);
-    }
-    const Scalar* key_scale = LogScaled ? w.scale.data() : nullptr;
-
-    // dk = diag(scale) (V H^T + 1 hz^T) + D-hat^T f(Q)
-    transpose_block(r, dv, w.H.data(), dv, w.state_t.data(), r);
-    product<Scalar, false>(n, r, dv, v, ld_v, w.state_t.data(), r, w.rows_r.data(), r);
-    for (Index j = 0; j < n; ++j) {
-      w.rows_r.row(j) += w.hz.transpose();
-      if constexpr (LogScaled) w.rows_r.row(j) *= w.scale(j);
-    }
-    upper_product<Scalar, true>(n, r, w.d_scores.data(), w.padded, w.qf.data(), r,
-                                w.rows_r.data(), r, w.d_scores_t.data(), w.padded);
-    {
-      Eigen::Ref<RowMatrix<Scalar>> dk_rows(dK.middleRows(first, n));
-      phi.backward(K.middleRows(first, n), w.kf.topRows(n), w.rows_r.topRows(n), dk_rows);
-    }
-
-    // dv = diag(scale) f(K) H + A^T diag(a) dY
-    Scalar* dv_rows = dV.data() + first * dV.outerStride();
-    product<Scalar, false>(n, dv, r, w.kf.data(), r, w.H.data(), dv, dv_rows, dV.outerStride(),
-                           Triangle::none, key_scale);
-    for (Index i = 0; i < n; ++i)
-      w.rows_v.row(i) = a[i] * Eigen::Map<const RowVector<Scalar>>(dy + i * ld_dy, dv);
-    upper_product<Scalar, true>(n, dv, w.scores.data(), w.padded, w.rows_v.data(), dv, dv_rows,
-                                dV.outerStride(), w.scores_t.data(), w.padded);
-
-    // H before the chunk = exp(M_before - M_after) H + f(Q)^T diag(exp(M_before - m)) [a dY, b]
-    if constexpr (LogScaled) {
-      const Scalar decay = rescale_factor(M_before, M_after);
-      w.H *= decay;
-      w.hz *= decay;
-      for (Index i = 0; i < n; ++i) {
-        w.scale(i) = rescale_factor(M_before, m[i]);
-        w.rows_v.row(i) *= w.scale(i);
-      }
-    }
-    transpose_block(n, r, w.qf.data(), r, w.qf_t.data(), w.padded);
-    product<Scalar, true>(r, dv, n, w.qf_t.data(), w.padded, w.rows_v.data(), dv, w.H.data(), dv);
-    for (Index i = 0; i < n; ++i)
-      w.hz += (LogScaled ? Scalar(b[i] * w.scale(i)) : b[i]) * w.qf.row(i).transpose();
+    chunk_key_value_gradients<Scalar, LogScaled>(w, phi, K, c, r, dv, M_before, m, a, b, dK, dV);
   }
   dS0 = w.H;
   dz0 = w.hz;

@@ -3,6 +3,7 @@
 // buffers allocated once per call (detail/small_gemm.hpp), with an Eigen-GEMM form for the
 // scalar types and value widths the register kernel does not cover.
 
+#include <linattn/detail/chunk_observer.hpp>
 #include <linattn/detail/prefetch.hpp>
 #include <linattn/detail/small_gemm.hpp>
 #include <linattn/normalization.hpp>
@@ -57,10 +58,12 @@ void divide_late_rows(Scalar* out, Index ld, Index n, Index dv, const Scalar* la
 /// (the masked half of the score block is computed and multiplied as zeros: at the chunk sizes
 /// that run fastest, a full small GEMM beats a triangular one). Memory: O(C (r + C) + r dv),
 /// never T x T. Allocates once per call, not per chunk.
-template <class Scalar, class Phi, class QueryAt, class DK, class DV, class OutputAt>
+template <class Scalar, class Phi, class QueryAt, class DK, class DV, class OutputAt,
+          class BeforeChunk = NoChunkObserver>
 void causal_chunked_eigen(const Phi& phi, Index group, const QueryAt& query, const DK& K,
                           const DV& V, RowMatrix<Scalar>& S, ColVector<Scalar>& z, Index& tokens,
-                          Index chunk_size, const Normalization& norm, const OutputAt& output) {
+                          Index chunk_size, const Normalization& norm, const OutputAt& output,
+                          const BeforeChunk& before_chunk = {}) {
   const Index T = K.rows(), r = S.rows(), dv = S.cols();
   if (T == 0) return;
   const Index C = std::min(chunk_size, T);
@@ -78,6 +81,7 @@ void causal_chunked_eigen(const Phi& phi, Index group, const QueryAt& query, con
 
   for (Index first = 0; first < T; first += C) {
     const Index n = std::min(C, T - first);
+    before_chunk(first, B.topRows(r), z);
     {
       Eigen::Ref<RowMatrix<Scalar>> kf_view(kf.topRows(n));
       phi.apply(K.middleRows(first, n), kf_view);
@@ -150,18 +154,21 @@ std::pair<const Scalar*, Index> row_major_rows(const DV& V, Index first, Index n
 /// T x T. Allocates once per call, not per chunk. After a DenominatorError the state holds
 /// exactly the chunks before the failing one. A group of G heads costs G reads (2 r dv + about
 /// C (r + dv) flops per token each) and one update (2 r dv), against G of each for G calls.
-template <class Scalar, class Phi, class QueryAt, class DK, class DV, class OutputAt>
+template <class Scalar, class Phi, class QueryAt, class DK, class DV, class OutputAt,
+          class BeforeChunk = NoChunkObserver>
 void causal_chunked(const Phi& phi, Index group, const QueryAt& query, const DK& K, const DV& V,
                     RowMatrix<Scalar>& S, ColVector<Scalar>& z, Index& tokens, Index chunk_size,
-                    const Normalization& norm, const OutputAt& output) {
+                    const Normalization& norm, const OutputAt& output,
+                    const BeforeChunk& before_chunk = {}) {
   const Index T = K.rows(), r = S.rows(), dv = S.cols();
   if constexpr (!has_gemm_kernel<Scalar>) {
-    causal_chunked_eigen<Scalar>(phi, group, query, K, V, S, z, tokens, chunk_size, norm, output);
+    causal_chunked_eigen<Scalar>(phi, group, query, K, V, S, z, tokens, chunk_size, norm, output,
+                                 before_chunk);
   } else {
     constexpr Index lanes = GemmTile<Scalar>::lanes;
     if (dv % lanes != 0) {
       causal_chunked_eigen<Scalar>(phi, group, query, K, V, S, z, tokens, chunk_size, norm,
-                                   output);
+                                   output, before_chunk);
       return;
     }
     if (T == 0) return;
@@ -179,6 +186,7 @@ void causal_chunked(const Phi& phi, Index group, const QueryAt& query, const DK&
     for (Index first = 0; first < T; first += C) {
       const Index n = std::min(C, T - first);
       const Index n_padded = (n + lanes - 1) / lanes * lanes;
+      before_chunk(first, S, z);
       {
         Eigen::Ref<RowMatrix<Scalar>> kf_view(kf.topRows(n));
         phi.apply(K.middleRows(first, n), kf_view);

@@ -12,6 +12,7 @@
 // (outputs that depend on the future, or a 0/0). Query log-scales cancel in the ratio: they only
 // enter through the Normalization policy (absolute eps, or the unnormalized read).
 
+#include <linattn/detail/chunk_observer.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/types.hpp>
@@ -235,10 +236,13 @@ void log_domain_full_read(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
 
 /// Causal attention in chunks of C rows through a LogScaledFeatureMap, continuing from the
 /// state (S, z, M); `tokens` counts the absorbed rows. Scratch is allocated once per call.
-template <class Scalar, class Phi, class DQ, class DK, class DV, class Out>
+/// `before_chunk(first, S, z, M)` sees the state before each chunk (see NoChunkObserver).
+template <class Scalar, class Phi, class DQ, class DK, class DV, class Out,
+          class BeforeChunk = NoChunkObserver>
 void log_domain_causal(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
                        RowMatrix<Scalar>& S, ColVector<Scalar>& z, Scalar& M, Index& tokens,
-                       Index chunk_size, Out&& out, const Normalization& norm) {
+                       Index chunk_size, Out&& out, const Normalization& norm,
+                       const BeforeChunk& before_chunk = {}) {
   const Index T = Q.rows();
   const Index r = S.rows();
   const Index C = std::min(chunk_size, std::max<Index>(T, 1));
@@ -246,6 +250,7 @@ void log_domain_causal(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   ColVector<Scalar> lq(C), lk(C), den(C), run_max(C);
   for (Index first = 0; first < T; first += C) {
     const Index n = std::min(C, T - first);
+    before_chunk(first, S, z, M);
     Eigen::Ref<RowMatrix<Scalar>> q_ref(qf.topRows(n)), k_ref(kf.topRows(n));
     phi.apply_scaled(Q.middleRows(first, n), q_ref, Eigen::Ref<ColVector<Scalar>>(lq.head(n)));
     phi.apply_scaled(K.middleRows(first, n), k_ref, Eigen::Ref<ColVector<Scalar>>(lk.head(n)));
