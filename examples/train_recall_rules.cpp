@@ -20,7 +20,7 @@
 // X^T (d log_g .* (1 - g)) and X^T (d beta .* beta (1 - beta)) by the chain rule through
 // log sigmoid and sigmoid. Every 50 steps all three are evaluated on the same 256 held-out
 // sequences; curves to stdout and to a CSV (argument 1, default train_recall_rules.csv), which
-// scripts/plot_rules_training.py draws into docs/img/train_recall_rules.png.
+// scripts/plot_training.py draws into docs/img/train_recall_rules.png.
 //
 // Run: ./build/examples/example_train_recall_rules [out.csv]   (about 30 s in Release)
 
