@@ -42,6 +42,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include "bench_support.hpp"
+
 #include <malloc.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -64,38 +66,9 @@ using Matrix = linattn::RowMatrix<float>;
 using HeadView = Eigen::Map<Matrix, 0, Eigen::OuterStride<>>;
 using ConstHeadView = Eigen::Map<const Matrix, 0, Eigen::OuterStride<>>;
 using Attention = linattn::LinearAttention<linattn::EluPlusOne, float>;
-
-Matrix random(Index rows, Index cols, unsigned seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  Matrix m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = normal(gen);
-  return m;
-}
-
-// Thread CPU time for one thread (less disturbed by other work on the machine), wall-clock time
-// for two.
-double clock_seconds(int threads) {
-  if (threads == 1) {
-    timespec ts{};
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-  }
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// Heads h with h % threads == i run on thread i; thread 0 is the caller.
-template <class F>
-void over_heads(Index heads, int threads, F&& work) {
-  std::vector<std::thread> pool;
-  for (int i = 1; i < threads; ++i)
-    pool.emplace_back([&work, i, threads, heads] {
-      for (Index h = i; h < heads; h += threads) work(h);
-    });
-  for (Index h = 0; h < heads; h += threads) work(h);
-  for (auto& t : pool) t.join();
-}
+using bench::clock_seconds;
+using bench::over_heads;
+using bench::random;
 
 // [T, H d] inputs and output, one head's columns viewed in place.
 struct Layer {

@@ -21,6 +21,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include "bench_support.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -43,6 +45,9 @@ using Matrix = linattn::RowMatrix<float>;
 using HeadMap = Eigen::Map<Matrix, 0, Eigen::OuterStride<>>;
 using Attention = linattn::LinearAttention<linattn::EluPlusOne, float>;
 using IdentityAttention = linattn::LinearAttention<linattn::Identity, float>;
+using bench::clock_seconds;
+using bench::over_heads;
+using bench::random;
 
 constexpr Index kHeads = 8;
 constexpr Index kGemmRows = 64;  // the reference GEMM: (64 x d) times (d x d), as in a chunk
@@ -50,14 +55,6 @@ constexpr Index kGemmRows = 64;  // the reference GEMM: (64 x d) times (d x d), 
 bool full_sweep() {
   const char* env = std::getenv("LINATTN_BENCH_FULL");
   return env != nullptr && env[0] == '1';
-}
-
-Matrix random(Index rows, Index cols, unsigned seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  Matrix m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = normal(gen);
-  return m;
 }
 
 // Every head has its own data, laid out as a model lays it out: token-major [T, H*d] buffers
@@ -94,33 +91,6 @@ struct Problem {
   [[nodiscard]] ConstHeadMap v(Index h) const { return {V.data() + offset(h), T, d, stride()}; }
   HeadMap head_out(Index h) { return {out.data() + offset(h), T, d, stride()}; }
 };
-
-// Heads h with h % threads == i run on thread i; thread 0 is the caller.
-template <class F>
-void over_heads(int threads, F&& work) {
-  if (threads == 1) {
-    for (Index h = 0; h < kHeads; ++h) work(h);
-    return;
-  }
-  std::vector<std::thread> pool;
-  for (int i = 1; i < threads; ++i)
-    pool.emplace_back([&work, i, threads] {
-      for (Index h = i; h < kHeads; h += threads) work(h);
-    });
-  for (Index h = 0; h < kHeads; h += threads) work(h);
-  for (auto& t : pool) t.join();
-}
-
-// The clock Google Benchmark uses for the row: thread CPU time (1 thread) or wall (2 threads).
-double clock_seconds(int threads) {
-  if (threads == 1) {
-    timespec ts{};
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-  }
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // GFLOP/s of the reference GEMM per (d, threads), filled by BM_gemm.
 std::map<std::pair<Index, int>, double>& gemm_rate() {
@@ -208,7 +178,7 @@ void BM_gemm(benchmark::State& state) {
   double seconds = 0;
   for (auto _ : state) {
     const double start = clock_seconds(threads);
-    over_heads(threads, [&](Index h) { gemm.run_head(h); });
+    over_heads(kHeads, threads, [&](Index h) { gemm.run_head(h); });
     seconds += clock_seconds(threads) - start;
     benchmark::DoNotOptimize(gemm.C.data());
     benchmark::ClobberMemory();
@@ -266,7 +236,7 @@ void over_heads_from_empty(benchmark::State& state, const Attention& attn, Path&
   Problem p(T, d, false, HeadFirst);
   std::vector<Attention::State> states(kHeads, attn.make_state(d, d));
   measure(state, T, d, threads, linear_flops(T, d), [&] {
-    over_heads(threads, [&](Index h) {
+    over_heads(kHeads, threads, [&](Index h) {
       auto& s = states[static_cast<std::size_t>(h)];
       s.reset();
       path(p, h, s, p.head_out(h));
@@ -390,7 +360,7 @@ void BM_decode(benchmark::State& state) {
       work(0);
       for (auto& th : pool) th.join();
     } else {
-      over_heads(threads, [&](Index h) {
+      over_heads(kHeads, threads, [&](Index h) {
         auto& s = states[static_cast<std::size_t>(h)];
         for (Index t = 0; t < T; ++t)
           attn.step_into(s, p.Q.row(t).segment(h * d, d), p.K.row(t).segment(h * d, d),
@@ -407,7 +377,7 @@ void BM_quadratic(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(2));
   Problem p(T, d);
   measure(state, T, d, threads, linear_flops(T, d), [&] {
-    over_heads(threads, [&](Index h) {
+    over_heads(kHeads, threads, [&](Index h) {
       p.head_out(h) = linattn::quadratic_attention(linattn::EluPlusOne{}, p.q(h), p.k(h), p.v(h),
                                                    linattn::Mask::causal);
     });
@@ -446,7 +416,7 @@ void BM_softmax(benchmark::State& state) {
   Problem p(T, d);
   std::vector<Matrix> scores(kHeads, Matrix(std::min<Index>(T, 128), T));
   measure(state, T, d, threads, linear_flops(T, d), [&] {
-    over_heads(threads, [&](Index h) {
+    over_heads(kHeads, threads, [&](Index h) {
       softmax_causal(p.q(h), p.k(h), p.v(h), p.head_out(h), scores[static_cast<std::size_t>(h)]);
     });
   });

@@ -18,6 +18,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include "bench_support.hpp"
+
 #include <ctime>
 #include <random>
 
@@ -27,21 +29,7 @@ using linattn::Index;
 using linattn::Mask;
 using Matrix = linattn::RowMatrix<float>;
 using Vector = linattn::ColVector<float>;
-
-Matrix random(Index rows, Index cols, unsigned seed, float lo = 0, float hi = 0) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_real_distribution<float> uniform(lo, hi);
-  Matrix m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = lo < hi ? uniform(gen) : normal(gen);
-  return m;
-}
-
-double cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
+using bench::random;
 
 struct Inputs {
   Matrix Q, K, V, dY, out, dQ, dK, dV, scalar_gates, channel_gates;
@@ -57,16 +45,16 @@ struct Inputs {
 template <class Attn, class... In>
 void time_rule(const Attn& attn, Inputs& x, double& fwd, double& bwd, const In&... in) {
   linattn::RuleInputGradients<float> d_in;
-  const double t0 = cpu_seconds();
+  const double t0 = bench::thread_seconds();
   attn.parallel_into(x.Q, x.K, x.V, in..., Mask::causal, x.out);
-  const double t1 = cpu_seconds();
+  const double t1 = bench::thread_seconds();
   if constexpr (Attn::rule_type::kind == linattn::WriteKind::additive)
     linattn::parallel_backward_into(attn, x.Q, x.K, x.V, Mask::causal, x.dY,
                                     {x.dQ, x.dK, x.dV});
   else
     linattn::parallel_backward_into(attn, x.Q, x.K, x.V, in..., Mask::causal, x.dY,
                                     linattn::GradientsRef<float>{x.dQ, x.dK, x.dV}, d_in);
-  const double t2 = cpu_seconds();
+  const double t2 = bench::thread_seconds();
   benchmark::DoNotOptimize(x.out.data());
   benchmark::DoNotOptimize(x.dQ.data());
   benchmark::ClobberMemory();
@@ -87,7 +75,7 @@ void BM_rule_bwd(benchmark::State& state) {
   double fwd = 0, bwd = 0, add_fwd = 0, add_bwd = 0;
   std::size_t scratch = 0;
   for (auto _ : state) {
-    const double t0 = cpu_seconds();
+    const double t0 = bench::thread_seconds();
     switch (rule) {
       case 0: time_rule(additive, x, fwd, bwd); break;
       case 1: time_rule(decay, x, fwd, bwd); break;
@@ -97,7 +85,7 @@ void BM_rule_bwd(benchmark::State& state) {
       default: time_rule(gated_delta, x, fwd, bwd, x.beta, x.log_alpha); break;
     }
     time_rule(additive, x, add_fwd, add_bwd);
-    state.SetIterationTime(cpu_seconds() - t0);
+    state.SetIterationTime(bench::thread_seconds() - t0);
   }
   switch (rule) {
     case 0: scratch = linattn::causal_backward_bytes(additive, T, d, d); break;

@@ -29,6 +29,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include "bench_support.hpp"
+
 #include <ctime>
 #include <random>
 #include <vector>
@@ -37,6 +39,8 @@ namespace {
 
 using linattn::Index;
 using Matrix = linattn::RowMatrix<float>;
+using bench::random;
+using bench::thread_seconds;
 using HeadMap = Eigen::Map<Matrix, 0, Eigen::OuterStride<>>;
 using ConstHeadMap = Eigen::Map<const Matrix, 0, Eigen::OuterStride<>>;
 using TokenMap = Eigen::Map<const Eigen::VectorXf, 0, Eigen::InnerStride<>>;
@@ -44,21 +48,6 @@ using TokenMap = Eigen::Map<const Eigen::VectorXf, 0, Eigen::InnerStride<>>;
 constexpr Index kTokens = 4096;
 constexpr Index kChunk = 64;
 constexpr Index kGemmRows = 64;
-
-Matrix random(Index rows, Index cols, unsigned seed, float lo = 0, float hi = 0) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_real_distribution<float> uni(lo, hi);
-  Matrix m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = lo < hi ? uni(gen) : normal(gen);
-  return m;
-}
-
-double thread_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
 
 // additive_l2: the Additive rule with the delta rules' feature map and read (L2Normalize,
 // unnormalized), their baseline; additive (EluPlusOne, strict) is the baseline of the others.
