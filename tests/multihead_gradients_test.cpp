@@ -236,3 +236,344 @@ TEST_CASE("the layer's backward names views that do not fit", "[multihead][gradi
   CHECK_THROWS_AS(parallel_backward_into(layer, p.q(), p.k(), p.v(), Mask::causal, dy, p.grads()),
                   ShapeError);
 }
+
+// ---- every write rule, per-token inputs and carried states ---------------------------------
+//
+// The reference is again the single-head backward (rule_gradients.hpp, gradients.hpp: each
+// checked against finite differences and an independent oracle in their own tests) on copies
+// cut out of the buffers by the index formulas, with the group's shares of dK, dV, the per-token
+// inputs' gradients and a shared state's gradient summed here in head order: exact comparison.
+
+namespace {
+
+// A per-token input: one value per token and key/value head, or r (per-channel gates), drawn
+// uniformly from [lo, hi).
+struct InputSpec {
+  bool per_channel;
+  double lo, hi;
+};
+
+template <class Attention>
+struct RuleCase {
+  const char* name;
+  Attention attn;
+  std::array<InputSpec, Attention::rule_type::token_inputs> inputs;
+};
+
+// Calls f(case) for every write rule: Additive, Decay, Gated (one gate, per channel), Delta and
+// GatedDelta, with a chunk that does not divide the lengths used below.
+template <class Scalar, class F>
+void for_each_rule(F&& f) {
+  Options opt;
+  opt.chunk_size = 4;
+  Options delta_opt = opt;
+  delta_opt.normalization = Normalization::unnormalized();
+  const InputSpec gate{false, -1.0, -0.05}, channel_gate{true, -1.0, -0.05},
+      beta{false, 0.1, 0.9}, alpha{false, -0.5, -0.01};
+  f(RuleCase<RuleAttention<EluPlusOne, Additive, Scalar>>{"additive", RuleAttention<EluPlusOne, Additive, Scalar>(EluPlusOne{}, opt), {}});
+  f(RuleCase<RuleAttention<EluPlusOne, Decay, Scalar>>{"decay", RuleAttention<EluPlusOne, Decay, Scalar>(EluPlusOne{}, Decay(0.8), opt), {}});
+  f(RuleCase<RuleAttention<EluPlusOne, Gated, Scalar>>{"gated", RuleAttention<EluPlusOne, Gated, Scalar>(EluPlusOne{}, opt), {gate}});
+  f(RuleCase<RuleAttention<EluPlusOne, Gated, Scalar>>{"gated per channel", RuleAttention<EluPlusOne, Gated, Scalar>(EluPlusOne{}, opt),
+                                                       {channel_gate}});
+  f(RuleCase<RuleAttention<L2Normalize, Delta, Scalar>>{"delta", RuleAttention<L2Normalize, Delta, Scalar>(L2Normalize{}, delta_opt), {beta}});
+  f(RuleCase<RuleAttention<L2Normalize, GatedDelta, Scalar>>{"gated delta", RuleAttention<L2Normalize, GatedDelta, Scalar>(L2Normalize{}, delta_opt),
+                                                             {beta, alpha}});
+}
+
+template <class View>
+View rows_of(const View& full, Index t0, Index n) {
+  return View(n == 0 ? full.data() : &full(0, t0, 0, 0), {full.batches(), n, full.heads(), full.dim()},
+              full.strides());
+}
+
+// A Problem plus the rule's per-token inputs and, poisoned with NaN, their gradients.
+template <class Attention>
+struct RuleProblem : Problem<typename Attention::scalar_type> {
+  using Scalar = typename Attention::scalar_type;
+  static constexpr std::size_t N = Attention::rule_type::token_inputs;
+  std::array<std::vector<Scalar>, N> in, d_in;
+  std::array<Index, N> channels{};
+  RuleProblem(const RuleCase<Attention>& c, Layout l, Index B, Index T, Index Hq, Index Hkv,
+              Index dk, Index dv, std::uint64_t seed)
+      : Problem<Scalar>(l, B, T, Hq, Hkv, dk, dv, seed) {
+    const Index r = c.attn.feature_dim(dk);
+    for (std::size_t i = 0; i < N; ++i) {
+      channels[i] = c.inputs[i].per_channel ? r : 1;
+      const auto m = linattn_test::uniform_matrix<Scalar>(1, B * T * Hkv * channels[i], seed + 10 + i,
+                                                          c.inputs[i].lo, c.inputs[i].hi);
+      in[i].assign(m.data(), m.data() + m.size());
+      d_in[i].assign(in[i].size(), std::numeric_limits<Scalar>::quiet_NaN());
+    }
+  }
+  std::array<TensorView<const Scalar>, N> ins() const {
+    std::array<TensorView<const Scalar>, N> v;
+    for (std::size_t i = 0; i < N; ++i)
+      v[i] = view<const Scalar>(this->layout, in[i].data(), this->B, this->T, this->Hkv, channels[i]);
+    return v;
+  }
+  std::array<TensorView<Scalar>, N> d_ins() {
+    std::array<TensorView<Scalar>, N> v;
+    for (std::size_t i = 0; i < N; ++i)
+      v[i] = view<Scalar>(this->layout, d_in[i].data(), this->B, this->T, this->Hkv, channels[i]);
+    return v;
+  }
+};
+
+// The layer's stateless and carried backward on a RuleProblem (rows [t0, t0 + n) of every
+// entry when n >= 0, for segments).
+template <class Attention>
+void layer_parallel_backward(const MultiHeadAttention<Attention>& layer, RuleProblem<Attention>& p,
+                             const SequenceLayout& layout) {
+  const auto g = p.grads();
+  std::apply(
+      [&](const auto&... in) {
+        std::apply(
+            [&](const auto&... d) {
+              parallel_backward_into(layer, p.q(), p.k(), p.v(), in..., Mask::causal, p.dy(), g,
+                                     d..., layout);
+            },
+            p.d_ins());
+      },
+      p.ins());
+}
+
+template <class Attention>
+void layer_prefill_backward(const MultiHeadAttention<Attention>& layer,
+                            const typename MultiHeadAttention<Attention>::State& state,
+                            RuleProblem<Attention>& p,
+                            const BatchStateGradient<typename Attention::scalar_type>* fin,
+                            BatchStateGradient<typename Attention::scalar_type>& initial,
+                            const SequenceLayout& layout, std::span<const Index> slots,
+                            Index t0 = 0, Index n = -1) {
+  if (n < 0) n = p.T;
+  const auto g = p.grads();
+  const GradientViews<typename Attention::scalar_type> gr{rows_of(g.Q, t0, n), rows_of(g.K, t0, n),
+                                                          rows_of(g.V, t0, n)};
+  auto ins = p.ins();
+  auto d_ins = p.d_ins();
+  for (auto& x : ins) x = rows_of(x, t0, n);
+  for (auto& x : d_ins) x = rows_of(x, t0, n);
+  std::apply(
+      [&](const auto&... in) {
+        std::apply(
+            [&](const auto&... d) {
+              prefill_backward_into(layer, state, rows_of(p.q(), t0, n), rows_of(p.k(), t0, n),
+                                    rows_of(p.v(), t0, n), in..., rows_of(p.dy(), t0, n), fin, gr,
+                                    d..., initial, layout, slots);
+            },
+            d_ins);
+      },
+      ins);
+}
+
+template <class HeadState, class Scalar = typename HeadState::scalar_type>
+void fill_state(HeadState& st, std::uint64_t seed) {
+  const RowMatrix<Scalar> S = linattn_test::random_matrix<Scalar>(st.feature_dim(), st.value_dim(), seed);
+  if constexpr (detail::head_keeps_z<HeadState>()) {
+    // z > 0: the normalized reads' denominators stay away from 0.
+    const RowMatrix<Scalar> z = linattn_test::uniform_matrix<Scalar>(st.feature_dim(), 1, seed + 1, 0.5, 1.5);
+    st.assign(S, z.col(0));
+  } else {
+    st.assign(S);
+  }
+}
+
+template <class Scalar>
+void fill_gradient(StateGradient<Scalar>& g, std::uint64_t seed) {
+  g.S = linattn_test::random_matrix<Scalar>(g.S.rows(), g.S.cols(), seed);
+  if (g.z.size() > 0) g.z = linattn_test::random_matrix<Scalar>(g.z.size(), 1, seed + 1).col(0);
+}
+
+template <class Scalar>
+void poison(BatchStateGradient<Scalar>& g) {
+  for (Index i = 0; i < g.size(); ++i)
+    for (Index h = 0; h < g.heads(); ++h) {
+      g.head(i, h).S.setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+      g.head(i, h).z.setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+    }
+}
+
+// What a single-head backward returns, the per-token inputs' gradients as T x c matrices.
+template <class Scalar, std::size_t N>
+struct HeadGradients {
+  RowMatrix<Scalar> Q, K, V;
+  std::array<RowMatrix<Scalar>, N> inputs;
+  StateGradient<Scalar> initial;
+};
+
+template <class Attention, std::size_t N = Attention::rule_type::token_inputs>
+HeadGradients<typename Attention::scalar_type, N> single_head_backward(
+    const Attention& attn, const typename Attention::State* state,
+    const StateGradient<typename Attention::scalar_type>* fin,
+    const RowMatrix<typename Attention::scalar_type>& q, const RowMatrix<typename Attention::scalar_type>& k,
+    const RowMatrix<typename Attention::scalar_type>& v, const RowMatrix<typename Attention::scalar_type>& dy,
+    const std::array<RowMatrix<typename Attention::scalar_type>, N>& in) {
+  using Rule = typename Attention::rule_type;
+  HeadGradients<typename Attention::scalar_type, N> out;
+  std::apply(
+      [&](const auto&... x) {
+        if constexpr (Rule::kind == WriteKind::additive) {
+          auto g = state != nullptr ? prefill_backward(attn, *state, q, k, v, dy, fin)
+                                    : parallel_backward(attn, q, k, v, Mask::causal, dy);
+          out.Q = g.Q, out.K = g.K, out.V = g.V, out.initial = g.initial;
+        } else {
+          auto g = state != nullptr ? prefill_backward(attn, *state, q, k, v, x..., dy, fin)
+                                    : parallel_backward(attn, q, k, v, x..., Mask::causal, dy);
+          out.Q = g.Q, out.K = g.K, out.V = g.V, out.initial = g.initial;
+          if constexpr (Rule::kind == WriteKind::gated) out.inputs[0] = g.inputs.log_gate;
+          if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta)
+            out.inputs[0] = g.inputs.beta;
+          if constexpr (Rule::kind == WriteKind::gated_delta) out.inputs[1] = g.inputs.log_alpha;
+        }
+      },
+      in);
+  return out;
+}
+
+// Checks rows [first, first + n) of entry b (sequence at state position `position`, state null
+// for the stateless backward) against the single-head backward of each head, summed in head
+// order over each group; exact.
+template <class Attention>
+void check_rule_sequence(const MultiHeadAttention<Attention>& layer, const RuleProblem<Attention>& p,
+                         const typename MultiHeadAttention<Attention>::State* state,
+                         const BatchStateGradient<typename Attention::scalar_type>* fin,
+                         const BatchStateGradient<typename Attention::scalar_type>* initial,
+                         Index position, Index b, Index first, Index n) {
+  using Scalar = typename Attention::scalar_type;
+  constexpr std::size_t N = Attention::rule_type::token_inputs;
+  const Index G = p.Hq / p.Hkv;
+  constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
+  for (Index g = 0; g < p.Hkv; ++g) {
+    const RowMatrix<Scalar> k = cut(p.K, p.layout, b, g, first, n, p.T, p.Hkv, p.dk);
+    const RowMatrix<Scalar> v = cut(p.V, p.layout, b, g, first, n, p.T, p.Hkv, p.dv);
+    std::array<RowMatrix<Scalar>, N> in;
+    for (std::size_t i = 0; i < N; ++i) in[i] = cut(p.in[i], p.layout, b, g, first, n, p.T, p.Hkv, p.channels[i]);
+    HeadGradients<Scalar, N> sum;
+    for (Index j = 0; j < G; ++j) {
+      const Index h = g * G + j, sh = shared ? g : h;
+      const RowMatrix<Scalar> q = cut(p.Q, p.layout, b, h, first, n, p.T, p.Hq, p.dk);
+      const RowMatrix<Scalar> dy = cut(p.dY, p.layout, b, h, first, n, p.T, p.Hq, p.dv);
+      const auto* st = state != nullptr ? &state->sequence(position).head(sh) : nullptr;
+      const auto* f = fin != nullptr && (!shared || j == 0) ? &fin->head(position, sh) : nullptr;
+      const auto ref = single_head_backward(layer.attention(), st, f, q, k, v, dy, in);
+      INFO("rows [" << first << ", " << first + n << ") of entry " << b << ", head " << h);
+      CHECK(cut(p.dQ, p.layout, b, h, first, n, p.T, p.Hq, p.dk) == ref.Q);
+      if (initial != nullptr && !shared) {
+        CHECK(initial->head(position, sh).S == ref.initial.S);
+        CHECK(initial->head(position, sh).z == ref.initial.z);
+      }
+      if (j == 0) {
+        sum = ref;
+      } else {
+        sum.K += ref.K;
+        sum.V += ref.V;
+        for (std::size_t i = 0; i < N; ++i) sum.inputs[i] += ref.inputs[i];
+        sum.initial.S += ref.initial.S;
+        if (sum.initial.z.size() > 0) sum.initial.z += ref.initial.z;
+      }
+    }
+    INFO("key/value head " << g << " of entry " << b << ", rows [" << first << ", " << first + n << ")");
+    CHECK(cut(p.dK, p.layout, b, g, first, n, p.T, p.Hkv, p.dk) == sum.K);
+    CHECK(cut(p.dV, p.layout, b, g, first, n, p.T, p.Hkv, p.dv) == sum.V);
+    for (std::size_t i = 0; i < N; ++i)
+      CHECK(cut(p.d_in[i], p.layout, b, g, first, n, p.T, p.Hkv, p.channels[i]) == sum.inputs[i]);
+    if (initial != nullptr && shared) {
+      CHECK(initial->head(position, g).S == sum.initial.S);
+      CHECK(initial->head(position, g).z == sum.initial.z);
+    }
+  }
+}
+
+// Runs the layer on `p` in `kind` (batch: all rows; packed: offsets with an empty sequence;
+// padded: lengths with an empty sequence, pad rows poisoned with NaN) stateless or from random
+// initial states at reversed slots (position 0 unused), and checks every sequence.
+template <class Attention>
+void check_rule_layout(const RuleCase<Attention>& c, Layout l, SequenceLayout::Kind kind,
+                       bool carried, Index Hkv) {
+  using Scalar = typename Attention::scalar_type;
+  constexpr std::size_t N = Attention::rule_type::token_inputs;
+  const Index Hq = 4, dk = 5, dv = 3, T = 19;
+  const Index B = kind == SequenceLayout::Kind::padded ? 3 : kind == SequenceLayout::Kind::packed ? 1 : 2;
+  const std::vector<Index> offsets{0, 7, 7, 19}, lengths{19, 8, 0};
+  const SequenceLayout layout = kind == SequenceLayout::Kind::packed   ? SequenceLayout::packed(offsets)
+                                : kind == SequenceLayout::Kind::padded ? SequenceLayout::padded(lengths)
+                                                                       : SequenceLayout::batch();
+  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, c.attn);
+  RuleProblem<Attention> p(c, l, B, T, Hq, Hkv, dk, dv, 301);
+  const Index sequences = layout.count(B);
+  const auto seq_entry = [&](Index s) { return layout.batch_entry(s); };
+  const auto seq_first = [&](Index s) { return layout.first_row(s); };
+  const auto seq_len = [&](Index s) { return kind == SequenceLayout::Kind::batch ? T : layout.length(s, T); };
+  if (kind == SequenceLayout::Kind::padded) {
+    const Scalar nan = std::numeric_limits<Scalar>::quiet_NaN();
+    for (Index b = 0; b < B; ++b)
+      for (Index t = lengths[std::size_t(b)]; t < T; ++t) {
+        for (Index h = 0; h < Hq; ++h) {
+          for (Index x = 0; x < dk; ++x) p.Q[std::size_t(flat(l, b, t, h, x, T, Hq, dk))] = nan;
+          for (Index x = 0; x < dv; ++x) p.dY[std::size_t(flat(l, b, t, h, x, T, Hq, dv))] = nan;
+        }
+        for (Index h = 0; h < Hkv; ++h) {
+          for (Index x = 0; x < dk; ++x) p.K[std::size_t(flat(l, b, t, h, x, T, Hkv, dk))] = nan;
+          for (Index x = 0; x < dv; ++x) p.V[std::size_t(flat(l, b, t, h, x, T, Hkv, dv))] = nan;
+          for (std::size_t i = 0; i < N; ++i)
+            for (Index x = 0; x < p.channels[i]; ++x)
+              p.in[i][std::size_t(flat(l, b, t, h, x, T, Hkv, p.channels[i]))] = nan;
+        }
+      }
+  }
+  if (!carried) {
+    layer_parallel_backward(layer, p, layout);
+    for (Index s = 0; s < sequences; ++s)
+      if (seq_len(s) > 0) check_rule_sequence(layer, p, nullptr, nullptr, nullptr, 0, seq_entry(s), seq_first(s), seq_len(s));
+  } else {
+    auto state = layer.make_state(sequences + 1);
+    for (Index i = 0; i < state.size(); ++i)
+      for (Index h = 0; h < state.heads(); ++h) fill_state(state.sequence(i).head(h), std::uint64_t(400 + 10 * i + h));
+    BatchStateGradient<Scalar> fin(state), initial(state);
+    for (Index i = 0; i < state.size(); ++i)
+      for (Index h = 0; h < state.heads(); ++h) fill_gradient(fin.head(i, h), std::uint64_t(600 + 10 * i + h));
+    poison(initial);
+    std::vector<Index> slots;
+    for (Index s = 0; s < sequences; ++s) slots.push_back(sequences - s);
+    layer_prefill_backward(layer, state, p, &fin, initial, layout, slots);
+    for (Index s = 0; s < sequences; ++s) {
+      const Index position = slots[std::size_t(s)];
+      if (seq_len(s) > 0) {
+        check_rule_sequence(layer, p, &state, &fin, &initial, position, seq_entry(s), seq_first(s), seq_len(s));
+      } else {
+        INFO("an empty sequence passes the final state's gradient through");
+        for (Index h = 0; h < state.heads(); ++h) {
+          CHECK(initial.head(position, h).S == fin.head(position, h).S);
+          CHECK(initial.head(position, h).z == fin.head(position, h).z);
+        }
+      }
+    }
+    INFO("position 0 is named by no slot: its gradient is not touched");
+    for (Index h = 0; h < state.heads(); ++h) CHECK(initial.head(0, h).S.array().isNaN().all());
+  }
+  if (kind == SequenceLayout::Kind::padded)
+    for (Index b = 0; b < B; ++b) {
+      const Index n = lengths[std::size_t(b)];
+      INFO("pad rows of entry " << b);
+      CHECK(rows_are_zero(p.dQ, l, b, n, T - n, T, Hq, dk));
+      CHECK(rows_are_zero(p.dK, l, b, n, T - n, T, Hkv, dk));
+      CHECK(rows_are_zero(p.dV, l, b, n, T - n, T, Hkv, dv));
+      for (std::size_t i = 0; i < N; ++i) CHECK(rows_are_zero(p.d_in[i], l, b, n, T - n, T, Hkv, p.channels[i]));
+    }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("every rule: each head is the single-head backward, GQA and inputs summed",
+                   "[multihead][gradients][rules]", float, double) {
+  const Layout layout = GENERATE(Layout::batch_first, Layout::head_first);
+  const auto kind = GENERATE(SequenceLayout::Kind::batch, SequenceLayout::Kind::packed,
+                             SequenceLayout::Kind::padded);
+  const bool carried = GENERATE(false, true);
+  const Index Hkv = GENERATE(1, 2, 4);
+  for_each_rule<TestType>([&](const auto& c) {
+    INFO(c.name << (layout == Layout::batch_first ? ", batch-first" : ", head-first") << ", layout "
+                << int(kind) << (carried ? ", carried state" : ", stateless") << ", H_kv = " << Hkv);
+    check_rule_layout(c, layout, kind, carried, Hkv);
+  });
+}
