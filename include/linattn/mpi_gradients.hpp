@@ -2,8 +2,8 @@
 /// \file mpi_gradients.hpp
 /// mpi::prefill_backward: the gradients of a sequence-parallel causal prefill of the additive
 /// rule (LinearAttention), one head, each rank holding a contiguous slice of the sequence
-/// (CMake target linattn::mpi). The write rules have single-process gradients
-/// (rule_gradients.hpp) but no distributed backward yet (docs/distributed.md says what it needs).
+/// (CMake target linattn::mpi), and of the write rules (Decay, Gated, Delta, GatedDelta: the
+/// second overload, with their per-token inputs' gradients).
 ///
 /// Math (gradients.hpp; REFERENCES.md sections 7 and 8). With rank p's slice of T_p tokens,
 /// kf_t = phi(k_t), v'_t = [v_t, 1], the state gradient H flowing into the state after the
@@ -30,8 +30,10 @@
 #include <linattn/attention.hpp>
 #include <linattn/detail/mpi_exchange.hpp>
 #include <linattn/detail/mpi_prefill.hpp>
+#include <linattn/detail/mpi_rule_backward.hpp>
 #include <linattn/gradients.hpp>
 #include <linattn/mpi.hpp>
+#include <linattn/rule_gradients.hpp>
 #include <linattn/types.hpp>
 
 #include <Eigen/Core>
@@ -175,6 +177,45 @@ template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
   grads.initial.S += H_S;
   grads.initial.z += H_z.transpose();
   return grads;
+}
+
+/// mpi::prefill_backward(comm, attn, initial_state, Q, K, V, inputs..., dY[, final_gradient]):
+/// the write rules' (Decay, Gated, Delta, GatedDelta) gradients of this rank's slice of
+/// Y = attn.prefill(state, Q, K, V, inputs...) run over the whole sequence split across the
+/// ranks of `comm` in rank order; inputs... are this rank's rows of the rule's per-token inputs
+/// (as linattn::prefill_backward takes them). initial_state is read on rank 0, final_gradient
+/// (a const StateGradient*, null or omitted: zero) on the last rank. Returns this rank's dQ, dK,
+/// dV, the inputs' gradients and, as `initial`, the gradient with respect to the state its slice
+/// starts from. Equal to linattn::prefill_backward over the whole sequence to rounding; the same
+/// P and slices give the same bits. Collective; slices may be empty.
+///
+/// Math: each slice maps the state affinely, S -> A_p S + B_p (detail/slice_summary.hpp: A_p =
+/// gamma^T_p, diag(exp(sum log g)), or prod alpha_t (I - beta_t kf_t kf_t^T)), so the gradient
+/// flowing into slice p's initial state is A_p^T H_p + L_p, with H_p the gradient after the
+/// slice and L_p the slice's own part (its backward with no gradient after it). The ranks
+/// gather (A_q, B_q) for the carried states, then L_q, and each forms
+/// H_p = A_{p+1}^T (... (A_{P-1}^T dS_final + L_{P-1}) ...) + L_{p+1} in the fixed order
+/// q = P-1 down to p+1, then runs its slice's backward with H_p after it.
+/// Cost per rank: two single-process backwards of T_p tokens and one forward (plus, for the
+/// delta rules, a forward with r value columns for A_p: O(T_p r^2)); gathers of one summary
+/// (r dv + r + |A|) and one state gradient per rank: independent of T.
+template <class Phi, linattn::detail::GradientRule Rule, class Scalar, class DQ, class DK,
+          class DV, class... Args>
+  requires(sizeof...(Args) == Rule::token_inputs + 1 || sizeof...(Args) == Rule::token_inputs + 2)
+[[nodiscard]] RuleGradients<Scalar> prefill_backward(
+    MPI_Comm comm, const RuleAttention<Phi, Rule, Scalar>& attn,
+    const RuleState<Rule, Scalar>& initial_state, const Eigen::MatrixBase<DQ>& Q,
+    const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, const Args&... args) {
+  linattn::detail::require_differentiable<Phi, Scalar>();
+  constexpr std::size_t n = Rule::token_inputs;
+  const auto all = std::forward_as_tuple(args...);
+  const auto& dY = std::get<n>(all);
+  const StateGradient<Scalar>* final_gradient = nullptr;
+  if constexpr (sizeof...(Args) == n + 2) final_gradient = std::get<n + 1>(all);
+  return linattn::detail::with_first<n>(all, [&](const auto&... in) {
+    return linattn::detail::mpi_rule_backward(comm, attn, initial_state, Q, K, V, dY,
+                                              final_gradient, in...);
+  });
 }
 
 }  // namespace linattn::mpi
