@@ -250,3 +250,87 @@ TEST_CASE("sequence-parallel backward: bad input on one rank throws the same on 
   // And the next call works.
   CHECK_NOTHROW(call(d, n));
 }
+
+TEMPLATE_TEST_CASE("the rules' sequence-parallel backward equals the single-process backward on "
+                   "every slicing, the same bits when repeated",
+                   "[mpi][gradients][rules]", float, double) {
+  using Scalar = TestType;
+  const int rank = rank_of(), P = ranks_of();
+  const Index T = 29, dk = 4, dv = 3;
+  for_each_rule<Scalar>(T, dk, 5100, [&](const char* name, const auto& attn, auto, const MatrixXdR&,
+                                         const MatrixXdR&, const MatrixXdR&, const auto&... in) {
+    using Attention = std::decay_t<decltype(attn)>;
+    using Rule = typename Attention::rule_type;
+    if constexpr (Rule::kind != WriteKind::additive) {
+      INFO(name);
+      const auto qkv = random_qkv<Scalar>(T, dk, dv, 5200);
+      const RowMatrix<Scalar> dY = random_matrix<Scalar>(T, dv, 5203);
+      const Index r = attn.feature_dim(dk);
+      // A carried initial state and a final-state gradient, both non-zero.
+      auto start = attn.make_state(dk, dv);
+      const RowMatrix<Scalar> S0 = random_matrix<Scalar>(r, dv, 5204);
+      StateGradient<Scalar> final_gradient{random_matrix<Scalar>(r, dv, 5206), ColVector<Scalar>()};
+      if constexpr (Rule::keeps_normalizer) {
+        start.assign(S0, uniform_matrix<Scalar>(r, 1, 5205, 0.5, 1.5).col(0), 7);
+        final_gradient.z = random_matrix<Scalar>(r, 1, 5207).col(0);
+      } else {
+        start.assign(S0, 7);
+      }
+      const auto whole = linattn::prefill_backward(attn, start, qkv.Q, qkv.K, qkv.V, in..., dY,
+                                                   &final_gradient);
+      // The distributed backward computes the same sums associated differently (the carried
+      // state through the slices' summaries, the state gradient through A^T and the slices'
+      // local parts, the chunks restarted at slice boundaries). Every gradient entry is a sum
+      // of at most T + C + r + dv products (tokens, one chunk, the r- and dv-long dot
+      // products), so regrouping it moves it by at most 2 (T + C + r + dv) u times the
+      // magnitude sum of its terms; each term is at most one token's share, and the magnitude
+      // sum is bounded by T times the largest |entry| of that gradient (plus 1 for gradients
+      // near 0). C = the attention's chunk.
+      const double C = double(attn.chunk_size(r, dv));
+      const double allowed = 2.0 * (double(T) + C + double(r) + double(dv)) * double(T) *
+                             unit_roundoff<Scalar>();
+      const auto near = [&](const auto& got, const auto& expected) {
+        if (got.rows() != expected.rows() || got.cols() != expected.cols()) return false;
+        if (got.size() == 0) return true;
+        const double scale = 1.0 + double(expected.cwiseAbs().maxCoeff());
+        return double((got - expected).cwiseAbs().maxCoeff()) <= allowed * scale;
+      };
+      for (const auto& lengths : slicings(T, P)) {
+        Index first = 0;
+        for (int p = 0; p < rank; ++p) first += lengths[std::size_t(p)];
+        const Index n = lengths[std::size_t(rank)];
+        INFO("rank " << rank << " of " << P << ", rows " << first << " + " << n);
+        const auto mine = [&] {
+          return mpi::prefill_backward(MPI_COMM_WORLD, attn, rank == 0 ? start : attn.make_state(dk, dv),
+                                       qkv.Q.middleRows(first, n), qkv.K.middleRows(first, n),
+                                       qkv.V.middleRows(first, n), in.middleRows(first, n)...,
+                                       dY.middleRows(first, n),
+                                       rank == P - 1 ? &final_gradient : nullptr);
+        };
+        const RuleGradients<Scalar> got = mine();
+        CHECK(near(got.Q, whole.Q.middleRows(first, n)));
+        CHECK(near(got.K, whole.K.middleRows(first, n)));
+        CHECK(near(got.V, whole.V.middleRows(first, n)));
+        if (whole.inputs.log_gate.size() > 0)
+          CHECK(near(got.inputs.log_gate, whole.inputs.log_gate.middleRows(first, n)));
+        if (whole.inputs.beta.size() > 0) CHECK(near(got.inputs.beta, whole.inputs.beta.segment(first, n)));
+        if (whole.inputs.log_alpha.size() > 0)
+          CHECK(near(got.inputs.log_alpha, whole.inputs.log_alpha.segment(first, n)));
+        if (rank == 0) {
+          CHECK(near(got.initial.S, whole.initial.S));
+          CHECK(near(got.initial.z, whole.initial.z));
+        }
+        // Same P and slices: the same bits.
+        const RuleGradients<Scalar> again = mine();
+        CHECK(again.Q == got.Q);
+        CHECK(again.K == got.K);
+        CHECK(again.V == got.V);
+        CHECK(again.inputs.log_gate == got.inputs.log_gate);
+        CHECK(again.inputs.beta == got.inputs.beta);
+        CHECK(again.inputs.log_alpha == got.inputs.log_alpha);
+        CHECK(again.initial.S == got.initial.S);
+        CHECK(again.initial.z == got.initial.z);
+      }
+    }
+  });
+}
