@@ -9,10 +9,13 @@
 #include <catch2/catch.hpp>
 
 #include <linattn/mpi_gradients.hpp>
+#include <linattn/multihead_gradients.hpp>
 
 #include "slice_reference.hpp"
 #include "test_support.hpp"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -333,4 +336,171 @@ TEMPLATE_TEST_CASE("the rules' sequence-parallel backward equals the single-proc
       }
     }
   });
+}
+
+namespace {
+
+template <class View>
+View token_rows(const View& full, Index t0, Index n) {
+  return View(full.data() + t0 * full.strides()[1], {full.batches(), n, full.heads(), full.dim()},
+              full.strides());
+}
+
+// The layer's distributed backward against the single-process layer backward
+// (multihead_gradients.hpp) over the whole sequence, for attention `attn` whose per-token
+// inputs are drawn from `specs` ({channels, lo, hi} per input).
+template <class Attention, std::size_t N>
+void check_layer(const Attention& attn, const std::array<std::array<double, 3>, N>& specs) {
+  using Scalar = typename Attention::scalar_type;
+  const int rank = rank_of(), P = ranks_of();
+  const Index B = 2, T = 17, Hq = 4, Hkv = 2, dk = 4, dv = 3;
+  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, attn);
+  const auto buffer = [](Index n, std::uint64_t seed) {
+    const RowMatrix<Scalar> m = random_matrix<Scalar>(1, n, seed);
+    return std::vector<Scalar>(m.data(), m.data() + n);
+  };
+  const std::vector<Scalar> Qb = buffer(B * T * Hq * dk, 6001), Kb = buffer(B * T * Hkv * dk, 6002),
+                            Vb = buffer(B * T * Hkv * dv, 6003), dYb = buffer(B * T * Hq * dv, 6004);
+  std::array<std::vector<Scalar>, N> inb;
+  std::array<TensorView<const Scalar>, N> in;
+  for (std::size_t i = 0; i < N; ++i) {
+    const Index c = Index(specs[i][0]);
+    const RowMatrix<Scalar> m = uniform_matrix<Scalar>(1, B * T * Hkv * c, 6010 + i, specs[i][1], specs[i][2]);
+    inb[i].assign(m.data(), m.data() + m.size());
+    in[i] = TensorView<const Scalar>::batch_first(inb[i].data(), B, T, Hkv, c);
+  }
+  const auto Q = TensorView<const Scalar>::batch_first(Qb.data(), B, T, Hq, dk);
+  const auto K = TensorView<const Scalar>::batch_first(Kb.data(), B, T, Hkv, dk);
+  const auto V = TensorView<const Scalar>::batch_first(Vb.data(), B, T, Hkv, dv);
+  const auto dY = TensorView<const Scalar>::batch_first(dYb.data(), B, T, Hq, dv);
+  auto state = layer.make_state(B);
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < state.heads(); ++h) {
+      const RowMatrix<Scalar> S = random_matrix<Scalar>(layer.feature_dim(), dv, std::uint64_t(6100 + 10 * b + h));
+      if constexpr (Attention::rule_type::keeps_normalizer)
+        state.sequence(b).head(h).assign(S, uniform_matrix<Scalar>(layer.feature_dim(), 1, 6200, 0.5, 1.5).col(0));
+      else
+        state.sequence(b).head(h).assign(S);
+    }
+  BatchStateGradient<Scalar> fin(state), whole_initial(state), initial(state);
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < state.heads(); ++h) {
+      fin.head(b, h).S = random_matrix<Scalar>(layer.feature_dim(), dv, std::uint64_t(6300 + 10 * b + h));
+      if (fin.head(b, h).z.size() > 0)
+        fin.head(b, h).z = random_matrix<Scalar>(layer.feature_dim(), 1, std::uint64_t(6400 + 10 * b + h)).col(0);
+    }
+  // Gradient buffers: the whole sequence's (reference) and the distributed ones.
+  struct Grads {
+    std::vector<Scalar> Q, K, V;
+    std::array<std::vector<Scalar>, N> in;
+  };
+  const auto make = [&] {
+    Grads g{std::vector<Scalar>(Qb.size()), std::vector<Scalar>(Kb.size()), std::vector<Scalar>(Vb.size()), {}};
+    for (std::size_t i = 0; i < N; ++i) g.in[i].assign(inb[i].size(), Scalar(0));
+    return g;
+  };
+  const auto views = [&](Grads& g, Index t0, Index n) {
+    GradientViews<Scalar> v{token_rows(TensorView<Scalar>::batch_first(g.Q.data(), B, T, Hq, dk), t0, n),
+                            token_rows(TensorView<Scalar>::batch_first(g.K.data(), B, T, Hkv, dk), t0, n),
+                            token_rows(TensorView<Scalar>::batch_first(g.V.data(), B, T, Hkv, dv), t0, n)};
+    std::array<TensorView<Scalar>, N> d;
+    for (std::size_t i = 0; i < N; ++i)
+      d[i] = token_rows(TensorView<Scalar>::batch_first(g.in[i].data(), B, T, Hkv, in[i].dim()), t0, n);
+    return std::make_pair(v, d);
+  };
+  Grads whole = make();
+  {
+    const auto vd = views(whole, 0, T);
+    const auto& gv = vd.first;
+    const auto& d = vd.second;
+    std::apply([&](const auto&... x) {
+      std::apply([&](const auto&... dx) {
+        linattn::prefill_backward_into(layer, state, Q, K, V, x..., dY, &fin, gv, dx..., whole_initial);
+      }, d);
+    }, in);
+  }
+  // Bound as in the single-head test above: 2 (T + C + r + dv) u times T times the largest
+  // |entry| of each gradient (plus 1), from regrouping sums of at most T + C + r + dv terms.
+  const double C = double(attn.chunk_size(layer.feature_dim(), dv));
+  const double allowed = 2.0 * (double(T) + C + double(layer.feature_dim()) + double(dv)) *
+                         double(T) * unit_roundoff<Scalar>();
+  const auto near_rows = [&](const std::vector<Scalar>& got, const std::vector<Scalar>& ref, Index H,
+                             Index d, Index first, Index n) {
+    double scale = 0, worst = 0;
+    for (Scalar x : ref) scale = std::max(scale, double(std::abs(x)));
+    for (Index b = 0; b < B; ++b)
+      for (Index t = first; t < first + n; ++t)
+        for (Index h = 0; h < H; ++h)
+          for (Index c = 0; c < d; ++c) {
+            const std::size_t at = std::size_t(((b * T + t) * H + h) * d + c);
+            worst = std::max(worst, double(std::abs(got[at] - ref[at])));
+          }
+    return worst <= allowed * (1 + scale);
+  };
+  for (const auto& lengths : slicings(T, P)) {
+    Index first = 0;
+    for (int p = 0; p < rank; ++p) first += lengths[std::size_t(p)];
+    const Index n = lengths[std::size_t(rank)];
+    INFO("rank " << rank << " of " << P << ", rows " << first << " + " << n);
+    const auto run = [&](Grads& g) {
+      const auto vd = views(g, first, n);
+      const auto& gv = vd.first;
+      const auto& d = vd.second;
+      std::array<TensorView<const Scalar>, N> mine_in;
+      for (std::size_t i = 0; i < N; ++i) mine_in[i] = token_rows(in[i], first, n);
+      const auto other = layer.make_state(B);
+      std::apply([&](const auto&... x) {
+        std::apply([&](const auto&... dx) {
+          mpi::prefill_backward_into(MPI_COMM_WORLD, layer, rank == 0 ? state : other,
+                                     token_rows(Q, first, n), token_rows(K, first, n),
+                                     token_rows(V, first, n), x..., token_rows(dY, first, n),
+                                     rank == P - 1 ? &fin : nullptr, gv, dx..., initial);
+        }, d);
+      }, mine_in);
+    };
+    Grads got = make(), again = make();
+    run(got);
+    BatchStateGradient<Scalar> first_initial = initial;
+    run(again);
+    CHECK(near_rows(got.Q, whole.Q, Hq, dk, first, n));
+    CHECK(near_rows(got.K, whole.K, Hkv, dk, first, n));
+    CHECK(near_rows(got.V, whole.V, Hkv, dv, first, n));
+    for (std::size_t i = 0; i < N; ++i) CHECK(near_rows(got.in[i], whole.in[i], Hkv, in[i].dim(), first, n));
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < state.heads(); ++h) {
+        if (rank == 0) {
+          const auto& a = first_initial.head(b, h);
+          const auto& w = whole_initial.head(b, h);
+          CHECK(((a.S - w.S).cwiseAbs().array() <= allowed * (1 + double(w.S.cwiseAbs().maxCoeff()))).all());
+          if (w.z.size() > 0)
+            CHECK(((a.z - w.z).cwiseAbs().array() <= allowed * (1 + double(w.z.cwiseAbs().maxCoeff()))).all());
+        }
+        CHECK(initial.head(b, h).S == first_initial.head(b, h).S);
+        CHECK(initial.head(b, h).z == first_initial.head(b, h).z);
+      }
+    // Same P and slices: the same bits.
+    CHECK(again.Q == got.Q);
+    CHECK(again.K == got.K);
+    CHECK(again.V == got.V);
+    for (std::size_t i = 0; i < N; ++i) CHECK(again.in[i] == got.in[i]);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the layer's sequence-parallel backward equals the single-process layer backward",
+          "[mpi][gradients][multihead]") {
+  Options delta;
+  delta.normalization = Normalization::unnormalized();
+  SECTION("additive") { check_layer(LinearAttention<EluPlusOne, double>(), std::array<std::array<double, 3>, 0>{}); }
+  SECTION("gated, one gate per token") {
+    check_layer(RuleAttention<EluPlusOne, Gated, double>(), std::array<std::array<double, 3>, 1>{{{1, -0.3, -0.01}}});
+  }
+  SECTION("gated delta") {
+    check_layer(RuleAttention<L2Normalize, GatedDelta, double>(L2Normalize{}, delta),
+                std::array<std::array<double, 3>, 2>{{{1, 0.1, 0.9}, {1, -0.2, -0.01}}});
+  }
+  SECTION("decay, float") {
+    check_layer(RuleAttention<EluPlusOne, Decay, float>(EluPlusOne{}, Decay(0.9)), std::array<std::array<double, 3>, 0>{});
+  }
 }
