@@ -504,3 +504,56 @@ TEST_CASE("the layer's sequence-parallel backward equals the single-process laye
     check_layer(RuleAttention<EluPlusOne, Decay, float>(EluPlusOne{}, Decay(0.9)), std::array<std::array<double, 3>, 0>{});
   }
 }
+
+TEST_CASE("the rules' and the layer's sequence-parallel backward: bad input on one rank throws "
+          "the same on every rank",
+          "[mpi][gradients][rules]") {
+  const int rank = rank_of(), P = ranks_of();
+  const Index T = 24, d = 4, dv = 3, n = T / P;
+  Options options;
+  options.normalization = Normalization::unnormalized();
+  const RuleAttention<L2Normalize, Delta, double> attn(L2Normalize{}, options);
+  const auto qkv = random_qkv<double>(T, d, dv, 4300);
+  const RowMatrix<double> dY = random_matrix<double>(T, dv, 4303);
+  const auto call = [&](Index beta_rows) {
+    const RowMatrix<double> beta = RowMatrix<double>::Constant(beta_rows, 1, 0.5);
+    static_cast<void>(mpi::prefill_backward(MPI_COMM_WORLD, attn, attn.make_state(d, dv),
+                                            qkv.Q.topRows(n), qkv.K.topRows(n), qkv.V.topRows(n),
+                                            beta, dY.topRows(n)));
+  };
+  // The last rank's beta has a row too few: ShapeError everywhere, naming that rank.
+  std::string message;
+  try {
+    call(rank == P - 1 ? n - 1 : n);
+  } catch (const ShapeError& e) {
+    message = e.what();
+  }
+  CHECK_THAT(message, Catch::Contains("rank " + std::to_string(P - 1)) && Catch::Contains("beta"));
+  CHECK(same_on_every_rank(message));
+  CHECK_NOTHROW(call(n));
+
+  // The layer: rank 1's dQ view has a head too few.
+  const MultiHeadAttention<RuleAttention<L2Normalize, Delta, double>> layer(HeadConfig{2, 1, d, dv}, attn);
+  std::vector<double> q(std::size_t(n * 2 * d), 0.1), k(std::size_t(n * d), 0.2), v(std::size_t(n * dv), 0.3),
+      dy(std::size_t(n * 2 * dv), 1.0), b(std::size_t(n), 0.5), dq(q.size()), dk(k.size()), dvv(v.size()),
+      db(b.size());
+  const auto state = layer.make_state(1);
+  BatchStateGradient<double> initial(state);
+  const GradientViews<double> grads{TensorView<double>::batch_first(dq.data(), 1, n, rank == 1 ? 1 : 2, d),
+                                    TensorView<double>::batch_first(dk.data(), 1, n, 1, d),
+                                    TensorView<double>::batch_first(dvv.data(), 1, n, 1, dv)};
+  message.clear();
+  try {
+    mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state,
+                               TensorView<const double>::batch_first(q.data(), 1, n, 2, d),
+                               TensorView<const double>::batch_first(k.data(), 1, n, 1, d),
+                               TensorView<const double>::batch_first(v.data(), 1, n, 1, dv),
+                               TensorView<const double>::batch_first(b.data(), 1, n, 1, 1),
+                               TensorView<const double>::batch_first(dy.data(), 1, n, 2, dv), nullptr,
+                               grads, TensorView<double>::batch_first(db.data(), 1, n, 1, 1), initial);
+  } catch (const ShapeError& e) {
+    message = e.what();
+  }
+  CHECK_THAT(message, Catch::Contains("rank 1") && Catch::Contains("dQ"));
+  CHECK(same_on_every_rank(message));
+}
