@@ -236,3 +236,617 @@ TEST_CASE("the layer's backward names views that do not fit", "[multihead][gradi
   CHECK_THROWS_AS(parallel_backward_into(layer, p.q(), p.k(), p.v(), Mask::causal, dy, p.grads()),
                   ShapeError);
 }
+
+// ---- every write rule, per-token inputs and carried states ---------------------------------
+//
+// The reference is again the single-head backward (rule_gradients.hpp, gradients.hpp: each
+// checked against finite differences and an independent oracle in their own tests) on copies
+// cut out of the buffers by the index formulas, with the group's shares of dK, dV, the per-token
+// inputs' gradients and a shared state's gradient summed here in head order: exact comparison.
+
+namespace {
+
+// A per-token input: one value per token and key/value head, or r (per-channel gates), drawn
+// uniformly from [lo, hi).
+struct InputSpec {
+  bool per_channel;
+  double lo, hi;
+};
+
+template <class Attention>
+struct RuleCase {
+  const char* name;
+  Attention attn;
+  std::array<InputSpec, Attention::rule_type::token_inputs> inputs;
+};
+
+// Calls f(case) for every write rule: Additive, Decay, Gated (one gate, per channel), Delta and
+// GatedDelta, with a chunk that does not divide the lengths used below.
+template <class Scalar, class F>
+void for_each_rule(F&& f) {
+  Options opt;
+  opt.chunk_size = 4;
+  Options delta_opt = opt;
+  delta_opt.normalization = Normalization::unnormalized();
+  const InputSpec gate{false, -1.0, -0.05}, channel_gate{true, -1.0, -0.05},
+      beta{false, 0.1, 0.9}, alpha{false, -0.5, -0.01};
+  f(RuleCase<RuleAttention<EluPlusOne, Additive, Scalar>>{"additive", RuleAttention<EluPlusOne, Additive, Scalar>(EluPlusOne{}, opt), {}});
+  f(RuleCase<RuleAttention<EluPlusOne, Decay, Scalar>>{"decay", RuleAttention<EluPlusOne, Decay, Scalar>(EluPlusOne{}, Decay(0.8), opt), {}});
+  f(RuleCase<RuleAttention<EluPlusOne, Gated, Scalar>>{"gated", RuleAttention<EluPlusOne, Gated, Scalar>(EluPlusOne{}, opt), {gate}});
+  f(RuleCase<RuleAttention<EluPlusOne, Gated, Scalar>>{"gated per channel", RuleAttention<EluPlusOne, Gated, Scalar>(EluPlusOne{}, opt),
+                                                       {channel_gate}});
+  f(RuleCase<RuleAttention<L2Normalize, Delta, Scalar>>{"delta", RuleAttention<L2Normalize, Delta, Scalar>(L2Normalize{}, delta_opt), {beta}});
+  f(RuleCase<RuleAttention<L2Normalize, GatedDelta, Scalar>>{"gated delta", RuleAttention<L2Normalize, GatedDelta, Scalar>(L2Normalize{}, delta_opt),
+                                                             {beta, alpha}});
+}
+
+template <class View>
+View rows_of(const View& full, Index t0, Index n) {
+  return View(n == 0 ? full.data() : &full(0, t0, 0, 0), {full.batches(), n, full.heads(), full.dim()},
+              full.strides());
+}
+
+// A Problem plus the rule's per-token inputs and, poisoned with NaN, their gradients.
+template <class Attention>
+struct RuleProblem : Problem<typename Attention::scalar_type> {
+  using Scalar = typename Attention::scalar_type;
+  static constexpr std::size_t N = Attention::rule_type::token_inputs;
+  std::array<std::vector<Scalar>, N> in, d_in;
+  std::array<Index, N> channels{};
+  RuleProblem(const RuleCase<Attention>& c, Layout l, Index B, Index T, Index Hq, Index Hkv,
+              Index dk, Index dv, std::uint64_t seed)
+      : Problem<Scalar>(l, B, T, Hq, Hkv, dk, dv, seed) {
+    const Index r = c.attn.feature_dim(dk);
+    for (std::size_t i = 0; i < N; ++i) {
+      channels[i] = c.inputs[i].per_channel ? r : 1;
+      const auto m = linattn_test::uniform_matrix<Scalar>(1, B * T * Hkv * channels[i], seed + 10 + i,
+                                                          c.inputs[i].lo, c.inputs[i].hi);
+      in[i].assign(m.data(), m.data() + m.size());
+      d_in[i].assign(in[i].size(), std::numeric_limits<Scalar>::quiet_NaN());
+    }
+  }
+  std::array<TensorView<const Scalar>, N> ins() const {
+    std::array<TensorView<const Scalar>, N> v;
+    for (std::size_t i = 0; i < N; ++i)
+      v[i] = view<const Scalar>(this->layout, in[i].data(), this->B, this->T, this->Hkv, channels[i]);
+    return v;
+  }
+  std::array<TensorView<Scalar>, N> d_ins() {
+    std::array<TensorView<Scalar>, N> v;
+    for (std::size_t i = 0; i < N; ++i)
+      v[i] = view<Scalar>(this->layout, d_in[i].data(), this->B, this->T, this->Hkv, channels[i]);
+    return v;
+  }
+};
+
+// The layer's stateless and carried backward on a RuleProblem (rows [t0, t0 + n) of every
+// entry when n >= 0, for segments).
+template <class Attention>
+void layer_parallel_backward(const MultiHeadAttention<Attention>& layer, RuleProblem<Attention>& p,
+                             const SequenceLayout& layout) {
+  const auto g = p.grads();
+  std::apply(
+      [&](const auto&... in) {
+        std::apply(
+            [&](const auto&... d) {
+              parallel_backward_into(layer, p.q(), p.k(), p.v(), in..., Mask::causal, p.dy(), g,
+                                     d..., layout);
+            },
+            p.d_ins());
+      },
+      p.ins());
+}
+
+template <class Attention>
+void layer_prefill_backward(const MultiHeadAttention<Attention>& layer,
+                            const typename MultiHeadAttention<Attention>::State& state,
+                            RuleProblem<Attention>& p,
+                            const BatchStateGradient<typename Attention::scalar_type>* fin,
+                            BatchStateGradient<typename Attention::scalar_type>& initial,
+                            const SequenceLayout& layout, std::span<const Index> slots,
+                            Index t0 = 0, Index n = -1) {
+  if (n < 0) n = p.T;
+  const auto g = p.grads();
+  const GradientViews<typename Attention::scalar_type> gr{rows_of(g.Q, t0, n), rows_of(g.K, t0, n),
+                                                          rows_of(g.V, t0, n)};
+  auto ins = p.ins();
+  auto d_ins = p.d_ins();
+  for (auto& x : ins) x = rows_of(x, t0, n);
+  for (auto& x : d_ins) x = rows_of(x, t0, n);
+  std::apply(
+      [&](const auto&... in) {
+        std::apply(
+            [&](const auto&... d) {
+              prefill_backward_into(layer, state, rows_of(p.q(), t0, n), rows_of(p.k(), t0, n),
+                                    rows_of(p.v(), t0, n), in..., rows_of(p.dy(), t0, n), fin, gr,
+                                    d..., initial, layout, slots);
+            },
+            d_ins);
+      },
+      ins);
+}
+
+template <class HeadState, class Scalar = typename HeadState::scalar_type>
+void fill_state(HeadState& st, std::uint64_t seed) {
+  const RowMatrix<Scalar> S = linattn_test::random_matrix<Scalar>(st.feature_dim(), st.value_dim(), seed);
+  if constexpr (detail::head_keeps_z<HeadState>()) {
+    // z > 0: the normalized reads' denominators stay away from 0.
+    const RowMatrix<Scalar> z = linattn_test::uniform_matrix<Scalar>(st.feature_dim(), 1, seed + 1, 0.5, 1.5);
+    st.assign(S, z.col(0));
+  } else {
+    st.assign(S);
+  }
+}
+
+template <class Scalar>
+void fill_gradient(StateGradient<Scalar>& g, std::uint64_t seed) {
+  g.S = linattn_test::random_matrix<Scalar>(g.S.rows(), g.S.cols(), seed);
+  if (g.z.size() > 0) g.z = linattn_test::random_matrix<Scalar>(g.z.size(), 1, seed + 1).col(0);
+}
+
+template <class Scalar>
+void poison(BatchStateGradient<Scalar>& g) {
+  for (Index i = 0; i < g.size(); ++i)
+    for (Index h = 0; h < g.heads(); ++h) {
+      g.head(i, h).S.setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+      g.head(i, h).z.setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+    }
+}
+
+// What a single-head backward returns, the per-token inputs' gradients as T x c matrices.
+template <class Scalar, std::size_t N>
+struct HeadGradients {
+  RowMatrix<Scalar> Q, K, V;
+  std::array<RowMatrix<Scalar>, N> inputs;
+  StateGradient<Scalar> initial;
+};
+
+template <class Attention, std::size_t N = Attention::rule_type::token_inputs>
+HeadGradients<typename Attention::scalar_type, N> single_head_backward(
+    const Attention& attn, const typename Attention::State* state,
+    const StateGradient<typename Attention::scalar_type>* fin,
+    const RowMatrix<typename Attention::scalar_type>& q, const RowMatrix<typename Attention::scalar_type>& k,
+    const RowMatrix<typename Attention::scalar_type>& v, const RowMatrix<typename Attention::scalar_type>& dy,
+    const std::array<RowMatrix<typename Attention::scalar_type>, N>& in) {
+  using Rule = typename Attention::rule_type;
+  HeadGradients<typename Attention::scalar_type, N> out;
+  std::apply(
+      [&](const auto&... x) {
+        if constexpr (Rule::kind == WriteKind::additive) {
+          auto g = state != nullptr ? prefill_backward(attn, *state, q, k, v, dy, fin)
+                                    : parallel_backward(attn, q, k, v, Mask::causal, dy);
+          out.Q = g.Q, out.K = g.K, out.V = g.V, out.initial = g.initial;
+        } else {
+          auto g = state != nullptr ? prefill_backward(attn, *state, q, k, v, x..., dy, fin)
+                                    : parallel_backward(attn, q, k, v, x..., Mask::causal, dy);
+          out.Q = g.Q, out.K = g.K, out.V = g.V, out.initial = g.initial;
+          if constexpr (Rule::kind == WriteKind::gated) out.inputs[0] = g.inputs.log_gate;
+          if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta)
+            out.inputs[0] = g.inputs.beta;
+          if constexpr (Rule::kind == WriteKind::gated_delta) out.inputs[1] = g.inputs.log_alpha;
+        }
+      },
+      in);
+  return out;
+}
+
+// Checks rows [first, first + n) of entry b (sequence at state position `position`, state null
+// for the stateless backward) against the single-head backward of each head, summed in head
+// order over each group; exact.
+template <class Attention>
+void check_rule_sequence(const MultiHeadAttention<Attention>& layer, const RuleProblem<Attention>& p,
+                         const typename MultiHeadAttention<Attention>::State* state,
+                         const BatchStateGradient<typename Attention::scalar_type>* fin,
+                         const BatchStateGradient<typename Attention::scalar_type>* initial,
+                         Index position, Index b, Index first, Index n) {
+  using Scalar = typename Attention::scalar_type;
+  constexpr std::size_t N = Attention::rule_type::token_inputs;
+  const Index G = p.Hq / p.Hkv;
+  constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
+  for (Index g = 0; g < p.Hkv; ++g) {
+    const RowMatrix<Scalar> k = cut(p.K, p.layout, b, g, first, n, p.T, p.Hkv, p.dk);
+    const RowMatrix<Scalar> v = cut(p.V, p.layout, b, g, first, n, p.T, p.Hkv, p.dv);
+    std::array<RowMatrix<Scalar>, N> in;
+    for (std::size_t i = 0; i < N; ++i) in[i] = cut(p.in[i], p.layout, b, g, first, n, p.T, p.Hkv, p.channels[i]);
+    HeadGradients<Scalar, N> sum;
+    for (Index j = 0; j < G; ++j) {
+      const Index h = g * G + j, sh = shared ? g : h;
+      const RowMatrix<Scalar> q = cut(p.Q, p.layout, b, h, first, n, p.T, p.Hq, p.dk);
+      const RowMatrix<Scalar> dy = cut(p.dY, p.layout, b, h, first, n, p.T, p.Hq, p.dv);
+      const auto* st = state != nullptr ? &state->sequence(position).head(sh) : nullptr;
+      const auto* f = fin != nullptr && (!shared || j == 0) ? &fin->head(position, sh) : nullptr;
+      const auto ref = single_head_backward(layer.attention(), st, f, q, k, v, dy, in);
+      INFO("rows [" << first << ", " << first + n << ") of entry " << b << ", head " << h);
+      CHECK(cut(p.dQ, p.layout, b, h, first, n, p.T, p.Hq, p.dk) == ref.Q);
+      if (initial != nullptr && !shared) {
+        CHECK(initial->head(position, sh).S == ref.initial.S);
+        CHECK(initial->head(position, sh).z == ref.initial.z);
+      }
+      if (j == 0) {
+        sum = ref;
+      } else {
+        sum.K += ref.K;
+        sum.V += ref.V;
+        for (std::size_t i = 0; i < N; ++i) sum.inputs[i] += ref.inputs[i];
+        sum.initial.S += ref.initial.S;
+        if (sum.initial.z.size() > 0) sum.initial.z += ref.initial.z;
+      }
+    }
+    INFO("key/value head " << g << " of entry " << b << ", rows [" << first << ", " << first + n << ")");
+    CHECK(cut(p.dK, p.layout, b, g, first, n, p.T, p.Hkv, p.dk) == sum.K);
+    CHECK(cut(p.dV, p.layout, b, g, first, n, p.T, p.Hkv, p.dv) == sum.V);
+    for (std::size_t i = 0; i < N; ++i)
+      CHECK(cut(p.d_in[i], p.layout, b, g, first, n, p.T, p.Hkv, p.channels[i]) == sum.inputs[i]);
+    if (initial != nullptr && shared) {
+      CHECK(initial->head(position, g).S == sum.initial.S);
+      CHECK(initial->head(position, g).z == sum.initial.z);
+    }
+  }
+}
+
+// Runs the layer on `p` in `kind` (batch: all rows; packed: offsets with an empty sequence;
+// padded: lengths with an empty sequence, pad rows poisoned with NaN) stateless or from random
+// initial states at reversed slots (position 0 unused), and checks every sequence.
+template <class Attention>
+void check_rule_layout(const RuleCase<Attention>& c, Layout l, SequenceLayout::Kind kind,
+                       bool carried, Index Hkv) {
+  using Scalar = typename Attention::scalar_type;
+  constexpr std::size_t N = Attention::rule_type::token_inputs;
+  const Index Hq = 4, dk = 5, dv = 3, T = 19;
+  const Index B = kind == SequenceLayout::Kind::padded ? 3 : kind == SequenceLayout::Kind::packed ? 1 : 2;
+  const std::vector<Index> offsets{0, 7, 7, 19}, lengths{19, 8, 0};
+  const SequenceLayout layout = kind == SequenceLayout::Kind::packed   ? SequenceLayout::packed(offsets)
+                                : kind == SequenceLayout::Kind::padded ? SequenceLayout::padded(lengths)
+                                                                       : SequenceLayout::batch();
+  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, c.attn);
+  RuleProblem<Attention> p(c, l, B, T, Hq, Hkv, dk, dv, 301);
+  const Index sequences = layout.count(B);
+  const auto seq_entry = [&](Index s) { return layout.batch_entry(s); };
+  const auto seq_first = [&](Index s) { return layout.first_row(s); };
+  const auto seq_len = [&](Index s) { return kind == SequenceLayout::Kind::batch ? T : layout.length(s, T); };
+  if (kind == SequenceLayout::Kind::padded) {
+    const Scalar nan = std::numeric_limits<Scalar>::quiet_NaN();
+    for (Index b = 0; b < B; ++b)
+      for (Index t = lengths[std::size_t(b)]; t < T; ++t) {
+        for (Index h = 0; h < Hq; ++h) {
+          for (Index x = 0; x < dk; ++x) p.Q[std::size_t(flat(l, b, t, h, x, T, Hq, dk))] = nan;
+          for (Index x = 0; x < dv; ++x) p.dY[std::size_t(flat(l, b, t, h, x, T, Hq, dv))] = nan;
+        }
+        for (Index h = 0; h < Hkv; ++h) {
+          for (Index x = 0; x < dk; ++x) p.K[std::size_t(flat(l, b, t, h, x, T, Hkv, dk))] = nan;
+          for (Index x = 0; x < dv; ++x) p.V[std::size_t(flat(l, b, t, h, x, T, Hkv, dv))] = nan;
+          for (std::size_t i = 0; i < N; ++i)
+            for (Index x = 0; x < p.channels[i]; ++x)
+              p.in[i][std::size_t(flat(l, b, t, h, x, T, Hkv, p.channels[i]))] = nan;
+        }
+      }
+  }
+  if (!carried) {
+    layer_parallel_backward(layer, p, layout);
+    for (Index s = 0; s < sequences; ++s)
+      if (seq_len(s) > 0) check_rule_sequence(layer, p, nullptr, nullptr, nullptr, 0, seq_entry(s), seq_first(s), seq_len(s));
+  } else {
+    auto state = layer.make_state(sequences + 1);
+    for (Index i = 0; i < state.size(); ++i)
+      for (Index h = 0; h < state.heads(); ++h) fill_state(state.sequence(i).head(h), std::uint64_t(400 + 10 * i + h));
+    BatchStateGradient<Scalar> fin(state), initial(state);
+    for (Index i = 0; i < state.size(); ++i)
+      for (Index h = 0; h < state.heads(); ++h) fill_gradient(fin.head(i, h), std::uint64_t(600 + 10 * i + h));
+    poison(initial);
+    std::vector<Index> slots;
+    for (Index s = 0; s < sequences; ++s) slots.push_back(sequences - s);
+    layer_prefill_backward(layer, state, p, &fin, initial, layout, slots);
+    for (Index s = 0; s < sequences; ++s) {
+      const Index position = slots[std::size_t(s)];
+      if (seq_len(s) > 0) {
+        check_rule_sequence(layer, p, &state, &fin, &initial, position, seq_entry(s), seq_first(s), seq_len(s));
+      } else {
+        INFO("an empty sequence passes the final state's gradient through");
+        for (Index h = 0; h < state.heads(); ++h) {
+          CHECK(initial.head(position, h).S == fin.head(position, h).S);
+          CHECK(initial.head(position, h).z == fin.head(position, h).z);
+        }
+      }
+    }
+    INFO("position 0 is named by no slot: its gradient is not touched");
+    for (Index h = 0; h < state.heads(); ++h) CHECK(initial.head(0, h).S.array().isNaN().all());
+  }
+  if (kind == SequenceLayout::Kind::padded)
+    for (Index b = 0; b < B; ++b) {
+      const Index n = lengths[std::size_t(b)];
+      INFO("pad rows of entry " << b);
+      CHECK(rows_are_zero(p.dQ, l, b, n, T - n, T, Hq, dk));
+      CHECK(rows_are_zero(p.dK, l, b, n, T - n, T, Hkv, dk));
+      CHECK(rows_are_zero(p.dV, l, b, n, T - n, T, Hkv, dv));
+      for (std::size_t i = 0; i < N; ++i) CHECK(rows_are_zero(p.d_in[i], l, b, n, T - n, T, Hkv, p.channels[i]));
+    }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("every rule: each head is the single-head backward, GQA and inputs summed",
+                   "[multihead][gradients][rules]", float, double) {
+  const Layout layout = GENERATE(Layout::batch_first, Layout::head_first);
+  const auto kind = GENERATE(SequenceLayout::Kind::batch, SequenceLayout::Kind::packed,
+                             SequenceLayout::Kind::padded);
+  const bool carried = GENERATE(false, true);
+  const Index Hkv = GENERATE(1, 2, 4);
+  for_each_rule<TestType>([&](const auto& c) {
+    INFO(c.name << (layout == Layout::batch_first ? ", batch-first" : ", head-first") << ", layout "
+                << int(kind) << (carried ? ", carried state" : ", stateless") << ", H_kv = " << Hkv);
+    check_rule_layout(c, layout, kind, carried, Hkv);
+  });
+}
+
+namespace {
+
+// The loss of the FD test: L = sum(dY .* out) + sum over state heads of
+// sum(dS_T .* S_T) + dz_T . z_T, out and the final states from the layer's prefill of `p` from
+// the states in `S0`, `z0` (flat, per state head). Also returns the magnitude sum of its terms.
+template <class Attention>
+double prefill_loss(const MultiHeadAttention<Attention>& layer, const RuleProblem<Attention>& p,
+                    const std::vector<double>& S0, const std::vector<double>& z0,
+                    const BatchStateGradient<double>& fin, double* magnitude = nullptr) {
+  auto state = layer.make_state(1);
+  const Index H = state.heads(), r = layer.feature_dim(), dv = p.dv;
+  for (Index h = 0; h < H; ++h) {
+    const Eigen::Map<const RowMatrix<double>> S(S0.data() + h * r * dv, r, dv);
+    if constexpr (detail::head_keeps_z<typename Attention::State>())
+      state.sequence(0).head(h).assign(S, Eigen::Map<const Eigen::VectorXd>(z0.data() + h * r, r));
+    else
+      state.sequence(0).head(h).assign(S);
+  }
+  std::vector<double> out(p.dY.size());
+  const auto o = view<double>(p.layout, out.data(), p.B, p.T, p.Hq, p.dv);
+  std::apply([&](const auto&... in) { layer.prefill_into(state, p.q(), p.k(), p.v(), in..., o); },
+             p.ins());
+  double L = 0, mag = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    L += out[i] * p.dY[i];
+    mag += std::abs(out[i] * p.dY[i]);
+  }
+  for (Index h = 0; h < H; ++h) {
+    const auto& st = state.sequence(0).head(h);
+    L += (st.S().array() * fin.head(0, h).S.array()).sum();
+    mag += (st.S().array() * fin.head(0, h).S.array()).abs().sum();
+    if constexpr (detail::head_keeps_z<typename Attention::State>()) {
+      L += st.z().dot(fin.head(0, h).z);
+      mag += (st.z().array() * fin.head(0, h).z.array()).abs().sum();
+    }
+  }
+  if (magnitude != nullptr) *magnitude = mag;
+  return L;
+}
+
+}  // namespace
+
+TEST_CASE("finite differences through the layer for every rule, with carried state",
+          "[multihead][gradients][rules]") {
+  // Central differences in double of L (prefill_loss) along every entry of Q, K, V, the
+  // per-token inputs and the initial states, against the layer's prefill_backward_into with
+  // dY and the final states' gradients of L. Step and tolerance as in gradients_test.cpp's
+  // check_entries: h = 2^k near u^(1/3) max(|x|, s) (s the RMS of that input, a power of two so
+  // x +- h is exact), and
+  //   |L'(x) - D(h)| <= |D(2h) - D(h)| + 3 eps_L / h,
+  // the first term measuring the truncation h^2 L3 / 6 (D(2h) - D(h) = 3 h^2 L3 / 6 up to
+  // rounding), the second bounding the rounding of the two evaluations (|e| <= eps_L each,
+  // divided by 2h, at both steps). eps_L = units u Lmag with Lmag the magnitude sum of L's terms
+  // (|out dY| and |S_T dS_T|, |z_T dz_T|) and units = 4 (T + r + dv + dk + 8): each output and
+  // state entry is a sum over at most T tokens of r- and dv-long products, the feature maps and
+  // a division add a few u; the factor 4 covers a numerator and a denominator each rounded and
+  // the state being at most the size of the outputs' terms for these O(1) inputs (gates and
+  // betas in (0, 1), unit keys for the delta rules).
+  for_each_rule<double>([&](const auto& c) {
+    using Attention = std::remove_cvref_t<decltype(c.attn)>;
+    constexpr std::size_t N = Attention::rule_type::token_inputs;
+    INFO(c.name);
+    const Index B = 1, T = 6, Hq = 2, Hkv = 1, dk = 3, dv = 2;
+    const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, c.attn);
+    RuleProblem<Attention> p(c, Layout::batch_first, B, T, Hq, Hkv, dk, dv, 501);
+    const Index H = layer.state_heads(), r = layer.feature_dim();
+    constexpr bool keeps_z = detail::head_keeps_z<typename Attention::State>();
+    const auto S0m = linattn_test::random_matrix<double>(1, H * r * dv, 511);
+    const auto z0m = linattn_test::uniform_matrix<double>(1, H * r, 512, 0.5, 1.5);
+    std::vector<double> S0(S0m.data(), S0m.data() + S0m.size()), z0(z0m.data(), z0m.data() + z0m.size());
+    auto state = layer.make_state(1);
+    BatchStateGradient<double> fin(state), initial(state);
+    for (Index h = 0; h < H; ++h) {
+      fill_gradient(fin.head(0, h), std::uint64_t(520 + h));
+      const Eigen::Map<const RowMatrix<double>> S(S0.data() + h * r * dv, r, dv);
+      if constexpr (keeps_z)
+        state.sequence(0).head(h).assign(S, Eigen::Map<const Eigen::VectorXd>(z0.data() + h * r, r));
+      else
+        state.sequence(0).head(h).assign(S);
+    }
+    layer_prefill_backward(layer, state, p, &fin, initial, SequenceLayout::batch(), {});
+    std::vector<double> dS0(S0.size()), dz0(z0.size());
+    for (Index h = 0; h < H; ++h) {
+      Eigen::Map<RowMatrix<double>>(dS0.data() + h * r * dv, r, dv) = initial.head(0, h).S;
+      if constexpr (keeps_z) Eigen::Map<Eigen::VectorXd>(dz0.data() + h * r, r) = initial.head(0, h).z;
+    }
+    double L_mag = 0;
+    static_cast<void>(prefill_loss(layer, p, S0, z0, fin, &L_mag));
+    const double u = linattn_test::unit_roundoff<double>();
+    const double eps_L = 4.0 * double(T + r + dv + dk + 8) * u * L_mag;
+    double largest_tolerance = 0, largest_gradient = 0;
+    // x: the input's values inside a copy of the problem (or S0, z0), grad: its gradient.
+    const auto check = [&](const char* what, auto&& x_of, const std::vector<double>& grad) {
+      RuleProblem<Attention> q = p;
+      std::vector<double> S = S0, z = z0;
+      std::vector<double>& x = x_of(q, S, z);
+      const std::vector<double> x0 = x;
+      const double s = std::max(
+          std::sqrt(Eigen::Map<const Eigen::VectorXd>(x0.data(), Index(x0.size())).squaredNorm() /
+                    std::max<double>(1.0, double(x0.size()))),
+          1e-3);
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        const double h = std::exp2(std::round(std::log2(std::cbrt(u) * std::max(std::abs(x0[i]), s))));
+        const auto D = [&](double step) {
+          x[i] = x0[i] + step;
+          const double up = prefill_loss(layer, q, S, z, fin);
+          x[i] = x0[i] - step;
+          const double down = prefill_loss(layer, q, S, z, fin);
+          x[i] = x0[i];
+          return (up - down) / (2 * step);
+        };
+        const double d1 = D(h), d2 = D(2 * h);
+        const double tolerance = std::abs(d2 - d1) + 3 * eps_L / h;
+        CAPTURE(what, i, grad[i], d1, d2, tolerance);
+        CHECK(std::abs(grad[i] - d1) <= tolerance);
+        largest_tolerance = std::max(largest_tolerance, tolerance);
+        largest_gradient = std::max(largest_gradient, std::abs(d1));
+      }
+    };
+    using P = RuleProblem<Attention>;
+    using Vec = std::vector<double>;
+    check("dQ", [](P& q, Vec&, Vec&) -> Vec& { return q.Q; }, p.dQ);
+    check("dK", [](P& q, Vec&, Vec&) -> Vec& { return q.K; }, p.dK);
+    check("dV", [](P& q, Vec&, Vec&) -> Vec& { return q.V; }, p.dV);
+    for (std::size_t i = 0; i < N; ++i)
+      check("d input", [i](P& q, Vec&, Vec&) -> Vec& { return q.in[i]; }, p.d_in[i]);
+    check("dS0", [](P&, Vec& S, Vec&) -> Vec& { return S; }, dS0);
+    if (keeps_z) check("dz0", [](P&, Vec&, Vec& z) -> Vec& { return z; }, dz0);
+    // The test stays sharp: an error of 1e-5 of the largest gradient would fail it.
+    CHECK(largest_tolerance <= 1e-5 * largest_gradient);
+  });
+}
+
+TEST_CASE("segments: the layer's carried state and its gradient between two calls",
+          "[multihead][gradients][rules]") {
+  // Forward over [0, split) from S0 to S1, then the backward of [split, T) from S1 with the
+  // final gradients, then of [0, split) from S0 with the first call's initial gradients as its
+  // final ones: the same gradients as one call over [0, T), computed with the chunk boundaries
+  // and the state's sums associated differently. Bound: every gradient entry is a sum of at most
+  // T + C + r + dv products (tokens, a chunk, the r- and dv-long dot products), so reassociating
+  // it moves it by at most 2 (T + C + r + dv) u times the magnitude sum of its terms; each term
+  // is at most one token's share and we bound the magnitude sum by T times the largest |entry|
+  // of that gradient (plus 1 for entries near 0).
+  for_each_rule<double>([&](const auto& c) {
+    using Attention = std::remove_cvref_t<decltype(c.attn)>;
+    constexpr std::size_t N = Attention::rule_type::token_inputs;
+    INFO(c.name);
+    const Index B = 2, T = 23, split = 9, Hq = 4, Hkv = 2, dk = 5, dv = 3;
+    const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, c.attn);
+    RuleProblem<Attention> whole(c, Layout::head_first, B, T, Hq, Hkv, dk, dv, 701);
+    RuleProblem<Attention> parts = whole;
+    auto S0 = layer.make_state(B);
+    for (Index i = 0; i < B; ++i)
+      for (Index h = 0; h < S0.heads(); ++h) fill_state(S0.sequence(i).head(h), std::uint64_t(710 + 10 * i + h));
+    BatchStateGradient<double> fin(S0), initial_whole(S0), initial_1(S0), initial_2(S0);
+    for (Index i = 0; i < B; ++i)
+      for (Index h = 0; h < S0.heads(); ++h) fill_gradient(fin.head(i, h), std::uint64_t(750 + 10 * i + h));
+    layer_prefill_backward(layer, S0, whole, &fin, initial_whole, SequenceLayout::batch(), {});
+    auto S1 = S0;
+    std::vector<double> out(whole.dY.size());
+    const auto o = view<double>(parts.layout, out.data(), B, T, Hq, dv);
+    auto ins = parts.ins();
+    for (auto& x : ins) x = rows_of(x, 0, split);
+    std::apply([&](const auto&... in) {
+      layer.prefill_into(S1, rows_of(parts.q(), 0, split), rows_of(parts.k(), 0, split),
+                         rows_of(parts.v(), 0, split), in..., rows_of(o, 0, split));
+    }, ins);
+    layer_prefill_backward(layer, S1, parts, &fin, initial_2, SequenceLayout::batch(), {}, split, T - split);
+    layer_prefill_backward(layer, S0, parts, &initial_2, initial_1, SequenceLayout::batch(), {}, 0, split);
+    const double C = 4, r = double(layer.feature_dim());
+    const double units = 2.0 * (T + C + r + dv) * T;
+    const double u = linattn_test::unit_roundoff<double>();
+    const auto near = [&](const std::vector<double>& a, const std::vector<double>& b) {
+      const auto A = Eigen::Map<const Eigen::ArrayXd>(a.data(), Index(a.size()));
+      const auto Bm = Eigen::Map<const Eigen::ArrayXd>(b.data(), Index(b.size()));
+      return ((A - Bm).abs() <= units * u * (1 + Bm.abs().maxCoeff())).all();
+    };
+    CHECK(near(parts.dQ, whole.dQ));
+    CHECK(near(parts.dK, whole.dK));
+    CHECK(near(parts.dV, whole.dV));
+    for (std::size_t i = 0; i < N; ++i) CHECK(near(parts.d_in[i], whole.d_in[i]));
+    for (Index i = 0; i < B; ++i)
+      for (Index h = 0; h < S0.heads(); ++h) {
+        const auto& a = initial_1.head(i, h);
+        const auto& b = initial_whole.head(i, h);
+        CHECK(((a.S - b.S).array().abs() <= units * u * (1 + b.S.cwiseAbs().maxCoeff())).all());
+        if (b.z.size() > 0)
+          CHECK(((a.z - b.z).array().abs() <= units * u * (1 + b.z.cwiseAbs().maxCoeff())).all());
+      }
+  });
+}
+
+TEST_CASE("every rule's layer backward is bit-identical on any number of threads",
+          "[multihead][gradients][rules][threads]") {
+  // Large enough that the work passes the executor's grain and really runs on two threads.
+  for_each_rule<float>([&](const auto& c) {
+    using Attention = std::remove_cvref_t<decltype(c.attn)>;
+    constexpr std::size_t N = Attention::rule_type::token_inputs;
+    INFO(c.name);
+    const Index B = 3, T = 200, Hq = 8, Hkv = 2, d = 32;
+    MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, d, d}, c.attn);
+    RuleProblem<Attention> serial(c, Layout::batch_first, B, T, Hq, Hkv, d, d, 801);
+    RuleProblem<Attention> threaded = serial;
+    auto state = layer.make_state(B);
+    for (Index i = 0; i < B; ++i)
+      for (Index h = 0; h < state.heads(); ++h) fill_state(state.sequence(i).head(h), std::uint64_t(810 + 10 * i + h));
+    BatchStateGradient<float> fin(state), initial_serial(state), initial_threaded(state);
+    for (Index i = 0; i < B; ++i)
+      for (Index h = 0; h < state.heads(); ++h) fill_gradient(fin.head(i, h), std::uint64_t(850 + 10 * i + h));
+    layer_prefill_backward(layer, state, serial, &fin, initial_serial, SequenceLayout::batch(), {});
+    ThreadPool pool(2);
+    layer.set_executor(&pool);
+    layer_prefill_backward(layer, state, threaded, &fin, initial_threaded, SequenceLayout::batch(), {});
+    CHECK(threaded.dQ == serial.dQ);
+    CHECK(threaded.dK == serial.dK);
+    CHECK(threaded.dV == serial.dV);
+    for (std::size_t i = 0; i < N; ++i) CHECK(threaded.d_in[i] == serial.d_in[i]);
+    for (Index i = 0; i < B; ++i)
+      for (Index h = 0; h < state.heads(); ++h) {
+        CHECK(initial_threaded.head(i, h).S == initial_serial.head(i, h).S);
+        CHECK(initial_threaded.head(i, h).z == initial_serial.head(i, h).z);
+      }
+  });
+}
+
+TEST_CASE("the layer's rule backward names what does not fit", "[multihead][gradients][errors]") {
+  using Attention = RuleAttention<L2Normalize, GatedDelta, double>;
+  Options opt;
+  opt.normalization = Normalization::unnormalized();
+  const RuleCase<Attention> c{"gated delta", Attention(L2Normalize{}, opt),
+                              {InputSpec{false, 0.1, 0.9}, InputSpec{false, -0.5, -0.01}}};
+  const Index B = 2, T = 5, Hq = 2, Hkv = 1, d = 3;
+  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, d, d}, c.attn);
+  RuleProblem<Attention> p(c, Layout::batch_first, B, T, Hq, Hkv, d, d, 901);
+  const auto state = layer.make_state(B);
+  BatchStateGradient<double> initial(state), fin(state);
+  const auto ins = p.ins();
+  auto d_ins = p.d_ins();
+  SECTION("an input's gradient view of another shape") {
+    d_ins[1] = TensorView<double>::batch_first(p.d_in[1].data(), B, T - 1, Hkv, 1);
+    CHECK_THROWS_WITH(parallel_backward_into(layer, p.q(), p.k(), p.v(), ins[0], ins[1], Mask::causal,
+                                             p.dy(), p.grads(), d_ins[0], d_ins[1]),
+                      Catch::Contains("gradient view of the second per-token input is [B=2, T=4"));
+  }
+  SECTION("a state gradient of another batch") {
+    BatchStateGradient<double> small(layer.make_state(B - 1));
+    CHECK_THROWS_AS(prefill_backward_into(layer, state, p.q(), p.k(), p.v(), ins[0], ins[1], p.dy(),
+                                          nullptr, p.grads(), d_ins[0], d_ins[1], small),
+                    ShapeError);
+    CHECK_THROWS_WITH(prefill_backward_into(layer, state, p.q(), p.k(), p.v(), ins[0], ins[1],
+                                            p.dy(), &small, p.grads(), d_ins[0], d_ins[1], initial),
+                      Catch::Contains("the final states' gradient has sequences=1") &&
+                          Catch::Contains("the batch state has sequences=2"));
+  }
+  SECTION("the final gradient written as the initial one") {
+    CHECK_THROWS_AS(prefill_backward_into(layer, state, p.q(), p.k(), p.v(), ins[0], ins[1], p.dy(),
+                                          &initial, p.grads(), d_ins[0], d_ins[1], initial),
+                    std::invalid_argument);
+  }
+  SECTION("a per-token input of another shape") {
+    const auto bad = TensorView<const double>::batch_first(p.in[0].data(), B, T, Hkv + 1, 1);
+    CHECK_THROWS_AS(parallel_backward_into(layer, p.q(), p.k(), p.v(), bad, ins[1], Mask::causal,
+                                           p.dy(), p.grads(), d_ins[0], d_ins[1]),
+                    ShapeError);
+  }
+  SECTION("a state heads' gradient of another shape") {
+    BatchStateGradient<double> wrong(B, Hkv, d + 1, d, false);
+    CHECK_THROWS_WITH(prefill_backward_into(layer, state, p.q(), p.k(), p.v(), ins[0], ins[1], p.dy(),
+                                            nullptr, p.grads(), d_ins[0], d_ins[1], wrong),
+                      Catch::Contains("r=4"));
+  }
+}

@@ -2,8 +2,8 @@
 /// \file mpi_gradients.hpp
 /// mpi::prefill_backward: the gradients of a sequence-parallel causal prefill of the additive
 /// rule (LinearAttention), one head, each rank holding a contiguous slice of the sequence
-/// (CMake target linattn::mpi). The write rules have single-process gradients
-/// (rule_gradients.hpp) but no distributed backward yet (docs/distributed.md says what it needs).
+/// (CMake target linattn::mpi), and of the write rules (Decay, Gated, Delta, GatedDelta: the
+/// second overload, with their per-token inputs' gradients).
 ///
 /// Math (gradients.hpp; REFERENCES.md sections 7 and 8). With rank p's slice of T_p tokens,
 /// kf_t = phi(k_t), v'_t = [v_t, 1], the state gradient H flowing into the state after the
@@ -30,8 +30,11 @@
 #include <linattn/attention.hpp>
 #include <linattn/detail/mpi_exchange.hpp>
 #include <linattn/detail/mpi_prefill.hpp>
+#include <linattn/detail/mpi_rule_backward.hpp>
 #include <linattn/gradients.hpp>
 #include <linattn/mpi.hpp>
+#include <linattn/multihead_gradients.hpp>
+#include <linattn/rule_gradients.hpp>
 #include <linattn/types.hpp>
 
 #include <Eigen/Core>
@@ -175,6 +178,159 @@ template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
   grads.initial.S += H_S;
   grads.initial.z += H_z.transpose();
   return grads;
+}
+
+/// mpi::prefill_backward(comm, attn, initial_state, Q, K, V, inputs..., dY[, final_gradient]):
+/// the write rules' (Decay, Gated, Delta, GatedDelta) gradients of this rank's slice of
+/// Y = attn.prefill(state, Q, K, V, inputs...) run over the whole sequence split across the
+/// ranks of `comm` in rank order; inputs... are this rank's rows of the rule's per-token inputs
+/// (as linattn::prefill_backward takes them). initial_state is read on rank 0, final_gradient
+/// (a const StateGradient*, null or omitted: zero) on the last rank. Returns this rank's dQ, dK,
+/// dV, the inputs' gradients and, as `initial`, the gradient with respect to the state its slice
+/// starts from. Equal to linattn::prefill_backward over the whole sequence to rounding; the same
+/// P and slices give the same bits. Collective; slices may be empty.
+///
+/// Math: each slice maps the state affinely, S -> A_p S + B_p (detail/slice_summary.hpp: A_p =
+/// gamma^T_p, diag(exp(sum log g)), or prod alpha_t (I - beta_t kf_t kf_t^T)), so the gradient
+/// flowing into slice p's initial state is A_p^T H_p + L_p, with H_p the gradient after the
+/// slice and L_p the slice's own part (its backward with no gradient after it). The ranks
+/// gather (A_q, B_q) for the carried states, then L_q, and each forms
+/// H_p = A_{p+1}^T (... (A_{P-1}^T dS_final + L_{P-1}) ...) + L_{p+1} in the fixed order
+/// q = P-1 down to p+1, then runs its slice's backward with H_p after it.
+/// Cost per rank: two single-process backwards of T_p tokens and one forward (plus, for the
+/// delta rules, a forward with r value columns for A_p: O(T_p r^2)); gathers of one summary
+/// (r dv + r + |A|) and one state gradient per rank: independent of T.
+template <class Phi, linattn::detail::GradientRule Rule, class Scalar, class DQ, class DK,
+          class DV, class... Args>
+  requires(sizeof...(Args) == Rule::token_inputs + 1 || sizeof...(Args) == Rule::token_inputs + 2)
+[[nodiscard]] RuleGradients<Scalar> prefill_backward(
+    MPI_Comm comm, const RuleAttention<Phi, Rule, Scalar>& attn,
+    const RuleState<Rule, Scalar>& initial_state, const Eigen::MatrixBase<DQ>& Q,
+    const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, const Args&... args) {
+  linattn::detail::require_differentiable<Phi, Scalar>();
+  constexpr std::size_t n = Rule::token_inputs;
+  const auto all = std::forward_as_tuple(args...);
+  const auto& dY = std::get<n>(all);
+  const StateGradient<Scalar>* final_gradient = nullptr;
+  if constexpr (sizeof...(Args) == n + 2) final_gradient = std::get<n + 1>(all);
+  return linattn::detail::with_first<n>(all, [&](const auto&... in) {
+    return linattn::detail::mpi_rule_backward(comm, attn, initial_state, Q, K, V, dY,
+                                              final_gradient, in...);
+  });
+}
+
+/// mpi::prefill_backward_into(comm, layer, state, Q, K, V, in..., dY, final_gradients, grads,
+/// d_in..., initial_gradients): the multi-head layer's backward of a sequence-parallel prefill
+/// (every rule), each rank holding its slice of the tokens of every sequence of a batch layout
+/// ([B, T_p, H, d] views; T_p may differ between ranks and be 0). The gradients of this rank's
+/// rows go into `grads` and d_in... (as multihead_gradients.hpp's prefill_backward_into) and,
+/// for every sequence b and state head h, the gradient with respect to the state this rank's
+/// slice starts from into initial_gradients.head(b, h) (on rank 0: the batch's initial states).
+/// `state` (the states before the sequence) is read on rank 0, `final_gradients` (null: zero)
+/// on the last rank; other ranks pass the layer's make_state(B) and null. Math: per query head,
+/// the single-head distributed backward above; the G heads of a group add their shares of the
+/// key/value head's gradients (and of a shared state's: head 0 of the group carries the final
+/// gradient, by linearity) in head order, so the same P and slices give the same bits.
+/// Collective; the items run in one order on every rank (no executor: their collectives must
+/// match). Cost: B H_q single-head distributed backwards of T_p tokens.
+template <class Attention, class... Args>
+void prefill_backward_into(
+    MPI_Comm comm, const MultiHeadAttention<Attention>& layer,
+    const BatchState<typename Attention::State>& state,
+    std::type_identity_t<TensorView<const typename Attention::scalar_type>> Q,
+    std::type_identity_t<TensorView<const typename Attention::scalar_type>> K,
+    std::type_identity_t<TensorView<const typename Attention::scalar_type>> V, Args&&... args) {
+  using Scalar = typename Attention::scalar_type;
+  using Rule = typename Attention::rule_type;
+  namespace ld = linattn::detail;
+  constexpr std::size_t N = Rule::token_inputs;
+  static_assert(sizeof...(Args) == 2 * N + 4,
+                "mpi::prefill_backward_into takes comm, the layer, the state, Q, K, V, the rule's "
+                "per-token input views, dY, the final states' gradient (or nullptr), the "
+                "GradientViews, the per-token inputs' gradient views and the initial states' "
+                "gradient");
+  const auto all = std::forward_as_tuple(args...);
+  const auto inputs = ld::token_views<N, Scalar>(all);
+  const TensorView<const Scalar> dY = std::get<N>(all);
+  const BatchStateGradient<Scalar>* final_gradients = std::get<N + 1>(all);
+  const GradientViews<Scalar> grads = std::get<N + 2>(all);
+  const auto d_inputs = ld::views_at<N + 3, N, Scalar>(all);
+  BatchStateGradient<Scalar>& initial = std::get<2 * N + 3>(all);
+  int rank = 0, P = 1;
+  ld::check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  ld::check_mpi(MPI_Comm_size(comm, &P), "MPI_Comm_size");
+  // Every rank checks its views before any collective and the ranks agree on the outcome, so
+  // a view that does not fit on one rank makes every rank throw (naming that rank's shapes).
+  const HeadConfig& heads = layer.heads();
+  const Index r = layer.feature_dim();
+  ld::RankRecord mine;
+  try {
+    ld::check_views(heads, r, Q, K, V, dY, SequenceLayout::batch(), true);
+    for (std::size_t i = 0; i < N; ++i) {
+      ld::check_token_view(inputs[i], K, heads.kv_heads, r, Rule::kind == WriteKind::gated);
+      ld::check_gradient_view("of a per-token input", d_inputs[i], inputs[i]);
+    }
+    ld::check_gradient_view("dQ", grads.Q, Q);
+    ld::check_gradient_view("dK", grads.K, K);
+    ld::check_gradient_view("dV", grads.V, V);
+    ld::check_slots(state, layer, Q.batches(), {});
+    initial.check_like(state, "the initial states' gradient");
+    if (rank == P - 1 && final_gradients != nullptr)
+      final_gradients->check_like(state, "the final states' gradient");
+  } catch (...) {
+    ld::record_failure(mine);
+  }
+  if (auto failure = ld::first_failure(ld::gather_records(comm, mine, P))) detail::raise(*failure);
+  constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
+  const Index G = layer.group_size(), T = Q.times();
+  const auto& attn = layer.attention();
+  for (Index b = 0; b < Q.batches(); ++b)
+    for (Index g = 0; g < heads.kv_heads; ++g) {
+      const auto k = K.head_rows(b, g, 0, T);
+      const auto v = V.head_rows(b, g, 0, T);
+      const auto in = ld::rows_inputs(inputs, b, g, 0, T);
+      auto dK = grads.K.head_rows(b, g, 0, T);
+      auto dV = grads.V.head_rows(b, g, 0, T);
+      for (Index j = 0; j < G; ++j) {
+        const Index h = g * G + j, sh = shared ? g : h;
+        const StateGradient<Scalar>* fin =
+            rank == P - 1 && final_gradients != nullptr && (!shared || j == 0)
+                ? &final_gradients->head(b, sh)
+                : nullptr;
+        const auto& start = state.sequence(b).head(sh);
+        const auto q = Q.head_rows(b, h, 0, T);
+        const auto dy = dY.head_rows(b, h, 0, T);
+        const auto got = std::apply(
+            [&](const auto&... x) { return prefill_backward(comm, attn, start, q, k, v, x..., dy, fin); },
+            in);
+        grads.Q.head_rows(b, h, 0, T) = got.Q;
+        StateGradient<Scalar>& d0 = initial.head(b, sh);
+        if (j == 0 || !shared) {
+          d0.S = got.initial.S;
+          d0.z = got.initial.z;
+        } else {
+          d0.S += got.initial.S;
+          if (d0.z.size() > 0) d0.z += got.initial.z;
+        }
+        if (j == 0) {
+          dK = got.K;
+          dV = got.V;
+        } else {
+          dK += got.K;
+          dV += got.V;
+        }
+        if constexpr (N > 0) {
+          for (std::size_t i = 0; i < N; ++i) {
+            auto d_rows = d_inputs[i].head_rows(b, g, 0, T);
+            const auto share = ld::input_gradient<Rule>(got.inputs, i);
+            if (j == 0)
+              d_rows = share;
+            else
+              d_rows += share;
+          }
+        }
+      }
+    }
 }
 
 }  // namespace linattn::mpi

@@ -9,10 +9,13 @@
 #include <catch2/catch.hpp>
 
 #include <linattn/mpi_gradients.hpp>
+#include <linattn/multihead_gradients.hpp>
 
 #include "slice_reference.hpp"
 #include "test_support.hpp"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -249,4 +252,308 @@ TEST_CASE("sequence-parallel backward: bad input on one rank throws the same on 
   CHECK(same_on_every_rank(message));
   // And the next call works.
   CHECK_NOTHROW(call(d, n));
+}
+
+TEMPLATE_TEST_CASE("the rules' sequence-parallel backward equals the single-process backward on "
+                   "every slicing, the same bits when repeated",
+                   "[mpi][gradients][rules]", float, double) {
+  using Scalar = TestType;
+  const int rank = rank_of(), P = ranks_of();
+  const Index T = 29, dk = 4, dv = 3;
+  for_each_rule<Scalar>(T, dk, 5100, [&](const char* name, const auto& attn, auto, const MatrixXdR&,
+                                         const MatrixXdR&, const MatrixXdR&, const auto&... in) {
+    using Attention = std::decay_t<decltype(attn)>;
+    using Rule = typename Attention::rule_type;
+    if constexpr (Rule::kind != WriteKind::additive) {
+      INFO(name);
+      const auto qkv = random_qkv<Scalar>(T, dk, dv, 5200);
+      const RowMatrix<Scalar> dY = random_matrix<Scalar>(T, dv, 5203);
+      const Index r = attn.feature_dim(dk);
+      // A carried initial state and a final-state gradient, both non-zero.
+      auto start = attn.make_state(dk, dv);
+      const RowMatrix<Scalar> S0 = random_matrix<Scalar>(r, dv, 5204);
+      StateGradient<Scalar> final_gradient{random_matrix<Scalar>(r, dv, 5206), ColVector<Scalar>()};
+      if constexpr (Rule::keeps_normalizer) {
+        start.assign(S0, uniform_matrix<Scalar>(r, 1, 5205, 0.5, 1.5).col(0), 7);
+        final_gradient.z = random_matrix<Scalar>(r, 1, 5207).col(0);
+      } else {
+        start.assign(S0, 7);
+      }
+      const auto whole = linattn::prefill_backward(attn, start, qkv.Q, qkv.K, qkv.V, in..., dY,
+                                                   &final_gradient);
+      // The distributed backward computes the same sums associated differently (the carried
+      // state through the slices' summaries, the state gradient through A^T and the slices'
+      // local parts, the chunks restarted at slice boundaries). Every gradient entry is a sum
+      // of at most T + C + r + dv products (tokens, one chunk, the r- and dv-long dot
+      // products), so regrouping it moves it by at most 2 (T + C + r + dv) u times the
+      // magnitude sum of its terms; each term is at most one token's share, and the magnitude
+      // sum is bounded by T times the largest |entry| of that gradient (plus 1 for gradients
+      // near 0). C = the attention's chunk.
+      const double C = double(attn.chunk_size(r, dv));
+      const double allowed = 2.0 * (double(T) + C + double(r) + double(dv)) * double(T) *
+                             unit_roundoff<Scalar>();
+      const auto near = [&](const auto& got, const auto& expected) {
+        if (got.rows() != expected.rows() || got.cols() != expected.cols()) return false;
+        if (got.size() == 0) return true;
+        const double scale = 1.0 + double(expected.cwiseAbs().maxCoeff());
+        return double((got - expected).cwiseAbs().maxCoeff()) <= allowed * scale;
+      };
+      for (const auto& lengths : slicings(T, P)) {
+        Index first = 0;
+        for (int p = 0; p < rank; ++p) first += lengths[std::size_t(p)];
+        const Index n = lengths[std::size_t(rank)];
+        INFO("rank " << rank << " of " << P << ", rows " << first << " + " << n);
+        const auto mine = [&] {
+          return mpi::prefill_backward(MPI_COMM_WORLD, attn, rank == 0 ? start : attn.make_state(dk, dv),
+                                       qkv.Q.middleRows(first, n), qkv.K.middleRows(first, n),
+                                       qkv.V.middleRows(first, n), in.middleRows(first, n)...,
+                                       dY.middleRows(first, n),
+                                       rank == P - 1 ? &final_gradient : nullptr);
+        };
+        const RuleGradients<Scalar> got = mine();
+        CHECK(near(got.Q, whole.Q.middleRows(first, n)));
+        CHECK(near(got.K, whole.K.middleRows(first, n)));
+        CHECK(near(got.V, whole.V.middleRows(first, n)));
+        if (whole.inputs.log_gate.size() > 0)
+          CHECK(near(got.inputs.log_gate, whole.inputs.log_gate.middleRows(first, n)));
+        if (whole.inputs.beta.size() > 0) CHECK(near(got.inputs.beta, whole.inputs.beta.segment(first, n)));
+        if (whole.inputs.log_alpha.size() > 0)
+          CHECK(near(got.inputs.log_alpha, whole.inputs.log_alpha.segment(first, n)));
+        if (rank == 0) {
+          CHECK(near(got.initial.S, whole.initial.S));
+          CHECK(near(got.initial.z, whole.initial.z));
+        }
+        // Same P and slices: the same bits.
+        const RuleGradients<Scalar> again = mine();
+        CHECK(again.Q == got.Q);
+        CHECK(again.K == got.K);
+        CHECK(again.V == got.V);
+        CHECK(again.inputs.log_gate == got.inputs.log_gate);
+        CHECK(again.inputs.beta == got.inputs.beta);
+        CHECK(again.inputs.log_alpha == got.inputs.log_alpha);
+        CHECK(again.initial.S == got.initial.S);
+        CHECK(again.initial.z == got.initial.z);
+      }
+    }
+  });
+}
+
+namespace {
+
+template <class View>
+View token_rows(const View& full, Index t0, Index n) {
+  return View(full.data() + t0 * full.strides()[1], {full.batches(), n, full.heads(), full.dim()},
+              full.strides());
+}
+
+// The layer's distributed backward against the single-process layer backward
+// (multihead_gradients.hpp) over the whole sequence, for attention `attn` whose per-token
+// inputs are drawn from `specs` ({channels, lo, hi} per input).
+template <class Attention, std::size_t N>
+void check_layer(const Attention& attn, const std::array<std::array<double, 3>, N>& specs) {
+  using Scalar = typename Attention::scalar_type;
+  const int rank = rank_of(), P = ranks_of();
+  const Index B = 2, T = 17, Hq = 4, Hkv = 2, dk = 4, dv = 3;
+  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, attn);
+  const auto buffer = [](Index n, std::uint64_t seed) {
+    const RowMatrix<Scalar> m = random_matrix<Scalar>(1, n, seed);
+    return std::vector<Scalar>(m.data(), m.data() + n);
+  };
+  const std::vector<Scalar> Qb = buffer(B * T * Hq * dk, 6001), Kb = buffer(B * T * Hkv * dk, 6002),
+                            Vb = buffer(B * T * Hkv * dv, 6003), dYb = buffer(B * T * Hq * dv, 6004);
+  std::array<std::vector<Scalar>, N> inb;
+  std::array<TensorView<const Scalar>, N> in;
+  for (std::size_t i = 0; i < N; ++i) {
+    const Index c = Index(specs[i][0]);
+    const RowMatrix<Scalar> m = uniform_matrix<Scalar>(1, B * T * Hkv * c, 6010 + i, specs[i][1], specs[i][2]);
+    inb[i].assign(m.data(), m.data() + m.size());
+    in[i] = TensorView<const Scalar>::batch_first(inb[i].data(), B, T, Hkv, c);
+  }
+  const auto Q = TensorView<const Scalar>::batch_first(Qb.data(), B, T, Hq, dk);
+  const auto K = TensorView<const Scalar>::batch_first(Kb.data(), B, T, Hkv, dk);
+  const auto V = TensorView<const Scalar>::batch_first(Vb.data(), B, T, Hkv, dv);
+  const auto dY = TensorView<const Scalar>::batch_first(dYb.data(), B, T, Hq, dv);
+  auto state = layer.make_state(B);
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < state.heads(); ++h) {
+      const RowMatrix<Scalar> S = random_matrix<Scalar>(layer.feature_dim(), dv, std::uint64_t(6100 + 10 * b + h));
+      if constexpr (Attention::rule_type::keeps_normalizer)
+        state.sequence(b).head(h).assign(S, uniform_matrix<Scalar>(layer.feature_dim(), 1, 6200, 0.5, 1.5).col(0));
+      else
+        state.sequence(b).head(h).assign(S);
+    }
+  BatchStateGradient<Scalar> fin(state), whole_initial(state), initial(state);
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < state.heads(); ++h) {
+      fin.head(b, h).S = random_matrix<Scalar>(layer.feature_dim(), dv, std::uint64_t(6300 + 10 * b + h));
+      if (fin.head(b, h).z.size() > 0)
+        fin.head(b, h).z = random_matrix<Scalar>(layer.feature_dim(), 1, std::uint64_t(6400 + 10 * b + h)).col(0);
+    }
+  // Gradient buffers: the whole sequence's (reference) and the distributed ones.
+  struct Grads {
+    std::vector<Scalar> Q, K, V;
+    std::array<std::vector<Scalar>, N> in;
+  };
+  const auto make = [&] {
+    Grads g{std::vector<Scalar>(Qb.size()), std::vector<Scalar>(Kb.size()), std::vector<Scalar>(Vb.size()), {}};
+    for (std::size_t i = 0; i < N; ++i) g.in[i].assign(inb[i].size(), Scalar(0));
+    return g;
+  };
+  const auto views = [&](Grads& g, Index t0, Index n) {
+    GradientViews<Scalar> v{token_rows(TensorView<Scalar>::batch_first(g.Q.data(), B, T, Hq, dk), t0, n),
+                            token_rows(TensorView<Scalar>::batch_first(g.K.data(), B, T, Hkv, dk), t0, n),
+                            token_rows(TensorView<Scalar>::batch_first(g.V.data(), B, T, Hkv, dv), t0, n)};
+    std::array<TensorView<Scalar>, N> d;
+    for (std::size_t i = 0; i < N; ++i)
+      d[i] = token_rows(TensorView<Scalar>::batch_first(g.in[i].data(), B, T, Hkv, in[i].dim()), t0, n);
+    return std::make_pair(v, d);
+  };
+  Grads whole = make();
+  {
+    const auto vd = views(whole, 0, T);
+    const auto& gv = vd.first;
+    const auto& d = vd.second;
+    std::apply([&](const auto&... x) {
+      std::apply([&](const auto&... dx) {
+        linattn::prefill_backward_into(layer, state, Q, K, V, x..., dY, &fin, gv, dx..., whole_initial);
+      }, d);
+    }, in);
+  }
+  // Bound as in the single-head test above: 2 (T + C + r + dv) u times T times the largest
+  // |entry| of each gradient (plus 1), from regrouping sums of at most T + C + r + dv terms.
+  const double C = double(attn.chunk_size(layer.feature_dim(), dv));
+  const double allowed = 2.0 * (double(T) + C + double(layer.feature_dim()) + double(dv)) *
+                         double(T) * unit_roundoff<Scalar>();
+  const auto near_rows = [&](const std::vector<Scalar>& got, const std::vector<Scalar>& ref, Index H,
+                             Index d, Index first, Index n) {
+    double scale = 0, worst = 0;
+    for (Scalar x : ref) scale = std::max(scale, double(std::abs(x)));
+    for (Index b = 0; b < B; ++b)
+      for (Index t = first; t < first + n; ++t)
+        for (Index h = 0; h < H; ++h)
+          for (Index c = 0; c < d; ++c) {
+            const std::size_t at = std::size_t(((b * T + t) * H + h) * d + c);
+            worst = std::max(worst, double(std::abs(got[at] - ref[at])));
+          }
+    return worst <= allowed * (1 + scale);
+  };
+  for (const auto& lengths : slicings(T, P)) {
+    Index first = 0;
+    for (int p = 0; p < rank; ++p) first += lengths[std::size_t(p)];
+    const Index n = lengths[std::size_t(rank)];
+    INFO("rank " << rank << " of " << P << ", rows " << first << " + " << n);
+    const auto run = [&](Grads& g) {
+      const auto vd = views(g, first, n);
+      const auto& gv = vd.first;
+      const auto& d = vd.second;
+      std::array<TensorView<const Scalar>, N> mine_in;
+      for (std::size_t i = 0; i < N; ++i) mine_in[i] = token_rows(in[i], first, n);
+      const auto other = layer.make_state(B);
+      std::apply([&](const auto&... x) {
+        std::apply([&](const auto&... dx) {
+          mpi::prefill_backward_into(MPI_COMM_WORLD, layer, rank == 0 ? state : other,
+                                     token_rows(Q, first, n), token_rows(K, first, n),
+                                     token_rows(V, first, n), x..., token_rows(dY, first, n),
+                                     rank == P - 1 ? &fin : nullptr, gv, dx..., initial);
+        }, d);
+      }, mine_in);
+    };
+    Grads got = make(), again = make();
+    run(got);
+    BatchStateGradient<Scalar> first_initial = initial;
+    run(again);
+    CHECK(near_rows(got.Q, whole.Q, Hq, dk, first, n));
+    CHECK(near_rows(got.K, whole.K, Hkv, dk, first, n));
+    CHECK(near_rows(got.V, whole.V, Hkv, dv, first, n));
+    for (std::size_t i = 0; i < N; ++i) CHECK(near_rows(got.in[i], whole.in[i], Hkv, in[i].dim(), first, n));
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < state.heads(); ++h) {
+        if (rank == 0) {
+          const auto& a = first_initial.head(b, h);
+          const auto& w = whole_initial.head(b, h);
+          CHECK(((a.S - w.S).cwiseAbs().array() <= allowed * (1 + double(w.S.cwiseAbs().maxCoeff()))).all());
+          if (w.z.size() > 0)
+            CHECK(((a.z - w.z).cwiseAbs().array() <= allowed * (1 + double(w.z.cwiseAbs().maxCoeff()))).all());
+        }
+        CHECK(initial.head(b, h).S == first_initial.head(b, h).S);
+        CHECK(initial.head(b, h).z == first_initial.head(b, h).z);
+      }
+    // Same P and slices: the same bits.
+    CHECK(again.Q == got.Q);
+    CHECK(again.K == got.K);
+    CHECK(again.V == got.V);
+    for (std::size_t i = 0; i < N; ++i) CHECK(again.in[i] == got.in[i]);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the layer's sequence-parallel backward equals the single-process layer backward",
+          "[mpi][gradients][multihead]") {
+  Options delta;
+  delta.normalization = Normalization::unnormalized();
+  SECTION("additive") { check_layer(LinearAttention<EluPlusOne, double>(), std::array<std::array<double, 3>, 0>{}); }
+  SECTION("gated, one gate per token") {
+    check_layer(RuleAttention<EluPlusOne, Gated, double>(), std::array<std::array<double, 3>, 1>{{{1, -0.3, -0.01}}});
+  }
+  SECTION("gated delta") {
+    check_layer(RuleAttention<L2Normalize, GatedDelta, double>(L2Normalize{}, delta),
+                std::array<std::array<double, 3>, 2>{{{1, 0.1, 0.9}, {1, -0.2, -0.01}}});
+  }
+  SECTION("decay, float") {
+    check_layer(RuleAttention<EluPlusOne, Decay, float>(EluPlusOne{}, Decay(0.9)), std::array<std::array<double, 3>, 0>{});
+  }
+}
+
+TEST_CASE("the rules' and the layer's sequence-parallel backward: bad input on one rank throws "
+          "the same on every rank",
+          "[mpi][gradients][rules]") {
+  const int rank = rank_of(), P = ranks_of();
+  const Index T = 24, d = 4, dv = 3, n = T / P;
+  Options options;
+  options.normalization = Normalization::unnormalized();
+  const RuleAttention<L2Normalize, Delta, double> attn(L2Normalize{}, options);
+  const auto qkv = random_qkv<double>(T, d, dv, 4300);
+  const RowMatrix<double> dY = random_matrix<double>(T, dv, 4303);
+  const auto call = [&](Index beta_rows) {
+    const RowMatrix<double> beta = RowMatrix<double>::Constant(beta_rows, 1, 0.5);
+    static_cast<void>(mpi::prefill_backward(MPI_COMM_WORLD, attn, attn.make_state(d, dv),
+                                            qkv.Q.topRows(n), qkv.K.topRows(n), qkv.V.topRows(n),
+                                            beta, dY.topRows(n)));
+  };
+  // The last rank's beta has a row too few: ShapeError everywhere, naming that rank.
+  std::string message;
+  try {
+    call(rank == P - 1 ? n - 1 : n);
+  } catch (const ShapeError& e) {
+    message = e.what();
+  }
+  CHECK_THAT(message, Catch::Contains("rank " + std::to_string(P - 1)) && Catch::Contains("beta"));
+  CHECK(same_on_every_rank(message));
+  CHECK_NOTHROW(call(n));
+
+  // The layer: rank 1's dQ view has a head too few.
+  const MultiHeadAttention<RuleAttention<L2Normalize, Delta, double>> layer(HeadConfig{2, 1, d, dv}, attn);
+  std::vector<double> q(std::size_t(n * 2 * d), 0.1), k(std::size_t(n * d), 0.2), v(std::size_t(n * dv), 0.3),
+      dy(std::size_t(n * 2 * dv), 1.0), b(std::size_t(n), 0.5), dq(q.size()), dk(k.size()), dvv(v.size()),
+      db(b.size());
+  const auto state = layer.make_state(1);
+  BatchStateGradient<double> initial(state);
+  const GradientViews<double> grads{TensorView<double>::batch_first(dq.data(), 1, n, rank == 1 ? 1 : 2, d),
+                                    TensorView<double>::batch_first(dk.data(), 1, n, 1, d),
+                                    TensorView<double>::batch_first(dvv.data(), 1, n, 1, dv)};
+  message.clear();
+  try {
+    mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state,
+                               TensorView<const double>::batch_first(q.data(), 1, n, 2, d),
+                               TensorView<const double>::batch_first(k.data(), 1, n, 1, d),
+                               TensorView<const double>::batch_first(v.data(), 1, n, 1, dv),
+                               TensorView<const double>::batch_first(b.data(), 1, n, 1, 1),
+                               TensorView<const double>::batch_first(dy.data(), 1, n, 2, dv), nullptr,
+                               grads, TensorView<double>::batch_first(db.data(), 1, n, 1, 1), initial);
+  } catch (const ShapeError& e) {
+    message = e.what();
+  }
+  CHECK_THAT(message, Catch::Contains("rank 1") && Catch::Contains("dQ"));
+  CHECK(same_on_every_rank(message));
 }

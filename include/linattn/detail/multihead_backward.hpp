@@ -1,0 +1,145 @@
+#pragma once
+// The multi-head layer's backward, one work item (sequence, key/value head) at a time: the
+// single-head backward of every query head of the group on views of the buffers, the group's
+// shares of dK, dV, the per-token inputs' gradients and (shared states) the initial state's
+// gradient added in head order, so the bits do not depend on the thread that runs the item.
+
+#include <linattn/detail/multihead_views.hpp>
+#include <linattn/errors.hpp>
+#include <linattn/gradients.hpp>
+#include <linattn/rule_gradients.hpp>
+#include <linattn/tensor_view.hpp>
+#include <linattn/types.hpp>
+#include <linattn/write_rules.hpp>
+
+#include <Eigen/Core>
+
+#include <array>
+#include <cstddef>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace linattn::detail {
+
+/// Views I = Offset, ..., Offset + N - 1 of a call's arguments, as Element views.
+template <std::size_t Offset, std::size_t N, class Element, class Tuple>
+std::array<TensorView<Element>, N> views_at(const Tuple& all) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    return std::array<TensorView<Element>, N>{TensorView<Element>(std::get<Offset + I>(all))...};
+  }(std::make_index_sequence<N>{});
+}
+
+/// The gradient of per-token input i of `Rule` in a RuleInputGradients, as T x c.
+template <class Rule, class Scalar>
+Eigen::Map<const RowMatrix<Scalar>> input_gradient(const RuleInputGradients<Scalar>& d, std::size_t i) {
+  if constexpr (Rule::kind == WriteKind::gated) {
+    static_cast<void>(i);
+    return {d.log_gate.data(), d.log_gate.rows(), d.log_gate.cols()};
+  } else {
+    const ColVector<Scalar>& x = i == 0 ? d.beta : d.log_alpha;
+    return {x.data(), x.size(), 1};
+  }
+}
+
+/// The backward of one (sequence s, key/value head g) item. `state_of(j)` gives the initial
+/// head state query head j of the group read (null: stateless), `final_of(j)` the final-state
+/// gradient it carries back (null: none; given for one head of a shared state only) and
+/// `initial_of(j)` where its initial-state gradient goes (null: stateless); `shared` says the
+/// group's heads share one state, whose gradient is then summed in head order.
+template <class Attention, class MaskArg, class Inputs, class DInputs, class StateOf, class FinalOf,
+          class InitialOf>
+void backward_item(const Attention& attn, Index G, Index g, Index entry, Index first, Index q_len,
+                   Index k_len, const TensorView<const typename Attention::scalar_type>& Q,
+                   const TensorView<const typename Attention::scalar_type>& K,
+                   const TensorView<const typename Attention::scalar_type>& V, const Inputs& inputs,
+                   const MaskArg& mask, const TensorView<const typename Attention::scalar_type>& dY,
+                   const TensorView<typename Attention::scalar_type>& dQ,
+                   const TensorView<typename Attention::scalar_type>& dK,
+                   const TensorView<typename Attention::scalar_type>& dV, const DInputs& d_inputs,
+                   bool shared, const StateOf& state_of, const FinalOf& final_of,
+                   const InitialOf& initial_of) {
+  using Scalar = typename Attention::scalar_type;
+  using Rule = typename Attention::rule_type;
+  constexpr std::size_t N = Rule::token_inputs;
+  if (q_len == 0 || k_len == 0) {
+    // No query reads a key: the rows' gradients are zero and a carried state's gradient is the
+    // final state's gradient passed through (no token changes the state).
+    zero_rows(dQ.slice(entry, first, q_len, g * G, G));
+    zero_rows(dK.slice(entry, first, k_len, g, 1));
+    zero_rows(dV.slice(entry, first, k_len, g, 1));
+    for (std::size_t i = 0; i < N; ++i) zero_rows(d_inputs[i].slice(entry, first, k_len, g, 1));
+    for (Index j = 0; j < (shared ? 1 : G); ++j) {
+      StateGradient<Scalar>* initial = initial_of(j);
+      if (initial == nullptr) continue;
+      if (const StateGradient<Scalar>* fin = final_of(j); fin != nullptr) {
+        initial->S = fin->S;
+        initial->z = fin->z;
+      } else {
+        initial->S.setZero();
+        initial->z.setZero();
+      }
+    }
+    return;
+  }
+  const auto k = K.head_rows(entry, g, first, k_len);
+  const auto v = V.head_rows(entry, g, first, k_len);
+  const auto in = rows_inputs(inputs, entry, g, first, k_len);
+  auto dk_rows = dK.head_rows(entry, g, first, k_len);
+  auto dv_rows = dV.head_rows(entry, g, first, k_len);
+  // The first query head writes the group's rows; the others go through buffers of their own,
+  // added in head order (a fixed order: the same bits on any thread).
+  RowMatrix<Scalar> dK_head, dV_head;
+  if (G > 1) {
+    dK_head.resize(k_len, K.dim());
+    dV_head.resize(k_len, V.dim());
+  }
+  RuleInputGradients<Scalar> d_in_head;
+  StateGradient<Scalar> d0_head;
+  for (Index j = 0; j < G; ++j) {
+    const Index h = g * G + j;
+    const auto q = Q.head_rows(entry, h, first, q_len);
+    const auto dy = dY.head_rows(entry, h, first, q_len);
+    auto dq_rows = dQ.head_rows(entry, h, first, q_len);
+    GradientsRef<Scalar> out = j == 0 ? GradientsRef<Scalar>{dq_rows, dk_rows, dv_rows}
+                                      : GradientsRef<Scalar>{dq_rows, dK_head, dV_head};
+    const auto* state = state_of(j);
+    // A shared state's gradient: the first head writes it, the others add theirs.
+    StateGradient<Scalar>* initial = initial_of(j);
+    const bool add_initial = shared && j > 0 && initial != nullptr;
+    StateGradient<Scalar>& d0 = add_initial || initial == nullptr ? d0_head : *initial;
+    std::apply(
+        [&](const auto&... x) {
+          if constexpr (Rule::kind == WriteKind::additive) {
+            if (state == nullptr)
+              parallel_backward_into(attn, q, k, v, linattn::Mask(mask), dy, out);
+            else
+              prefill_backward_into(attn, *state, q, k, v, dy, final_of(j), out, d0);
+          } else {
+            if (state == nullptr)
+              parallel_backward_into(attn, q, k, v, x..., linattn::Mask::causal, dy, out, d_in_head);
+            else
+              prefill_backward_into(attn, *state, q, k, v, x..., dy, final_of(j), out, d_in_head,
+                                    d0);
+          }
+        },
+        in);
+    if (j > 0) {
+      dk_rows += dK_head;
+      dv_rows += dV_head;
+    }
+    if (add_initial) {
+      initial->S += d0_head.S;
+      if (initial->z.size() > 0) initial->z += d0_head.z;
+    }
+    for (std::size_t i = 0; i < N; ++i) {
+      auto d_rows = d_inputs[i].head_rows(entry, g, first, k_len);
+      if (j == 0)
+        d_rows = input_gradient<Rule>(d_in_head, i);
+      else
+        d_rows += input_gradient<Rule>(d_in_head, i);
+    }
+  }
+}
+
+}  // namespace linattn::detail
