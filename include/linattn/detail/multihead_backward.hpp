@@ -87,13 +87,11 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
   const auto in = rows_inputs(inputs, entry, g, first, k_len);
   auto dk_rows = dK.head_rows(entry, g, first, k_len);
   auto dv_rows = dV.head_rows(entry, g, first, k_len);
-  // The first query head writes the group's rows; the others go through buffers of their own,
-  // added in head order (a fixed order: the same bits on any thread).
-  RowMatrix<Scalar> dK_head, dV_head;
-  if (G > 1) {
-    dK_head.resize(k_len, K.dim());
-    dV_head.resize(k_len, V.dim());
-  }
+  // Every query head's gradients go through contiguous buffers of their own, copied (first
+  // head) or added (the others, in head order: the same bits on any thread) into the model's
+  // rows: Eigen's products round differently into a strided destination on some instruction
+  // sets, and a head's gradients must not depend on the buffers' layout.
+  RowMatrix<Scalar> dQ_head(q_len, Q.dim()), dK_head(k_len, K.dim()), dV_head(k_len, V.dim());
   RuleInputGradients<Scalar> d_in_head;
   StateGradient<Scalar> d0_head;
   for (Index j = 0; j < G; ++j) {
@@ -101,8 +99,7 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
     const auto q = Q.head_rows(entry, h, first, q_len);
     const auto dy = dY.head_rows(entry, h, first, q_len);
     auto dq_rows = dQ.head_rows(entry, h, first, q_len);
-    GradientsRef<Scalar> out = j == 0 ? GradientsRef<Scalar>{dq_rows, dk_rows, dv_rows}
-                                      : GradientsRef<Scalar>{dq_rows, dK_head, dV_head};
+    GradientsRef<Scalar> out{dQ_head, dK_head, dV_head};
     const auto* state = state_of(j);
     // A shared state's gradient: the first head writes it, the others add theirs.
     StateGradient<Scalar>* initial = initial_of(j);
@@ -124,7 +121,11 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
           }
         },
         in);
-    if (j > 0) {
+    dq_rows = dQ_head;
+    if (j == 0) {
+      dk_rows = dK_head;
+      dv_rows = dV_head;
+    } else {
       dk_rows += dK_head;
       dv_rows += dV_head;
     }
