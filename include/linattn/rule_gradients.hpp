@@ -15,7 +15,7 @@
 /// State gradient (StateGradient): S (r x dv) and, for Decay and Gated, z (length r); delta
 ///   rules keep no z (their StateGradient::z is empty).
 ///
-/// Math (plain text; detail/rule_backward.hpp has the derivations):
+/// Math (plain text; detail/gated_backward.hpp and detail/delta_backward.hpp have the derivations):
 ///   Decay / Gated: with B_t = sum_{s<=t} log g_s (per channel), the read is
 ///     [num_i, den_i] = sum_{j<=i} (q_i .* exp(B_i - B_j)) . k_j [v_j, 1] + (q_i .* exp(B_i))^T [S0, z0]
 ///   and the normalized output num / den gets its gradient by the quotient rule as in
