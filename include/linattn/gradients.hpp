@@ -134,6 +134,21 @@ void check_gradient_outputs(const GradientsRef<Scalar>& out, Index Tq, Index Tk,
                       " and ", Tk, "x", dv);
 }
 
+// A final state's gradient, where given, fits the state: S r x dv, z of length r for a rule
+// that keeps the normalizer and empty for one that does not (the delta rules, whose initial
+// gradient's z is empty too, so segment s's `initial` is segment s + 1's final gradient).
+template <class Scalar>
+void check_final_gradient(const StateGradient<Scalar>* final_gradient, Index r, Index dv,
+                          bool keeps_normalizer = true) {
+  if (final_gradient == nullptr) return;
+  const Index z_length = keeps_normalizer ? r : 0;
+  if (final_gradient->S.rows() != r || final_gradient->S.cols() != dv ||
+      final_gradient->z.size() != z_length)
+    throw_shape_error("final state gradient has S ", shape_of(final_gradient->S),
+                      " and z of length ", final_gradient->z.size(), ", expected S ", r, "x", dv,
+                      " and z of length ", z_length);
+}
+
 }  // namespace detail
 
 /// parallel_backward() writing dQ, dK, dV into `out` (see GradientsRef); with Mask::causal the
@@ -206,12 +221,7 @@ void prefill_backward_into(const LinearAttention<Phi, Scalar>& attn,
   detail::check_gradient_outputs(out, Q.rows(), K.rows(), dk, dv);
   initial_state.check_shape(r, dk, dv);
   initial_state.check_identity(attn.state_identity());
-  if (final_gradient != nullptr &&
-      (final_gradient->S.rows() != r || final_gradient->S.cols() != dv ||
-       final_gradient->z.size() != r))
-    detail::throw_shape_error("final state gradient has S ", detail::shape_of(final_gradient->S),
-                              " and z of length ", final_gradient->z.size(), ", expected S ", r,
-                              "x", dv, " and z of length ", r);
+  detail::check_final_gradient(final_gradient, r, dv);
   detail::causal_backward<Scalar>(
       phi, detail::materialize(Q), detail::materialize(K), detail::materialize(V),
       detail::materialize(dY), initial_state.S(), initial_state.z(), initial_state.log_scale(),

@@ -89,12 +89,7 @@ template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
       initial_state.check_identity(attn.state_identity());
       mine.initial_tokens = initial_state.tokens();
     }
-    if (rank == P - 1 && final_gradient != nullptr &&
-        (final_gradient->S.rows() != r || final_gradient->S.cols() != dv ||
-         final_gradient->z.size() != r))
-      ld::throw_shape_error("final state gradient has S ", ld::shape_of(final_gradient->S),
-                            " and z of length ", final_gradient->z.size(), ", expected S ", r,
-                            "x", dv, " and z of length ", r);
+    if (rank == P - 1) linattn::detail::check_final_gradient(final_gradient, r, dv);
   } catch (...) {
     ld::record_failure(mine);
   }

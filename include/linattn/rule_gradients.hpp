@@ -86,13 +86,7 @@ void rule_backward_bound(const RuleAttention<Phi, Rule, Scalar>& attn,
                          GradientsRef<Scalar> out, RuleInputGradients<Scalar>& d_in,
                          StateGradient<Scalar>& initial) {
   const Index T = Q.rows(), r = S0.rows(), dv = S0.cols();
-  if (final_gradient != nullptr &&
-      (final_gradient->S.rows() != r || final_gradient->S.cols() != dv ||
-       (Rule::keeps_normalizer && final_gradient->z.size() != r)))
-    throw_shape_error("final state gradient has S ", shape_of(final_gradient->S),
-                      " and z of length ", final_gradient->z.size(), ", expected S ", r, "x",
-                      dv, Rule::keeps_normalizer ? " and z of length " : "",
-                      Rule::keeps_normalizer ? r : 0);
+  check_final_gradient(final_gradient, r, dv, Rule::keeps_normalizer);
   const Index C = attn.chunk_size(r, dv);
   const RowMatrix<Scalar>* dS_T = final_gradient != nullptr ? &final_gradient->S : nullptr;
   if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta) {

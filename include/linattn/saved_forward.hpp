@@ -243,12 +243,7 @@ void prefill_backward_into(const LinearAttention<Phi, Scalar>& attn,
   const Index dk = K.cols(), dv = V.cols(), r = attn.feature_map().feature_dim(dk);
   detail::check_gradient_outputs(out, Q.rows(), K.rows(), dk, dv);
   detail::check_saved(attn, saved, Q, K, V);
-  if (final_gradient != nullptr &&
-      (final_gradient->S.rows() != r || final_gradient->S.cols() != dv ||
-       final_gradient->z.size() != r))
-    detail::throw_shape_error("final state gradient has S ", detail::shape_of(final_gradient->S),
-                              " and z of length ", final_gradient->z.size(), ", expected S ", r,
-                              "x", dv, " and z of length ", r);
+  detail::check_final_gradient(final_gradient, r, dv);
   detail::saved_causal_backward<Scalar>(
       attn.feature_map(), detail::materialize(Q), detail::materialize(K), detail::materialize(V),
       detail::materialize(dY), detail::SavedForwardAccess::data(saved), saved.chunk_size(),

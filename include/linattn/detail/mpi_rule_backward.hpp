@@ -89,12 +89,7 @@ RuleGradients<Scalar> mpi_rule_backward(MPI_Comm comm, const RuleAttention<Phi, 
       initial_state.check_identity(attn.state_identity());
       mine.initial_tokens = initial_state.tokens();
     }
-    if (rank == P - 1 && final_gradient != nullptr &&
-        (final_gradient->S.rows() != r || final_gradient->S.cols() != dv ||
-         final_gradient->z.size() != (Rule::keeps_normalizer ? r : 0)))
-      throw_shape_error("final state gradient has S ", shape_of(final_gradient->S),
-                        " and z of length ", final_gradient->z.size(), ", expected S ", r, "x",
-                        dv, " and z of length ", Rule::keeps_normalizer ? r : 0);
+    if (rank == P - 1) check_final_gradient(final_gradient, r, dv, Rule::keeps_normalizer);
   } catch (...) {
     record_failure(mine);
   }
