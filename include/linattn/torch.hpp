@@ -47,6 +47,28 @@
 
 #include <optional>
 
+namespace linattn::detail::torch_bridge {
+
+// f.template operator()<op, Compute>() for the op and compute type known only at run time (the
+// one switch over the ops, shared by run and backward).
+template <class F>
+auto dispatch(fla::Op op, bool compute_double, F&& f) {
+  auto typed = [&]<fla::Op kOp>() {
+    return compute_double ? f.template operator()<kOp, double>()
+                          : f.template operator()<kOp, float>();
+  };
+  switch (op) {
+    case fla::Op::linear_attn: return typed.template operator()<fla::Op::linear_attn>();
+    case fla::Op::simple_gla: return typed.template operator()<fla::Op::simple_gla>();
+    case fla::Op::gla: return typed.template operator()<fla::Op::gla>();
+    case fla::Op::delta_rule: return typed.template operator()<fla::Op::delta_rule>();
+    case fla::Op::gated_delta_rule: return typed.template operator()<fla::Op::gated_delta_rule>();
+  }
+  TORCH_CHECK(false, "linattn: unknown op");
+}
+
+}  // namespace linattn::detail::torch_bridge
+
 namespace linattn::fla {
 
 /// Runs `op` forward: the output o (q's dtype, q's layout) and, when settings ask for it, the
@@ -54,17 +76,8 @@ namespace linattn::fla {
 [[nodiscard]] inline Result run(Op op, const Inputs& inputs, const Settings& settings) {
   namespace tb = detail::torch_bridge;
   const tb::Prepared p = tb::prepare(op, inputs, settings);
-  auto dispatch = [&]<Op kOp>() {
-    return p.compute_double ? tb::forward<kOp, double>(p, settings) : tb::forward<kOp, float>(p, settings);
-  };
-  switch (op) {
-    case Op::linear_attn: return dispatch.template operator()<Op::linear_attn>();
-    case Op::simple_gla: return dispatch.template operator()<Op::simple_gla>();
-    case Op::gla: return dispatch.template operator()<Op::gla>();
-    case Op::delta_rule: return dispatch.template operator()<Op::delta_rule>();
-    case Op::gated_delta_rule: return dispatch.template operator()<Op::gated_delta_rule>();
-  }
-  TORCH_CHECK(false, "linattn: unknown op");
+  return tb::dispatch(op, p.compute_double,
+                  [&]<Op kOp, class Compute>() { return tb::forward<kOp, Compute>(p, settings); });
 }
 
 /// Gradients of run(op, inputs, settings) given the output gradient d_o (o's shape, any
@@ -90,18 +103,9 @@ namespace linattn::fla {
                                                     {p.N, 1, p.H, p.K});
   TORCH_CHECK_VALUE(!dzt.defined() || settings.normalize,
                     "linattn: a final z gradient is for linear_attn with normalize=True only");
-  auto dispatch = [&]<Op kOp>() {
-    return p.compute_double ? tb::backward<kOp, double>(p, settings, d_o, dht, dzt)
-                            : tb::backward<kOp, float>(p, settings, d_o, dht, dzt);
-  };
-  switch (op) {
-    case Op::linear_attn: return dispatch.template operator()<Op::linear_attn>();
-    case Op::simple_gla: return dispatch.template operator()<Op::simple_gla>();
-    case Op::gla: return dispatch.template operator()<Op::gla>();
-    case Op::delta_rule: return dispatch.template operator()<Op::delta_rule>();
-    case Op::gated_delta_rule: return dispatch.template operator()<Op::gated_delta_rule>();
-  }
-  TORCH_CHECK(false, "linattn: unknown op");
+  return tb::dispatch(op, p.compute_double, [&]<Op kOp, class Compute>() {
+    return tb::backward<kOp, Compute>(p, settings, d_o, dht, dzt);
+  });
 }
 
 /// backward(Op::linear_attn, ...): kept for code written before every op had gradients.

@@ -16,57 +16,19 @@ the errors of the backward.
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import linattn.torch as lt
 from linattn.torch import _ext
+from ops_support import DELTA, OPS, RULES, call, random_inputs
 
 torch.set_num_threads(2)
 
 U64, U32 = 2.0 ** -53, 2.0 ** -24
-DELTA = {"delta_rule", "gated_delta_rule"}
-RULES = ["linear_attn", "simple_gla", "gla", "delta_rule", "gated_delta_rule"]
-CHUNK = {"linear_attn": lt.chunk_linear_attn, "simple_gla": lt.chunk_simple_gla,
-         "gla": lt.chunk_gla, "delta_rule": lt.chunk_delta_rule,
-         "gated_delta_rule": lt.chunk_gated_delta_rule}
-RECURRENT = {"linear_attn": lt.fused_recurrent_linear_attn,
-             "simple_gla": lt.fused_recurrent_simple_gla, "gla": lt.fused_recurrent_gla,
-             "delta_rule": lt.fused_recurrent_delta_rule,
-             "gated_delta_rule": lt.fused_recurrent_gated_delta_rule}
-OPS = [(r, kind) for r in RULES for kind in ("chunk", "recurrent")]
-
-
-def call(rule, kind, q, k, v, g, beta, **kw):
-    """The op of (rule, kind) with fla's positional arguments; returns (o, final_state)."""
-    fn = (CHUNK if kind == "chunk" else RECURRENT)[rule]
-    if rule == "linear_attn":
-        return fn(q, k, v, normalize=False, **kw)
-    if rule == "simple_gla":
-        return fn(q, k, v, g, **kw)
-    if rule == "gla":
-        return fn(q, k, v, g, **kw) if kind == "chunk" else fn(q, k, v, gk=g, **kw)
-    if rule == "delta_rule":
-        return fn(q, k, v, beta, **kw)
-    return fn(q, k, v, g, beta, **kw)
 
 
 def make_inputs(rule, Bn, Tn, H, K, V, seed, dtype=torch.float64):
-    """q, k, v, g, beta (None where the rule takes none), h0, logical [B, T, H, D] layout.
-    Delta rules get unit keys (their write is then a contraction, as fla's users have it)."""
-    gen = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    q, k, v = rnd(Bn, Tn, H, K), rnd(Bn, Tn, H, K), rnd(Bn, Tn, H, V)
-    g = beta = None
-    if rule in DELTA:
-        k = F.normalize(k, dim=-1)
-        beta = torch.sigmoid(rnd(Bn, Tn, H))
-    if rule in ("simple_gla", "gated_delta_rule"):
-        g = F.logsigmoid(rnd(Bn, Tn, H) + 2)
-    elif rule == "gla":
-        g = F.logsigmoid(rnd(Bn, Tn, H, K) + 2)
-    h0 = 0.5 * rnd(Bn, H, K, V)
-    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
-    return [cast(x) for x in (q, k, v, g, beta, h0)]
+    """q, k, v, g, beta, h0 (ops_support.random_inputs)."""
+    return random_inputs(rule, Bn, Tn, H, K, V, seed, dtype)
 
 
 # ---- the reference: a differentiable float64 loop over tokens -------------------------------

@@ -6,13 +6,11 @@ final states; linear_attn's gradients go through torch.autograd.gradcheck in flo
 op's gradients: test_autograd.py); every bad input raises a Python exception with a message.
 """
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 import linattn.torch as lt
+from ops_support import CHUNK, DELTA, OPS, RULES, call, random_inputs
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -21,7 +19,6 @@ B, T, H, K, V = 2, 37, 3, 8, 5  # K != V; T not a multiple of the chunk size
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24}
 
 GATED = {"simple_gla", "gla", "gated_delta_rule"}
-DELTA = {"delta_rule", "gated_delta_rule"}
 
 
 # ---- the reference: one loop over tokens per sequence and head, float64 ---------------------
@@ -105,46 +102,9 @@ def tolerance(dtype, length, bound):
 # ---- inputs ---------------------------------------------------------------------------------
 
 def make_inputs(rule, dtype=torch.float64, Bn=B, Tn=T, l2norm=False, positive=False):
-    gen = torch.Generator().manual_seed(hash(rule) % 1000)
-    def rnd(*shape):
-        x = torch.randn(*shape, generator=gen, dtype=torch.float64)
-        return x.abs() if positive else x
-    q, k, v = rnd(Bn, Tn, H, K), rnd(Bn, Tn, H, K), rnd(Bn, Tn, H, V)
-    if rule in DELTA and not l2norm:
-        k = F.normalize(k, dim=-1)  # unit keys: the delta write is a contraction
-    g = beta = None
-    if rule in ("simple_gla", "gated_delta_rule"):
-        g = F.logsigmoid(rnd(Bn, Tn, H) + 2)
-    elif rule == "gla":
-        g = F.logsigmoid(rnd(Bn, Tn, H, K) + 2)
-    if rule in DELTA:
-        beta = torch.sigmoid(rnd(Bn, Tn, H))
-    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
-    return cast(q), cast(k), cast(v), cast(g), cast(beta)
-
-
-CHUNK = {"linear_attn": lt.chunk_linear_attn, "simple_gla": lt.chunk_simple_gla,
-         "gla": lt.chunk_gla, "delta_rule": lt.chunk_delta_rule,
-         "gated_delta_rule": lt.chunk_gated_delta_rule}
-RECURRENT = {"linear_attn": lt.fused_recurrent_linear_attn,
-             "simple_gla": lt.fused_recurrent_simple_gla, "gla": lt.fused_recurrent_gla,
-             "delta_rule": lt.fused_recurrent_delta_rule,
-             "gated_delta_rule": lt.fused_recurrent_gated_delta_rule}
-OPS = [(r, "chunk") for r in CHUNK] + [(r, "recurrent") for r in RECURRENT]
-
-
-def call(rule, kind, q, k, v, g, beta, **kw):
-    fn = (CHUNK if kind == "chunk" else RECURRENT)[rule]
-    if rule == "linear_attn":
-        kw.setdefault("normalize", False)
-        return fn(q, k, v, **kw)
-    if rule in ("simple_gla",):
-        return fn(q, k, v, g, **kw)
-    if rule == "gla":
-        return fn(q, k, v, g, **kw) if kind == "chunk" else fn(q, k, v, gk=g, **kw)
-    if rule == "delta_rule":
-        return fn(q, k, v, beta, **kw)
-    return fn(q, k, v, g, beta, **kw)
+    """q, k, v, g, beta of ops_support.random_inputs, a fixed seed per rule."""
+    seed = 100 + RULES.index(rule)
+    return random_inputs(rule, Bn, Tn, H, K, V, seed, dtype, l2norm, positive)[:5]
 
 
 def assert_close_to(o, ref, bound, dtype, length, what):
