@@ -77,43 +77,14 @@ template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
     return records;
   };
 
-  // 1. Check this rank's inputs; agree on them and on the configuration.
-  ld::RankRecord mine;
-  ld::describe_attention(attn, dk, dv, mine.config);
-  mine.config.call = 3;
-  mine.tokens = T;
-  try {
-    ld::check_backward_shapes(Q, K, V, dY, Mask::causal);
-    if (rank == 0) {
-      initial_state.check_shape(r, dk, dv);
-      initial_state.check_identity(attn.state_identity());
-      mine.initial_tokens = initial_state.tokens();
-    }
-    if (rank == P - 1) linattn::detail::check_final_gradient(final_gradient, r, dv);
-  } catch (...) {
-    ld::record_failure(mine);
-  }
-  const auto records = agree(mine);
-  if (auto mismatch = ld::first_disagreement(records)) detail::raise(*mismatch);
-  Index offset = records[0].initial_tokens;
-  for (int q = 0; q < rank; ++q) offset += records[std::size_t(q)].tokens;
+  // 1, 2. Check this rank's inputs, agree, broadcast the initial state and the final gradient.
+  ld::BackwardStart<Scalar> begun = ld::start_backward<true>(
+      comm, rank, P, attn, initial_state, dk, dv, T, 3, final_gradient,
+      [&] { ld::check_backward_shapes(Q, K, V, dY, Mask::causal); });
+  const Index offset = begun.offset;
+  std::vector<Scalar>& initial = begun.initial;
+  std::vector<Scalar>& final_grad = begun.final_gradient;
   const int count = ld::mpi_count(m, "a state");
-
-  // 2. The initial state and the final-state gradient, each from its holder.
-  std::vector<Scalar> initial(static_cast<std::size_t>(m), Scalar(0)),
-      final_grad(static_cast<std::size_t>(m), Scalar(0));
-  if (rank == 0) {
-    Eigen::Map<RowMatrix<Scalar>>(initial.data(), r, dv) = initial_state.S();
-    Eigen::Map<ColVector<Scalar>>(initial.data() + r * dv, r) = initial_state.z();
-  }
-  if (rank == P - 1 && final_gradient != nullptr) {
-    Eigen::Map<RowMatrix<Scalar>>(final_grad.data(), r, dv) = final_gradient->S;
-    Eigen::Map<ColVector<Scalar>>(final_grad.data() + r * dv, r) = final_gradient->z;
-  }
-  ld::check_mpi(MPI_Bcast(initial.data(), count, ld::mpi_type<Scalar>(), 0, comm),
-                "MPI_Bcast (initial state)");
-  ld::check_mpi(MPI_Bcast(final_grad.data(), count, ld::mpi_type<Scalar>(), P - 1, comm),
-                "MPI_Bcast (final-state gradient)");
 
   // 3. The slices' sums, gathered; the carried state composed in rank order.
   const auto& Qm = ld::materialize(Q);

@@ -55,6 +55,76 @@ void rule_slice_summary(const RuleAttention<Phi, Rule, Scalar>& attn, const MQ& 
   }
 }
 
+/// What both sequence-parallel backwards (the additive one of mpi_gradients.hpp and
+/// mpi_rule_backward below) know after their first step, the same on every rank.
+template <class Scalar>
+struct BackwardStart {
+  std::vector<Index> lengths;          // every rank's slice length
+  Index offset = 0;                    // tokens before this rank's slice, the initial state's included
+  std::vector<Scalar> initial;         // S0 (r x dv, row-major), then z0 where the rule keeps it
+  std::vector<Scalar> final_gradient;  // dS_T, then dz_T likewise (zero where not given)
+};
+
+/// Step 1 of both backwards: check this rank's inputs (check_inputs() throws for its own; the
+/// initial state on rank 0 and the final state's gradient on the last rank are checked here),
+/// agree on them and on the configuration (every rank throws the same error otherwise), then
+/// broadcast the initial state from rank 0 and the final state's gradient from the last rank:
+/// 2 (r dv + r) scalars, or 2 r dv where the rule keeps no z. `call` tells the backwards apart
+/// in the configuration record.
+template <bool keeps_z, class Attention, class State, class Scalar, class CheckInputs>
+BackwardStart<Scalar> start_backward(MPI_Comm comm, int rank, int P, const Attention& attn,
+                                     const State& initial_state, Index dk, Index dv, Index T,
+                                     std::int32_t call,
+                                     const StateGradient<Scalar>* final_gradient,
+                                     CheckInputs&& check_inputs) {
+  const Index r = attn.feature_map().feature_dim(dk);
+  RankRecord mine;
+  describe_attention(attn, dk, dv, mine.config);
+  mine.config.call = call;
+  mine.tokens = T;
+  try {
+    check_inputs();
+    if (rank == 0) {
+      initial_state.check_shape(r, dk, dv);
+      initial_state.check_identity(attn.state_identity());
+      mine.initial_tokens = initial_state.tokens();
+    }
+    if (rank == P - 1) check_final_gradient(final_gradient, r, dv, keeps_z);
+  } catch (...) {
+    record_failure(mine);
+  }
+  const auto records = gather_records(comm, mine, P);
+  if (auto failure = first_failure(records)) mpi::detail::raise(*failure);
+  if (auto mismatch = first_disagreement(records)) mpi::detail::raise(*mismatch);
+
+  BackwardStart<Scalar> start;
+  start.lengths.assign(std::size_t(P), 0);
+  start.offset = records[0].initial_tokens;
+  for (int q = 0; q < P; ++q) {
+    start.lengths[std::size_t(q)] = records[std::size_t(q)].tokens;
+    if (q < rank) start.offset += start.lengths[std::size_t(q)];
+  }
+  const Index z_length = keeps_z ? r : 0, per_state = r * dv + z_length;
+  const int count = mpi_count(per_state, "a state");
+  start.initial.assign(std::size_t(per_state), Scalar(0));
+  start.final_gradient.assign(std::size_t(per_state), Scalar(0));
+  if (rank == 0) {
+    Eigen::Map<RowMatrix<Scalar>>(start.initial.data(), r, dv) = initial_state.S();
+    if constexpr (keeps_z)
+      Eigen::Map<ColVector<Scalar>>(start.initial.data() + r * dv, r) = initial_state.z();
+  }
+  if (rank == P - 1 && final_gradient != nullptr) {
+    Eigen::Map<RowMatrix<Scalar>>(start.final_gradient.data(), r, dv) = final_gradient->S;
+    Eigen::Map<ColVector<Scalar>>(start.final_gradient.data() + r * dv, z_length) =
+        final_gradient->z;
+  }
+  check_mpi(MPI_Bcast(start.initial.data(), count, mpi_type<Scalar>(), 0, comm),
+            "MPI_Bcast (initial state)");
+  check_mpi(MPI_Bcast(start.final_gradient.data(), count, mpi_type<Scalar>(), P - 1, comm),
+            "MPI_Bcast (final-state gradient)");
+  return start;
+}
+
 template <class Phi, class Rule, class Scalar, class MQ, class MK, class MV, class MY,
           class... In>
 RuleGradients<Scalar> mpi_rule_backward(MPI_Comm comm, const RuleAttention<Phi, Rule, Scalar>& attn,
@@ -74,54 +144,24 @@ RuleGradients<Scalar> mpi_rule_backward(MPI_Comm comm, const RuleAttention<Phi, 
     if (auto failure = first_failure(records)) mpi::detail::raise(*failure);
     return records;
   };
-
-  // 1. Check this rank's inputs; agree on them and on the configuration.
-  RankRecord mine;
-  describe_attention(attn, dk, dv, mine.config);
-  mine.config.call = 4;
-  mine.tokens = T;
   TokenInputs<Scalar> bound;
-  try {
-    check_backward_shapes(Q, K, V, dY, Mask::causal);
-    bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
-    if (rank == 0) {
-      initial_state.check_shape(r, dk, dv);
-      initial_state.check_identity(attn.state_identity());
-      mine.initial_tokens = initial_state.tokens();
-    }
-    if (rank == P - 1) check_final_gradient(final_gradient, r, dv, Rule::keeps_normalizer);
-  } catch (...) {
-    record_failure(mine);
-  }
-  const auto records = agree(mine);
-  if (auto mismatch = first_disagreement(records)) mpi::detail::raise(*mismatch);
-  std::vector<Index> lengths(std::size_t(P), 0);
-  Index offset = records[0].initial_tokens;
-  for (int q = 0; q < P; ++q) {
-    lengths[std::size_t(q)] = records[std::size_t(q)].tokens;
-    if (q < rank) offset += lengths[std::size_t(q)];
-  }
+  // 1. Check this rank's inputs, agree, broadcast the initial state and the final gradient.
+  BackwardStart<Scalar> begun = start_backward<Rule::keeps_normalizer>(
+      comm, rank, P, attn, initial_state, dk, dv, T, 4, final_gradient,
+      [&] {
+        check_backward_shapes(Q, K, V, dY, Mask::causal);
+        bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
+      });
+  const std::vector<Index>& lengths = begun.lengths;
+  const Index offset = begun.offset;
+  std::vector<Scalar>& initial = begun.initial;
+  std::vector<Scalar>& H = begun.final_gradient;
   const int state_count = mpi_count(per_state, "a state");
   const int summary_count = mpi_count(m, "a slice summary");
-
-  // The initial state and the final-state gradient, each from its holder.
-  std::vector<Scalar> initial(std::size_t(per_state), Scalar(0)), H(std::size_t(per_state), Scalar(0));
   const auto S_of = [&](std::vector<Scalar>& x) { return Eigen::Map<RowMatrix<Scalar>>(x.data(), r, dv); };
   const auto z_of = [&](std::vector<Scalar>& x) {
     return Eigen::Map<ColVector<Scalar>>(x.data() + r * dv, Rule::keeps_normalizer ? r : 0);
   };
-  if (rank == 0) {
-    S_of(initial) = initial_state.S();
-    if constexpr (Rule::keeps_normalizer) z_of(initial) = initial_state.z();
-  }
-  if (rank == P - 1 && final_gradient != nullptr) {
-    S_of(H) = final_gradient->S;
-    z_of(H) = final_gradient->z;
-  }
-  check_mpi(MPI_Bcast(initial.data(), state_count, mpi_type<Scalar>(), 0, comm),
-            "MPI_Bcast (initial state)");
-  check_mpi(MPI_Bcast(H.data(), state_count, mpi_type<Scalar>(), P - 1, comm),
-            "MPI_Bcast (final-state gradient)");
 
   // 2. The slices' summaries, gathered; the carried state composed in rank order.
   const auto& Qm = materialize(Q);
