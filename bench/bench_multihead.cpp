@@ -117,6 +117,30 @@ void BM_decode(benchmark::State& state) {
                                                   benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// The memory system's ceiling for a decode step: read and write, once, as many bytes as the
+// batch's states (B x kv states of d x (d + 1) floats), split over the pool's threads as the
+// layer splits a decode step (one item per sequence and state head). A decode step also does
+// 4 d^2 flops per state, so when this row's 2-thread speed-up is low, the decode's is bounded
+// by it: the states stream from a memory that two cores do not read twice as fast as one.
+void BM_state_stream(benchmark::State& state) {
+  const Index B = state.range(0), d = state.range(1);
+  const int threads = static_cast<int>(state.range(2));
+  const Index kv = state.range(3), items = B * kv, per_item = d * (d + 1);
+  auto states = random_buffer(items * per_item, 9);
+  linattn::ThreadPool pool(threads);
+  timed_loop(state, {2, B, d, 1, kv}, threads, [&] {
+    linattn::detail::parallel_for(items, &pool, 1e9, [&](Index item) {
+      float* s = states.data() + item * per_item;
+      for (Index i = 0; i < per_item; ++i) s[i] = s[i] * 0.999f + 1e-3f;
+    });
+    benchmark::DoNotOptimize(states.data());
+    benchmark::ClobberMemory();
+  });
+  state.counters["GB/s"] = benchmark::Counter(
+      2.0 * static_cast<double>(items * per_item) * sizeof(float) * 1e-9,
+      benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // The machine's ceiling for the same kind of work: one float GEMM (T x d) * (d x d).
 void BM_gemm_reference(benchmark::State& state) {
   const Index T = state.range(0), d = state.range(1);
@@ -167,5 +191,6 @@ void decode_args(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_gemm_reference)->Name("gemm_reference")->Args({4096, 128})->ArgNames({"T", "d"});
 BENCHMARK(BM_prefill)->Name("prefill")->Apply(prefill_args);
 BENCHMARK(BM_decode)->Name("decode")->Apply(decode_args);
+BENCHMARK(BM_state_stream)->Name("state_stream")->Apply(decode_args);
 BENCHMARK(BM_pool_overhead)->Name("pool_overhead")->Arg(1)->Arg(2)->ArgName("threads")->UseRealTime();
 BENCHMARK_MAIN();
