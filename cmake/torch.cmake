@@ -64,4 +64,6 @@ if(LINATTN_BUILD_TESTS)
     COMMAND "${Python3_EXECUTABLE}" "${PROJECT_SOURCE_DIR}/examples/torch/tiny_lm.py")
   set_tests_properties(torch.pytest example.torch_tiny_lm PROPERTIES
     ENVIRONMENT "PYTHONPATH=${LINATTN_PYTHON_DIR};OMP_NUM_THREADS=2" TIMEOUT 300)
+  # The longest test: started first by ctest -j, so that it does not run alone at the end.
+  set_tests_properties(torch.pytest PROPERTIES COST 200)
 endif()

@@ -20,7 +20,10 @@ if [ "${1:-}" = "--sanitize" ]; then
   # The examples, the headers-compile-alone check and the consumer builds are the g++ build's
   # (packaging, not code paths); here only the tests, to keep CI's time down (the sanitizers
   # are for the library's code, which the tests exercise).
-  flags=(-DCMAKE_BUILD_TYPE=Debug -DLINATTN_SANITIZE=ON -DLINATTN_TORCH=OFF
+  # Line tables instead of full debug info: the sanitizers' reports still name file and line,
+  # and the build compiles about a sixth faster (clang 14, -O0, measured on one test file).
+  flags=(-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-gline-tables-only
+         -DLINATTN_SANITIZE=ON -DLINATTN_TORCH=OFF
          -DLINATTN_BUILD_EXAMPLES=OFF -DLINATTN_CHECK_PACKAGING=OFF)
 else
   dir=build/test

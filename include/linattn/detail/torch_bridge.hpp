@@ -599,7 +599,7 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
         final_gradient.S = dht.defined() ? read_state<Scalar>(dht, n, h, false)
                                          : RowMatrix<Scalar>::Zero(p.K, p.V);
         final_gradient.z = dzt.defined() ? ColVector<Scalar>(read_state<Scalar>(dzt, n, h, true).transpose())
-                                         : ColVector<Scalar>::Zero(p.K);
+                                         : ColVector<Scalar>::Zero(Rule::keeps_normalizer ? p.K : 0);
       }
       const StateGradient<Scalar>* carried = has_final ? &final_gradient : nullptr;
       if (len > 0) {
