@@ -131,16 +131,28 @@ class GatedBackwardChunk {
     const auto dr = row_major_rows(dY, first, n, dy_copy_);
     dy_ = dr.first;
     ld_dy_ = dr.second;
-    for (Index c = 0; c < gc_; ++c) {
+    // B row by row (each channel's sum in token order), then the exponentials over whole
+    // contiguous blocks, so that every one takes Eigen's packet exp.
+    if (in.log_gate.empty()) {
       Scalar sum = 0;
-      for (Index i = 0; i < n; ++i)
-        log_cum_(i, c) = sum +=
-            in.log_gate.empty() ? in.constant_log_gate : in.log_gate(first + i, c);
+      for (Index i = 0; i < n; ++i) log_cum_(i, 0) = sum += in.constant_log_gate;
+    } else if (per_channel_) {
+      using GateRow = Eigen::Map<const RowVector<Scalar>>;
+      const auto gate_row = [&](Index i) {
+        return GateRow(in.log_gate.data + (first + i) * in.log_gate.row_stride, r_);
+      };
+      log_cum_.row(0) = gate_row(0);
+      for (Index i = 1; i < n; ++i) log_cum_.row(i) = log_cum_.row(i - 1) + gate_row(i);
+    } else {
+      Scalar sum = 0;
+      for (Index i = 0; i < n; ++i) log_cum_(i, 0) = sum += in.log_gate(first + i, 0);
     }
     const auto last = log_cum_.row(n - 1);
-    decay_end_ = last.array().exp();
-    qscale_.topRows(n) = log_cum_.topRows(n).array().exp();
-    kscale_.topRows(n) = (-(log_cum_.topRows(n).rowwise() - last)).array().exp();
+    for (Index i = 0; i < n; ++i) kscale_.row(i) = last - log_cum_.row(i);
+    exp_in_place(kscale_.data(), n * gc_);
+    qscale_.topRows(n) = log_cum_.topRows(n);
+    exp_in_place(qscale_.data(), n * gc_);
+    decay_end_ = qscale_.row(n - 1);
     if (per_channel_) {
       qhat_.topRows(n) = qf_.topRows(n).cwiseProduct(qscale_.topRows(n));
       khat_.topRows(n) = kf_.topRows(n).cwiseProduct(kscale_.topRows(n));
@@ -148,11 +160,13 @@ class GatedBackwardChunk {
         gates_from_logs(&in.log_gate.data[(first + i) * in.log_gate.row_stride], 1,
                         gates_.row(i).data(), r_);
     } else {
-      const auto B = log_cum_.col(0);
+      // W_ij = exp(B_i - B_j) for j <= i (the rest of each row, exp(0), is never read).
       for (Index i = 0; i < n; ++i) {
         qhat_.row(i) = qf_.row(i) * qscale_(i, 0);
-        weights_.row(i).head(i + 1) = (B(i) - B.head(i + 1).transpose().array()).exp();
+        for (Index j = 0; j < C_; ++j)
+          weights_(i, j) = j <= i ? log_cum_(i, 0) - log_cum_(j, 0) : Scalar(0);
       }
+      exp_in_place(weights_.data(), n * C_);
     }
     const Index np = padded(n);
     transpose_block(n, dv_, v_, ld_v_, v_t_.data(), P_);
@@ -282,6 +296,11 @@ class GatedBackwardChunk {
     const Index lanes = kernel_lanes<Scalar>();
     return (n + lanes - 1) / lanes * lanes;
   }
+  // x[0, n) = exp(x[0, n)) as one contiguous array (Eigen's packet exp for all but the tail).
+  static void exp_in_place(Scalar* x, Index n) {
+    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(x, n);
+    a = a.exp();
+  }
   Scalar* kw_t(Index I) noexcept { return kw_t_.data() + (I - 1) * r_ * P_; }
   Scalar* kw(Index I) noexcept { return kw_.data() + (I - 1) * C_ * r_; }
   Scalar* kw_scale(Index I) noexcept { return kw_scale_.data() + (I - 1) * C_ * r_; }
@@ -307,15 +326,14 @@ class GatedBackwardChunk {
       const Index i0 = I * sub, end = std::min(n, i0 + sub);
       if (I > 0) {
         const auto ref = log_cum_.row(i0 - 1);
-        for (Index i = i0; i < end; ++i) {
-          qt_scale_.row(i) = (log_cum_.row(i) - ref).array().exp();
-          qt_.row(i) = qf_.row(i).cwiseProduct(qt_scale_.row(i));
-        }
+        for (Index i = i0; i < end; ++i) qt_scale_.row(i) = log_cum_.row(i) - ref;
+        exp_in_place(qt_scale_.row(i0).data(), (end - i0) * r);
+        qt_.middleRows(i0, end - i0) =
+            qf_.middleRows(i0, end - i0).cwiseProduct(qt_scale_.middleRows(i0, end - i0));
         Eigen::Map<RowMatrix<Scalar>> ks(kw_scale(I), i0, r), kw_rows(kw(I), i0, r);
-        for (Index j = 0; j < i0; ++j) {
-          ks.row(j) = (ref - log_cum_.row(j)).array().exp();
-          kw_rows.row(j) = kf_.row(j).cwiseProduct(ks.row(j));
-        }
+        for (Index j = 0; j < i0; ++j) ks.row(j) = ref - log_cum_.row(j);
+        exp_in_place(ks.data(), i0 * r);
+        kw_rows = kf_.topRows(i0).cwiseProduct(ks);
         transpose_block(i0, r, kw(I), r, kw_t(I), P_);
         product<Scalar, false>(end - i0, i0, r, qt_.data() + i0 * r, r, kw_t(I), P_,
                                scores_.data() + i0 * P_, P_);
