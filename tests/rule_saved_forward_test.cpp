@@ -181,15 +181,17 @@ void run_bitwise(Gates gates, Index T, Index dk, Index dv, Index chunk, Normaliz
 }  // namespace
 
 TEST_CASE("saving forward: the forward's bits; backward from it: the recomputing backward's bits") {
-  // T = 1, T a multiple of the chunk, T not a multiple of it; the automatic chunk (32 at these
-  // sizes) and chunks of several per-channel sub-chunks (40, 64); value widths on the register
+  // T = 1, T a multiple of the chunk, T not a multiple of it; the automatic chunk (32 at d = 16;
+  // at d = 128 in float the forward's is 16 and the backward's 32, two forward chunks per saved
+  // state) and chunks of several per-channel sub-chunks (40, 64); value widths on the register
   // kernel (16) and off it (5); strict and unnormalized reads.
   struct Shape {
     Index T, dk, dv, chunk;
   };
   constexpr Shape shapes[] = {{1, 16, 16, kAuto},  {64, 16, 16, kAuto},
                               {77, 16, 16, kAuto}, {77, 8, 5, 40},
-                              {150, 16, 16, 64},            {45, 3, 2, 4}};
+                              {150, 16, 16, 64},            {45, 3, 2, 4},
+                              {70, 128, 128, kAuto}};
   for (const Shape s : shapes)
     for (const Gates g : {Gates::decay, Gates::scalar, Gates::channel})
       for (const bool strict : {true, false}) {
@@ -395,9 +397,11 @@ TEST_CASE("rule saved forward: errors") {
 
 TEST_CASE("rule saved forward: memory figures") {
   const RuleAttention<EluPlusOne, Gated, float> attn;
-  // r = dv = 128 in float: the automatic chunk is 16, ceil(8192 / 16) (128 * 128 + 128) floats.
+  // r = dv = 128 in float: the forward's automatic chunk is 16, the backward's 32, so the saved
+  // forward holds ceil(8192 / 32) (128 * 128 + 128) floats.
   CHECK(attn.chunk_size(128, 128) == 16);
-  CHECK(saved_forward_bytes(attn, 8192, 128, 128) == std::size_t{33816576});
+  CHECK(detail::backward_chunk_size(attn, 128, 128) == 32);
+  CHECK(saved_forward_bytes(attn, 8192, 128, 128) == std::size_t{16908288});
   CHECK(saved_forward_bytes(attn, 0, 128, 128) == 0);
   // The backward from saved states allocates nothing per token; the recomputing one 2 scalars.
   CHECK(saved_backward_bytes(attn, 8192, 64, 64) == saved_backward_bytes(attn, 65536, 64, 64));

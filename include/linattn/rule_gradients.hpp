@@ -107,10 +107,11 @@ void rule_backward_bound(const RuleAttention<Phi, Rule, Scalar>& attn,
       d_in.log_gate.resize(T, in.log_gate.cols);
       d_gate = d_in.log_gate.data();
     }
+    // Chunks of backward_chunk_size (32 rows under kAuto, a multiple of the forward's C).
     gated_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, z0, dS_T,
-                           final_gradient != nullptr ? &final_gradient->z : nullptr, C,
-                           attn.options().normalization, out.Q, out.K, out.V, d_gate, initial.S,
-                           initial.z);
+                           final_gradient != nullptr ? &final_gradient->z : nullptr,
+                           backward_chunk_size(attn, r, dv), C, attn.options().normalization,
+                           out.Q, out.K, out.V, d_gate, initial.S, initial.z);
   }
 }
 
@@ -299,7 +300,8 @@ template <class Phi, detail::GradientRule Rule, class Scalar>
   if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta)
     return detail::DeltaBackwardScratch<Scalar>::bytes_for(T, C, r, dv);
   else
-    return detail::gated_backward_bytes<Scalar>(T, C, r, dv, per_channel_gates, true);
+    return detail::gated_backward_bytes<Scalar>(T, detail::backward_chunk_size(attn, r, dv), C, r,
+                                                dv, per_channel_gates, true);
 }
 
 }  // namespace linattn

@@ -10,22 +10,23 @@
 ///   auto g = parallel_backward(gated, saved, Q, K, V, log_gates, Mask::causal, dY);
 ///
 /// The saving forward is the forward (detail::rule_chunked) with the state (S, z) copied out
-/// before every chunk of C = attn.chunk_size(r, dv) rows: its outputs and final state are the
+/// before every backward chunk of B rows (B = Options::chunk_size when set, else 32: a multiple
+/// of the forward's chunk C, detail::backward_chunk_size): its outputs and final state are the
 /// forward's bits. The backward from it is one reverse sweep over the chunks
 /// (detail::gated_backward_from): per chunk the read's share (dQ, the gate gradient's q .* dq)
 /// from the saved state, then the state gradient's (dK, dV, H). It runs the recomputing
 /// backward's chunk code on the states that one rebuilds with the forward's own chunk kernel,
 /// so the two agree bit for bit.
 ///
-/// Flops per token (r features, dv values, chunk C; c = 16 rows per sub-chunk for per-channel
-/// gates): forward 4 r dv + C (r + dv); recomputing backward about 10 r dv + C (5 r + 3 dv);
-/// backward from saved states about 8 r dv + C (3 r + 2 dv) (per-channel gates: + about 2 c r
+/// Flops per token (r features, dv values, chunks C and B; c = 16 rows per sub-chunk for
+/// per-channel gates): forward 4 r dv + C (r + dv); recomputing backward about 10 r dv +
+/// B (5 r + 3 dv); backward from saved states about 8 r dv + B (3 r + 2 dv) (per-channel gates: + about 2 c r
 /// in both backwards, c r in the forward), and one evaluation of the feature map and its
 /// derivative per input instead of two evaluations.
 ///
-/// Memory: SavedForward holds ceil(T / C) (r dv + r) scalars, i.e. (r dv + r) / C per token:
-/// 520 B per token at r = dv = 64 (C = 32) and 4,128 B at r = dv = 128 (C = 16) in float;
-/// T = 8,192 at d = 128 is 32 MiB. The backward allocates one chunk's scratch
+/// Memory: SavedForward holds ceil(T / B) (r dv + r) scalars, i.e. (r dv + r) / B per token:
+/// 520 B per token at r = dv = 64 and 2,064 B at r = dv = 128 in float with B = 32; T = 8,192
+/// at d = 128 is 16.1 MiB. The copy costs r (dv + 1) scalars of non-temporal stores per B rows. The backward allocates one chunk's scratch
 /// (saved_backward_bytes), nothing per token.
 ///
 /// The saved states belong to the inputs of the forward that filled them: the backward must
@@ -61,7 +62,7 @@ void check_rule_saved(const RuleAttention<Phi, Rule, Scalar>& attn,
                       const SavedForward<Scalar>& saved, const Eigen::MatrixBase<DQ>& Q,
                       const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V) {
   const Index dk = K.cols(), dv = V.cols(), r = attn.feature_map().feature_dim(dk);
-  const Index C = attn.chunk_size(r, dv);
+  const Index C = backward_chunk_size(attn, r, dv);
   if (saved.tokens() != Q.rows() || saved.key_dim() != dk || saved.value_dim() != dv ||
       saved.feature_dim() != r || (Q.rows() > 0 && saved.chunk_size() != C))
     throw_shape_error("the saved forward holds ", saved.tokens(), " tokens of key dim ",
@@ -90,9 +91,9 @@ void rule_saving_forward(const RuleAttention<Phi, Rule, Scalar>& attn,
   state.check_room(T);
   TokenInputs<Scalar> bound;
   bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
-  const Index C = attn.chunk_size(r, dv);
-  SavedForwardAccess::prepare(saved, T, C, r, dk, dv, false, attn.state_identity());
-  const SaveChunkStates<Scalar> save{SavedForwardAccess::data(saved), C};
+  const Index C = attn.chunk_size(r, dv), B = backward_chunk_size(attn, r, dv);
+  SavedForwardAccess::prepare(saved, T, B, r, dk, dv, false, attn.state_identity());
+  const SaveChunkStates<Scalar> save{SavedForwardAccess::data(saved), B};
   const auto& Qm = materialize(Q);
   const auto& Km = materialize(K);
   const auto& Vm = materialize(V);
@@ -132,15 +133,15 @@ void rule_saved_backward(const RuleAttention<Phi, Rule, Scalar>& attn,
       nullptr, nullptr, &SavedForwardAccess::data(saved), r,
       final_gradient != nullptr ? &final_gradient->S : nullptr,
       final_gradient != nullptr ? &final_gradient->z : nullptr, saved.chunk_size(),
-      attn.options().normalization, out.Q, out.K, out.V, d_gate, initial.S, initial.z);
+      attn.chunk_size(r, dv), attn.options().normalization, out.Q, out.K, out.V, d_gate, initial.S, initial.z);
 }
 
 }  // namespace detail
 
 /// prefill_saving_into(attn, state, Q, K, V, inputs..., out, saved): attn.prefill_into(state,
 /// Q, K, V, inputs..., out) (same bits in out and in the state afterwards), keeping the state
-/// before every chunk in `saved` (a SavedForward<Scalar>). Throws as prefill_into; `saved` is
-/// then left empty. Cost: the forward plus a copy of r (dv + 1) scalars per chunk; `saved` is
+/// before every backward chunk in `saved` (a SavedForward<Scalar>). Throws as prefill_into;
+/// `saved` is then left empty. Cost: the forward plus a copy of r (dv + 1) scalars per chunk; `saved` is
 /// resized (allocated) only when its size changes.
 template <class Phi, detail::SavedGatedRule Rule, class Scalar, class DQ, class DK, class DV,
           class... Args>
@@ -295,13 +296,14 @@ template <class Phi, detail::SavedGatedRule Rule, class Scalar, class DQ, class 
 }
 
 /// Bytes a SavedForward holds for T tokens of key dim dk and value dim dv under this rule
-/// attention: ceil(T / C) (r dv + r) scalars, C = attn.chunk_size(r, dv).
-/// r = dv = 128, float, T = 8,192: 33,816,576 (32 MiB; C = 16).
+/// attention: ceil(T / B) (r dv + r) scalars, B its backward chunk (32 under kAuto).
+/// r = dv = 128, float, T = 8,192: 16,908,288 (16.1 MiB).
 template <class Phi, detail::SavedGatedRule Rule, class Scalar>
 [[nodiscard]] std::size_t saved_forward_bytes(const RuleAttention<Phi, Rule, Scalar>& attn,
                                               Index T, Index dk, Index dv) {
   const Index r = attn.feature_map().feature_dim(dk);
-  return detail::ChunkStates<Scalar>::bytes_for(T, attn.chunk_size(r, dv), r, dv, false);
+  return detail::ChunkStates<Scalar>::bytes_for(T, detail::backward_chunk_size(attn, r, dv), r, dv,
+                                                false);
 }
 
 /// Bytes the backward from a saved forward allocates for itself (one chunk's scratch, with
@@ -312,8 +314,9 @@ template <class Phi, detail::SavedGatedRule Rule, class Scalar>
                                                Index T, Index dk, Index dv,
                                                bool per_channel_gates = false) {
   const Index r = attn.feature_map().feature_dim(dk);
-  return detail::gated_backward_bytes<Scalar>(T, attn.chunk_size(r, dv), r, dv,
-                                              per_channel_gates, false);
+  return detail::gated_backward_bytes<Scalar>(T, detail::backward_chunk_size(attn, r, dv),
+                                              attn.chunk_size(r, dv), r, dv, per_channel_gates,
+                                              false);
 }
 
 }  // namespace linattn

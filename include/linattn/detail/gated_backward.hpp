@@ -414,12 +414,12 @@ class GatedBackwardChunk {
   RowMatrix<Scalar> kw_, kw_scale_, kw_t_, block_t_;             // sub-chunk blocks (per channel)
 };
 
-/// The forward's chunk kernel of the rule (one gate per token, or per channel), used to move a
-/// state across a chunk with the forward's own arithmetic.
+/// The forward's chunk kernel of the rule (one gate per token, or per channel) for its chunk
+/// of C rows, used to move a state across a backward chunk with the forward's own arithmetic.
 template <class Scalar>
 class GatedForwardStep {
  public:
-  GatedForwardStep(Index C, Index r, Index dv, bool per_channel) {
+  GatedForwardStep(Index C, Index r, Index dv, bool per_channel) : C_(C) {
     if (per_channel)
       channel_.emplace(C, r, dv);
     else
@@ -434,49 +434,58 @@ class GatedForwardStep {
     return 6 * C * r + 2 * r * ld + std::max<Index>(b - 1, 0) * r * ld + C * ld + 2 * b * r +
            3 * r + 2 * C;
   }
-  /// S, z absorb rows [first, first + n) whose key features and values `w` has loaded.
+  /// S, z absorb rows [first, first + n) whose key features and values `w` has loaded, in the
+  /// forward's chunks of C rows (`first` and the backward's chunk are multiples of C).
   void absorb(const GatedBackwardChunk<Scalar>& w, const TokenInputs<Scalar>& in, Index first,
               Index n, RowMatrix<Scalar>& S, ColVector<Scalar>& z) {
     const Index r = S.rows();
-    if (channel_) {
-      channel_->prepare(n, w.key_features(), r, w.values(), w.values_stride(),
-                          TokenRows<Scalar>{in.log_gate.data + first * in.log_gate.row_stride,
+    for (Index off = 0; off < n; off += C_) {
+      const Index m = std::min(C_, n - off), row = first + off;
+      const Scalar* kf = w.key_features() + off * r;
+      const Scalar* v = w.values() + off * w.values_stride();
+      if (channel_) {
+        channel_->prepare(m, kf, r, v, w.values_stride(),
+                          TokenRows<Scalar>{in.log_gate.data + row * in.log_gate.row_stride,
                                             in.log_gate.row_stride});
-      channel_->absorb(S, z);
-    } else {
-      const TokenValues<Scalar> gates =
-          in.log_gate.empty()
-              ? TokenValues<Scalar>{&in.constant_log_gate, 0}
-              : TokenValues<Scalar>{in.log_gate.data + first * in.log_gate.row_stride,
-                                    in.log_gate.row_stride};
-      scalar_->prepare(n, w.key_features(), r, w.values(), w.values_stride(), gates);
-      scalar_->absorb(S, z);
+        channel_->absorb(S, z);
+      } else {
+        const TokenValues<Scalar> gates =
+            in.log_gate.empty()
+                ? TokenValues<Scalar>{&in.constant_log_gate, 0}
+                : TokenValues<Scalar>{in.log_gate.data + row * in.log_gate.row_stride,
+                                      in.log_gate.row_stride};
+        scalar_->prepare(m, kf, r, v, w.values_stride(), gates);
+        scalar_->absorb(S, z);
+      }
     }
   }
 
  private:
+  Index C_;
   std::optional<ScalarGatedChunk<Scalar>> scalar_;
   std::optional<ChannelGatedChunk<Scalar>> channel_;
 };
 
-/// Bytes gated_backward (rebuilds = true) or gated_saved_backward allocates for T tokens:
-/// GatedBackwardChunk and the forward's chunk kernel for C = min(chunk, T) rows, r dv + r for
-/// the rebuilt state (or the final one), 2 r dv + 2 r for H and the final term, and per token
+/// Bytes gated_backward_from allocates for T tokens, rebuilding the states or from saved ones:
+/// GatedBackwardChunk for B = min(chunk, T) rows and the forward's chunk kernel for
+/// min(forward_chunk, T), 2 (r dv + r) for the state and H, r for the final term, and per token
 /// (a, b) when rebuilding (one chunk's otherwise).
 template <class Scalar>
-[[nodiscard]] std::size_t gated_backward_bytes(Index T, Index chunk, Index r, Index dv,
-                                               bool per_channel, bool rebuilds) {
-  const Index C = std::min(chunk, std::max<Index>(T, 1));
-  const Index n = GatedBackwardChunk<Scalar>::scalars_for(C, r, dv, per_channel, false, false) +
+[[nodiscard]] std::size_t gated_backward_bytes(Index T, Index chunk, Index forward_chunk, Index r,
+                                               Index dv, bool per_channel, bool rebuilds) {
+  const Index B = std::min(chunk, std::max<Index>(T, 1));
+  const Index C = std::min(forward_chunk, std::max<Index>(T, 1));
+  const Index n = GatedBackwardChunk<Scalar>::scalars_for(B, r, dv, per_channel, false, false) +
                   GatedForwardStep<Scalar>::scalars_for(C, r, dv, per_channel) + 2 * (r * dv + r) +
-                  r + 2 * (rebuilds ? T : C);
+                  r + 2 * (rebuilds ? T : B);
   return static_cast<std::size_t>(n) * sizeof(Scalar);
 }
 
-/// The backward over one call (see the file comment). `in`: Gated's bound log-gates (T x 1 or
-/// T x r) or, when empty, Decay's constant log-gate. Boundary states: `saved` (the chunk
-/// states of the forward of these inputs, chunks of `chunk_size` rows), or when null rebuilt
-/// from S0, z0 (z0 of length r). dS_T, dz_T: gradient of the final state (null: 0). Writes dQ,
+/// The backward over one call (see the file comment), in chunks of `chunk_size` rows, a
+/// multiple of the forward's chunk `forward_chunk`. `in`: Gated's bound log-gates (T x 1 or
+/// T x r) or, when empty, Decay's constant log-gate. Boundary states: `saved` (the states of
+/// the forward of these inputs, one per `chunk_size` rows), or when null rebuilt from S0, z0
+/// (z0 of length r) with the forward's chunk kernel. dS_T, dz_T: gradient of the final state (null: 0). Writes dQ,
 /// dK, dV (may be strided views), d_gate (T x gate columns, contiguous, null: not wanted) and
 /// dS0, dz0 (resized). DenominatorError as the forward read would throw it.
 template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
@@ -484,7 +493,7 @@ void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
                          const TokenInputs<Scalar>& in, const RowMatrix<Scalar>* S0,
                          const ColVector<Scalar>* z0, const ChunkStates<Scalar>* saved,
                          Index r, const RowMatrix<Scalar>* dS_T, const ColVector<Scalar>* dz_T,
-                         Index chunk_size, const Normalization& norm,
+                         Index chunk_size, Index forward_chunk, const Normalization& norm,
                          Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
                          Eigen::Ref<RowMatrix<Scalar>> dV, Scalar* d_gate,
                          RowMatrix<Scalar>& dS0, ColVector<Scalar>& dz0) {
@@ -494,7 +503,8 @@ void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
   const Index C = std::min(chunk_size, std::max<Index>(T, 1));
   GatedBackwardChunk<Scalar> w(C, r, dv, per_channel, !has_row_major_storage<DV>(),
                                !has_row_major_storage<DY>());
-  GatedForwardStep<Scalar> forward(C, r, dv, per_channel);
+  GatedForwardStep<Scalar> forward(std::min(forward_chunk, std::max<Index>(T, 1)), r, dv,
+                                   per_channel);
   RowMatrix<Scalar> S(r, dv), H(r, dv);
   ColVector<Scalar> z(r), hz(r), a(saved == nullptr ? T : C), b(a.size());
   RowVector<Scalar> final_term = RowVector<Scalar>::Zero(r);
@@ -573,13 +583,14 @@ template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
 void gated_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
                     const TokenInputs<Scalar>& in, const RowMatrix<Scalar>& S0,
                     const ColVector<Scalar>& z0, const RowMatrix<Scalar>* dS_T,
-                    const ColVector<Scalar>* dz_T, Index chunk_size, const Normalization& norm,
-                    Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
+                    const ColVector<Scalar>* dz_T, Index chunk_size, Index forward_chunk,
+                    const Normalization& norm, Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
                     Eigen::Ref<RowMatrix<Scalar>> dV, Scalar* d_gate, RowMatrix<Scalar>& dS0,
                     ColVector<Scalar>& dz0) {
   gated_backward_from<Scalar>(phi, Q, K, V, dY, in, &S0, &z0,
                               static_cast<const ChunkStates<Scalar>*>(nullptr), S0.rows(), dS_T,
-                              dz_T, chunk_size, norm, dQ, dK, dV, d_gate, dS0, dz0);
+                              dz_T, chunk_size, forward_chunk, norm, dQ, dK, dV, d_gate, dS0,
+                              dz0);
 }
 
 }  // namespace linattn::detail
