@@ -32,15 +32,17 @@
 // c x c blocks use the products of the gates between j and i (the forward's in-chunk decays;
 // dq and dk by Horner's rule, c r / 2 multiply-adds per token each).
 //
-// Where the chunk-boundary states come from: gated_backward (pass 1, forward) rebuilds them
-// with the forward's own chunk kernel (ScalarGatedChunk / ChannelGatedChunk::absorb: the
-// forward's bits), writing dQ, each row's (a, b) and q .* dq into the gate gradient; pass 2
-// (reverse) carries H, writes dK, dV and subtracts k .* dk. gated_saved_backward reads them
-// from a saved forward (rule_saved_forward.hpp) and does both passes' work on each chunk in one
-// reverse sweep. Both run the same chunk code on the same states, so they agree bit for bit.
-// Per token (r features, dv values, chunk C), against the forward's 4 r dv + C (r + dv):
-//   recomputing  10 r dv + about C (5 r + 3 dv) (+ c r for per-channel gates)
-//   from saved    8 r dv + about C (3 r + 2 dv) (+ c r)
+// The backward's chunk B is a multiple of the forward's C (backward_chunk_size: 32 rows under
+// the automatic chunk). Where the chunk-boundary states come from: gated_backward (pass 1,
+// forward) rebuilds them with the forward's own chunk kernel (ScalarGatedChunk /
+// ChannelGatedChunk::absorb over the forward's chunks: the forward's bits), writing dQ, each
+// row's (a, b) and q .* dq into the gate gradient; pass 2 (reverse) carries H, writes dK, dV
+// and subtracts k .* dk. From a saved forward (rule_saved_forward.hpp) gated_backward_from
+// reads them and does both passes' work on each chunk in one reverse sweep. Both run the same
+// chunk code on the same states, so they agree bit for bit.
+// Per token (r features, dv values), against the forward's 4 r dv + C (r + dv):
+//   recomputing  10 r dv + about B (5 r + 3 dv) (+ 2 c r for per-channel gates, c = 16)
+//   from saved    8 r dv + about B (3 r + 2 dv) (+ 2 c r)
 
 #include <linattn/detail/backward_chunked.hpp>
 #include <linattn/detail/chunked.hpp>
