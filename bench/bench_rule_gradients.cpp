@@ -11,10 +11,19 @@
 // CPU time. Counters: fwd_ms, bwd_ms, additive_bwd_ms, bwd_over_fwd (target <= 3),
 // bwd_over_additive_bwd, scratch_B/token (rule_backward_bytes / T).
 //
+// The saved design (linattn/rule_saved_forward.hpp), rows
+//   rule_saved_bwd/rule:R/d:D/T:T  (R: 1 decay, 2 gated, 3 gated per channel)
+// run, in every iteration, the rule's plain forward (parallel_into), its saving forward
+// (parallel_saving_into) and the backward from the saved states (parallel_backward_into), each
+// timed in thread CPU time. Counters: fwd_ms, saving_fwd_ms, bwd_ms, bwd_over_fwd (the backward
+// from saved states over the plain forward; target <= 3), saving_over_fwd, saved_B/token
+// (saved_forward_bytes / T), design = 1.
+//
 // scripts/summarize_rule_gradients.py turns the JSON into the summary line.
 
 #include <linattn/gradients.hpp>
 #include <linattn/rule_gradients.hpp>
+#include <linattn/rule_saved_forward.hpp>
 
 #include <benchmark/benchmark.h>
 
@@ -114,8 +123,71 @@ void rule_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"rule", "d", "T"});
 }
 
+// ---- the saved design ------------------------------------------------------------------------
+
+// Times the plain forward, the saving forward and the backward from its states on x.
+template <class Attn, class... In>
+void time_saved(const Attn& attn, Inputs& x, linattn::SavedForward<float>& saved, double& fwd,
+                double& saving, double& bwd, const In&... in) {
+  linattn::RuleInputGradients<float> d_in;
+  const double t0 = bench::thread_seconds();
+  attn.parallel_into(x.Q, x.K, x.V, in..., Mask::causal, x.out);
+  const double t1 = bench::thread_seconds();
+  linattn::parallel_saving_into(attn, x.Q, x.K, x.V, in..., Mask::causal, x.out, saved);
+  const double t2 = bench::thread_seconds();
+  linattn::parallel_backward_into(attn, saved, x.Q, x.K, x.V, in..., Mask::causal, x.dY,
+                                  linattn::GradientsRef<float>{x.dQ, x.dK, x.dV}, d_in);
+  const double t3 = bench::thread_seconds();
+  benchmark::DoNotOptimize(x.out.data());
+  benchmark::DoNotOptimize(x.dQ.data());
+  benchmark::ClobberMemory();
+  fwd += t1 - t0;
+  saving += t2 - t1;
+  bwd += t3 - t2;
+}
+
+void BM_rule_saved_bwd(benchmark::State& state) {
+  const int rule = static_cast<int>(state.range(0));
+  const Index d = state.range(1), T = state.range(2);
+  Inputs x(T, d);
+  const linattn::RuleAttention<linattn::EluPlusOne, linattn::Decay, float> decay(
+      linattn::EluPlusOne{}, linattn::Decay(0.95));
+  const linattn::RuleAttention<linattn::EluPlusOne, linattn::Gated, float> gated;
+  linattn::SavedForward<float> saved;
+  double fwd = 0, saving = 0, bwd = 0;
+  for (auto _ : state) {
+    const double t0 = bench::thread_seconds();
+    switch (rule) {
+      case 1: time_saved(decay, x, saved, fwd, saving, bwd); break;
+      case 2: time_saved(gated, x, saved, fwd, saving, bwd, x.scalar_gates); break;
+      default: time_saved(gated, x, saved, fwd, saving, bwd, x.channel_gates); break;
+    }
+    state.SetIterationTime(bench::thread_seconds() - t0);
+  }
+  const double iters = static_cast<double>(state.iterations());
+  state.counters["fwd_ms"] = 1e3 * fwd / iters;
+  state.counters["saving_fwd_ms"] = 1e3 * saving / iters;
+  state.counters["bwd_ms"] = 1e3 * bwd / iters;
+  state.counters["bwd_over_fwd"] = bwd / fwd;
+  state.counters["saving_over_fwd"] = saving / fwd;
+  state.counters["saved_B/token"] =
+      static_cast<double>(linattn::saved_forward_bytes(decay, T, d, d)) / static_cast<double>(T);
+  state.counters["design"] = 1;
+  state.counters["rule"] = rule;
+  state.counters["T"] = static_cast<double>(T);
+  state.counters["d"] = static_cast<double>(d);
+}
+
+void saved_args(benchmark::internal::Benchmark* b) {
+  for (int rule = 1; rule <= 3; ++rule)
+    for (const Index d : {64, 128})
+      for (const Index T : {2048, 8192}) b->Args({rule, d, T});
+  b->ArgNames({"rule", "d", "T"});
+}
+
 }  // namespace
 
+BENCHMARK(BM_rule_saved_bwd)->Apply(saved_args)->UseManualTime()->Iterations(2)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_rule_bwd)->Apply(rule_args)->UseManualTime()->Iterations(2)->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

@@ -27,8 +27,10 @@
 ///
 /// Cost and memory: every rule runs chunk by chunk (no T x T, no per-token pass over S): a
 /// forward sweep rebuilds the chunk-boundary states, a reverse sweep carries the state gradient.
-/// Decay / Gated: O(T (r dv + C (r + dv))) time (per-channel gates add O(T C r) for the in-chunk
-/// decays), 2 scalars per token plus O(C (C + r + dv) + r dv). Delta / GatedDelta (the WY / UT
+/// Decay / Gated: O(T (r dv + C (r + dv))) time (per-channel gates add O(T c r) for the in-chunk
+/// decays, c = 16), 2 scalars per token plus O(C (C + r + dv) + r dv); the register kernel's
+/// products, about 10 r dv flops per token against the forward's 4 r dv. A saved forward
+/// (linattn/rule_saved_forward.hpp) skips the rebuild: 8 r dv. Delta / GatedDelta (the WY / UT
 /// form): O(T (r dv + C (r + dv))) time plus a C x C triangular solve per chunk, the boundary
 /// states stored: r dv / C scalars per token plus O(C (C + r + dv) + r dv). Exact figures:
 /// rule_backward_bytes().
@@ -105,10 +107,11 @@ void rule_backward_bound(const RuleAttention<Phi, Rule, Scalar>& attn,
       d_in.log_gate.resize(T, in.log_gate.cols);
       d_gate = d_in.log_gate.data();
     }
+    // Chunks of backward_chunk_size (32 rows under kAuto, a multiple of the forward's C).
     gated_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, z0, dS_T,
-                           final_gradient != nullptr ? &final_gradient->z : nullptr, C,
-                           attn.options().normalization, out.Q, out.K, out.V, d_gate, initial.S,
-                           initial.z);
+                           final_gradient != nullptr ? &final_gradient->z : nullptr,
+                           backward_chunk_size(attn, r, dv), C, attn.options().normalization,
+                           out.Q, out.K, out.V, d_gate, initial.S, initial.z);
   }
 }
 
@@ -297,8 +300,8 @@ template <class Phi, detail::GradientRule Rule, class Scalar>
   if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta)
     return detail::DeltaBackwardScratch<Scalar>::bytes_for(T, C, r, dv);
   else
-    return detail::GatedBackwardScratch<Scalar>::bytes_for(T, C, r, dv,
-                                                            per_channel_gates ? r : 1);
+    return detail::gated_backward_bytes<Scalar>(T, detail::backward_chunk_size(attn, r, dv), C, r,
+                                                dv, per_channel_gates, true);
 }
 
 }  // namespace linattn

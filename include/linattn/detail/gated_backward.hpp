@@ -1,11 +1,11 @@
 #pragma once
-// Backward pass of Decay and Gated (linattn/rule_gradients.hpp).
+// Backward pass of Decay and Gated (linattn/rule_gradients.hpp, linattn/rule_saved_forward.hpp).
 //
-// Decay and Gated (gated_backward): the chunked form of REFERENCES.md section 3 run in reverse
-// mode. With the normalizer as an extra value column (V' = [V, 1], S' = [S, z]; the read is
-// O'_i = S'_i^T q_i and the quotient rule gives its gradient G_i = [a_i dy_i, b_i] as in
-// backward_chunked.hpp), per chunk with local cumulative log-gates B_i = sum_{s<=i} log g_s
-// (one per channel, or one broadcast to all), state S'_0 before the chunk, H after it:
+// The chunked form of REFERENCES.md section 3 run in reverse mode. With the normalizer as an
+// extra value column (V' = [V, 1], S' = [S, z]; the read is O'_i = S'_i^T q_i and the quotient
+// rule gives its gradient G_i = [a_i dy_i, b_i] as in backward_chunked.hpp), per chunk with
+// local cumulative log-gates B_i = sum_{s<=i} log g_s (one per channel, or one broadcast to
+// all), state S'_0 before the chunk, H after it:
 //   O'_i   = (q_i .* exp(B_i))^T S'_0 + sum_{j<=i} A_ij v'_j,
 //   A_ij   = sum_n q_in k_jn exp(B_in - B_jn)                       (j <= i, every factor <= 1)
 //   dA_ij  = G_i . v'_j
@@ -18,12 +18,37 @@
 // B_t only through q_t .* exp(B_t), k_t .* exp(-B_t) and exp(B_T) in the final state, so
 //   dL/dB_t = q_t .* dq_t - k_t .* dk_t (+ rowsum(S'_T .* H_T) for t = T, the last token)
 // with dq, dk the gradients of the features, and d log g_s = sum_{t>=s} dL/dB_t (a reverse
-// cumulative sum; summed over the channels for one gate per token). Pass 1 (forward) rebuilds
-// S' chunk by chunk, writes dQ, each row's (a, b) and q .* dq into the gate gradient; pass 2
-// (reverse) carries H, writes dK, dV, subtracts k .* dk; the end adds the final-state term and
-// sums from the end. Memory: 2 scalars per token plus O(C (C + r + dv) + r dv) per call.
+// cumulative sum; summed over the channels for one gate per token).
+//
+// The products run on the register kernel (small_gemm.hpp) as in the additive backward
+// (backward_chunked.hpp): z's column is never part of a product (its share is b_i and the
+// vector hz), the products against S and H read them in place (X^T = S dY^T, H V^T), and the
+// transposed triangles go through upper_product. One gate per token: A = tril(Q K^T) .* W with
+// W_ij = exp(B_i - B_j) and dA .* W on the same kernel. Per-channel gates, in sub-chunks of
+// c = gate_subchunk rows as the forward: for i in sub-chunk I (first row i0) and j < i0 the
+// weight factors through the reference point B_{i0-1}:
+//   A_ij = (q_i .* exp(B_i - B_{i0-1})) . (k_j .* exp(B_{i0-1} - B_j))    (both exponents <= 0)
+// one register-kernel product per sub-chunk row I (and one each for dq and dk); the diagonal
+// c x c blocks use the products of the gates between j and i (the forward's in-chunk decays;
+// dq and dk by Horner's rule, c r / 2 multiply-adds per token each).
+//
+// The backward's chunk B is a multiple of the forward's C (backward_chunk_size: 32 rows under
+// the automatic chunk). Where the chunk-boundary states come from: gated_backward (pass 1,
+// forward) rebuilds them with the forward's own chunk kernel (ScalarGatedChunk /
+// ChannelGatedChunk::absorb over the forward's chunks: the forward's bits), writing dQ, each
+// row's (a, b) and q .* dq into the gate gradient; pass 2 (reverse) carries H, writes dK, dV
+// and subtracts k .* dk. From a saved forward (rule_saved_forward.hpp) gated_backward_from
+// reads them and does both passes' work on each chunk in one reverse sweep. Both run the same
+// chunk code on the same states, so they agree bit for bit.
+// Per token (r features, dv values), against the forward's 4 r dv + C (r + dv):
+//   recomputing  10 r dv + about B (5 r + 3 dv) (+ 2 c r for per-channel gates, c = 16)
+//   from saved    8 r dv + about B (3 r + 2 dv) (+ 2 c r)
 
 #include <linattn/detail/backward_chunked.hpp>
+#include <linattn/detail/chunked.hpp>
+#include <linattn/detail/gated_kernels.hpp>
+#include <linattn/detail/rule_common.hpp>
+#include <linattn/detail/saved_backward.hpp>
 #include <linattn/detail/token_inputs.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/types.hpp>
@@ -33,261 +58,541 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <optional>
 
 namespace linattn::detail {
 
-/// Buffers of the gated backward, allocated once per call. `gate_cols` is 1 (Decay, one gate
-/// per token) or r (per-channel gates); D = dv + 1 (values with the normalizer's column).
+/// The per-chunk work of the gated backward and its buffers, allocated once per call. `gc`
+/// (gate columns) is 1 (one gate per token) or r (per channel). Use: load() a chunk, then
+/// query() with the state before it (or weight_gradients() with stored (a, b)), then
+/// key_value() with H after it.
 template <class Scalar>
-struct GatedBackwardScratch {
-  Index C = 0, r = 0, dv = 0, D = 0;
-  RowMatrix<Scalar> qf, kf, qhat, khat, dqf, dkf;  // C x r
-  RowMatrix<Scalar> log_cum, gates, to_end;        // C x gate_cols: B_i, g_i, exp(B_last - B_i)
-  RowMatrix<Scalar> vx, G, rows_d;                 // C x D
-  RowMatrix<Scalar> A, dA, W;                      // C x C
-  RowMatrix<Scalar> Sx, H;                         // r x D
-  RowVector<Scalar> decay_end, running, final_term;  // gate_cols, r, r
-  ColVector<Scalar> a, b;                          // T
-
-  GatedBackwardScratch(Index T, Index chunk, Index r_, Index dv_, Index gate_cols)
-      : C(std::min(chunk, std::max<Index>(T, 1))), r(r_), dv(dv_), D(dv_ + 1) {
-    for (auto* m : {&qf, &kf, &qhat, &khat, &dqf, &dkf}) m->resize(C, r);
-    for (auto* m : {&log_cum, &gates, &to_end}) m->resize(C, gate_cols);
-    for (auto* m : {&vx, &G, &rows_d}) m->resize(C, D);
-    for (auto* m : {&A, &dA, &W}) m->resize(C, C);
-    Sx.resize(r, D);
-    H.resize(r, D);
-    decay_end.resize(gate_cols);
-    running.resize(r);
-    final_term.resize(r);
-    a.resize(T);
-    b.resize(T);
+class GatedBackwardChunk {
+ public:
+  GatedBackwardChunk(Index C, Index r, Index dv, bool per_channel, bool copy_v, bool copy_dy)
+      : C_(C), P_(padded(C)), r_(r), dv_(dv), gc_(per_channel ? r : 1),
+        per_channel_(per_channel), blocks_((C + sub - 1) / sub) {
+    qf_.resize(C, r);
+    kf_.resize(C, r);
+    qhat_.resize(C, r);
+    rows_r_.resize(C, r);
+    d_features_.resize(C, r);
+    for (auto* m : {&kf_t_, &qhat_t_, &rows_t_}) *m = RowMatrix<Scalar>::Zero(r, P_);
+    for (auto* m : {&v_t_, &dy_t_}) *m = RowMatrix<Scalar>::Zero(dv, P_);
+    for (auto* m : {&scores_, &d_scores_, &scores_t_, &d_scores_t_})
+      *m = RowMatrix<Scalar>::Zero(C, P_);
+    rows_v_.resize(C, dv);
+    dv_rows_.resize(C, dv);
+    v_copy_.resize(copy_v ? C : 0, dv);
+    dy_copy_.resize(copy_dy ? C : 0, dv);
+    for (auto* m : {&log_cum_, &qscale_, &kscale_}) m->resize(C, gc_);
+    decay_end_.resize(gc_);
+    acc_.resize(r);
+    if (per_channel) {
+      const Index off = std::max<Index>(blocks_ - 1, 0) * C;  // rows of the sub-chunk blocks
+      for (auto* m : {&gates_, &khat_, &qt_, &qt_scale_, &tmp_}) m->resize(C, r);
+      kw_.resize(off, r);
+      kw_scale_.resize(off, r);
+      kw_t_ = RowMatrix<Scalar>::Zero(std::max<Index>(blocks_ - 1, 0) * r, P_);
+      block_t_ = RowMatrix<Scalar>::Zero(C, P_);
+    } else {
+      weights_.resize(C, C);
+    }
   }
 
-  /// Bytes the constructor allocates: 2 T + 6 C r + 3 C g + 3 C D + 3 C^2 + 2 r D + g + 2 r
-  /// scalars (g = gate_cols, D = dv + 1, C = min(chunk, T)).
-  [[nodiscard]] static std::size_t bytes_for(Index T, Index chunk, Index r, Index dv,
-                                             Index gate_cols) {
-    const Index C = std::min(chunk, std::max<Index>(T, 1)), D = dv + 1;
-    return static_cast<std::size_t>(2 * T + 6 * C * r + 3 * C * gate_cols + 3 * C * D +
-                                    3 * C * C + 2 * r * D + gate_cols + 2 * r) *
-           sizeof(Scalar);
+  /// Scalars the constructor allocates (see its body): 5 C r + 3 r P + 2 dv P + 4 C P +
+  /// C dv (2 + copies) + 3 C g + g + r, plus C^2 (one gate per token) or 5 C r + 2 (b - 1) C r
+  /// + (b - 1) r P + C P (per channel; b = ceil(C / c) sub-chunks), P = C rounded up to the
+  /// register kernel's packet width, g = gate columns.
+  [[nodiscard]] static Index scalars_for(Index C, Index r, Index dv, bool per_channel,
+                                         bool copy_v, bool copy_dy) {
+    const Index P = padded(C), g = per_channel ? r : 1, b1 = std::max<Index>((C + sub - 1) / sub - 1, 0);
+    Index n = 5 * C * r + 3 * r * P + 2 * dv * P + 4 * C * P +
+              C * dv * (2 + (copy_v ? 1 : 0) + (copy_dy ? 1 : 0)) + 3 * C * g + g + r;
+    n += per_channel ? 5 * C * r + 2 * b1 * C * r + b1 * r * P + C * P : C * C;
+    return n;
   }
-};
 
-/// The gated backward over one call (see the file comment). `in`: Gated's bound log-gates (T x 1
-/// or T x r) or, when empty, Decay's constant log-gate. S0, z0: the initial state (z0 of length
-/// r). dS_T, dz_T: gradient of the final state (null: 0). Writes dQ, dK, dV (may be strided
-/// views), d_gate (T x gate_cols, contiguous, null: not wanted) and dS0, dz0 (resized).
-/// DenominatorError as the forward read would throw it.
-template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
-void gated_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
-                    const TokenInputs<Scalar>& in, const RowMatrix<Scalar>& S0,
-                    const ColVector<Scalar>& z0, const RowMatrix<Scalar>* dS_T,
-                    const ColVector<Scalar>* dz_T, Index chunk_size, const Normalization& norm,
-                    Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
-                    Eigen::Ref<RowMatrix<Scalar>> dV, Scalar* d_gate, RowMatrix<Scalar>& dS0,
-                    ColVector<Scalar>& dz0) {
-  const Index T = Q.rows(), r = S0.rows(), dv = S0.cols();
-  const bool per_channel = in.log_gate.cols > 1;
-  const Index gc = per_channel ? r : 1;
-  GatedBackwardScratch<Scalar> w(T, chunk_size, r, dv, gc);
-  const Index C = w.C;
-  const auto log_gate = [&](Index t, Index c) {
-    return in.log_gate.empty() ? in.constant_log_gate : in.log_gate(t, per_channel ? c : 0);
-  };
+  [[nodiscard]] const Scalar* key_features() const noexcept { return kf_.data(); }
+  [[nodiscard]] const Scalar* values() const noexcept { return v_; }
+  [[nodiscard]] Index values_stride() const noexcept { return ld_v_; }
 
-  // Features, extended values, cumulative log-gates and the decays of rows [first, first + n).
-  const auto prepare = [&](Index first, Index n) {
-    map_rows<Scalar>(phi, Q, first, n, w.qf);
-    map_rows<Scalar>(phi, K, first, n, w.kf);
-    w.vx.topLeftCorner(n, dv) = V.middleRows(first, n);
-    w.vx.col(dv).head(n).setOnes();
-    for (Index c = 0; c < gc; ++c) {
+  /// Loads rows [first, first + n): features, cumulative log-gates and their exponentials, the
+  /// transposes the products read, the decayed scores A (lower triangle, zero above) and the
+  /// raw D = tril(dY V^T).
+  template <class Phi, class DQ, class DK, class DV, class DY>
+  void load(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
+            const TokenInputs<Scalar>& in, Index first, Index n) {
+    first_ = first;
+    n_ = n;
+    map_rows<Scalar>(phi, Q, first, n, qf_);
+    map_rows<Scalar>(phi, K, first, n, kf_);
+    const auto vr = row_major_rows(V, first, n, v_copy_);
+    v_ = vr.first;
+    ld_v_ = vr.second;
+    const auto dr = row_major_rows(dY, first, n, dy_copy_);
+    dy_ = dr.first;
+    ld_dy_ = dr.second;
+    // B row by row (each channel's sum in token order), then the exponentials over whole
+    // contiguous blocks, so that every one takes Eigen's packet exp.
+    if (in.log_gate.empty()) {
       Scalar sum = 0;
-      for (Index i = 0; i < n; ++i) w.log_cum(i, c) = sum += log_gate(first + i, c);
+      for (Index i = 0; i < n; ++i) log_cum_(i, 0) = sum += in.constant_log_gate;
+    } else if (per_channel_) {
+      using GateRow = Eigen::Map<const RowVector<Scalar>>;
+      const auto gate_row = [&](Index i) {
+        return GateRow(in.log_gate.data + (first + i) * in.log_gate.row_stride, r_);
+      };
+      log_cum_.row(0) = gate_row(0);
+      for (Index i = 1; i < n; ++i) log_cum_.row(i) = log_cum_.row(i - 1) + gate_row(i);
+    } else {
+      Scalar sum = 0;
+      for (Index i = 0; i < n; ++i) log_cum_(i, 0) = sum += in.log_gate(first + i, 0);
     }
-    w.decay_end = w.log_cum.row(n - 1).array().exp();
-    for (Index i = 0; i < n; ++i) {
-      w.to_end.row(i) = (w.log_cum.row(n - 1) - w.log_cum.row(i)).array().exp();
-      if (per_channel) {
-        w.qhat.row(i) = w.qf.row(i).cwiseProduct(w.log_cum.row(i).array().exp().matrix());
-        w.khat.row(i) = w.kf.row(i).cwiseProduct(w.to_end.row(i));
-        w.gates.row(i) = Eigen::Map<const RowVector<Scalar>>(&in.log_gate.data[(first + i) *
-                                                                 in.log_gate.row_stride], r)
-                             .array()
-                             .exp();
-      } else {
-        w.qhat.row(i) = w.qf.row(i) * std::exp(w.log_cum(i, 0));
-        w.khat.row(i) = w.kf.row(i) * w.to_end(i, 0);
-      }
-    }
-    if (!per_channel) {  // W_ij = exp(B_i - B_j) for j <= i
+    const auto last = log_cum_.row(n - 1);
+    for (Index i = 0; i < n; ++i) kscale_.row(i) = last - log_cum_.row(i);
+    exp_in_place(kscale_.data(), n * gc_);
+    qscale_.topRows(n) = log_cum_.topRows(n);
+    exp_in_place(qscale_.data(), n * gc_);
+    decay_end_ = qscale_.row(n - 1);
+    if (per_channel_) {
+      qhat_.topRows(n) = qf_.topRows(n).cwiseProduct(qscale_.topRows(n));
+      khat_.topRows(n) = kf_.topRows(n).cwiseProduct(kscale_.topRows(n));
       for (Index i = 0; i < n; ++i)
-        for (Index j = 0; j < n; ++j)
-          w.W(i, j) = j <= i ? std::exp(w.log_cum(i, 0) - w.log_cum(j, 0)) : Scalar(0);
-    }
-  };
-  // The chunk's scores A (lower triangle, zero above); for per-channel gates, with
-  // `d_keys` also dk_j += sum_{i>=j} dA_ij q_i .* exp(B_i - B_j) in the same loop.
-  const auto scores = [&](Index n, bool d_keys) {
-    auto A = w.A.topLeftCorner(n, n);
-    if (!per_channel) {
-      A.noalias() = w.qf.topRows(n) * w.kf.topRows(n).transpose();
-      A.array() *= w.W.topLeftCorner(n, n).array();
-      if (d_keys) {
-        w.dA.topLeftCorner(n, n).array() *= w.W.topLeftCorner(n, n).array();
-        w.dkf.topRows(n).noalias() +=
-            w.dA.topLeftCorner(n, n).transpose() * w.qf.topRows(n);
+        gates_from_logs(&in.log_gate.data[(first + i) * in.log_gate.row_stride], 1,
+                        gates_.row(i).data(), r_);
+    } else {
+      // W_ij = exp(B_i - B_j) for j <= i (the rest of each row, exp(0), is never read).
+      for (Index i = 0; i < n; ++i) {
+        qhat_.row(i) = qf_.row(i) * qscale_(i, 0);
+        for (Index j = 0; j < C_; ++j)
+          weights_(i, j) = j <= i ? log_cum_(i, 0) - log_cum_(j, 0) : Scalar(0);
       }
-      return;
+      exp_in_place(weights_.data(), n * C_);
     }
-    A.setZero();
+    const Index np = padded(n);
+    transpose_block(n, dv_, v_, ld_v_, v_t_.data(), P_);
+    transpose_block(n, dv_, dy_, ld_dy_, dy_t_.data(), P_);
+    transpose_block(n, r_, qhat_.data(), r_, qhat_t_.data(), P_);
+    if (per_channel_) {
+      channel_scores();
+    } else {
+      transpose_block(n, r_, kf_.data(), r_, kf_t_.data(), P_);
+      product<Scalar, false>(n, np, r_, qf_.data(), r_, kf_t_.data(), P_, scores_.data(), P_,
+                             Triangle::lower_result);
+      for (Index i = 0; i < n; ++i)
+        scores_.row(i).head(i + 1).array() *= weights_.row(i).head(i + 1).array();
+    }
+    product<Scalar, false>(n, np, dv_, dy_, ld_dy_, v_t_.data(), P_, d_scores_.data(), P_,
+                           Triangle::lower_result);
+    for (Index i = 0; i + 1 < n; ++i) {
+      scores_.row(i).segment(i + 1, n - i - 1).setZero();
+      d_scores_.row(i).segment(i + 1, n - i - 1).setZero();
+    }
+  }
+
+  /// dA in place of D: a_i D_ij + b_i for j <= i, times W_ij for one gate per token (then it is
+  /// the gradient of the undecayed score q_i . k_j).
+  void weight_gradients(const Scalar* a, const Scalar* b) {
+    for (Index i = 0; i < n_; ++i) {
+      auto row = d_scores_.row(i).head(i + 1).array();
+      row = a[i] * row + b[i];
+      if (!per_channel_) row *= weights_.row(i).head(i + 1).array();
+    }
+  }
+
+  /// The read's share, given the state before the chunk (S r x dv and z, contiguous): each
+  /// row's (a, b) into a[i], b[i] (DenominatorError as the forward), dA, and
+  ///   dq = exp(B) .* (a X + b z) + in-chunk terms,   X = dY S^T (as X^T = S dY^T)
+  /// through the map into dQ's rows; q .* dq added into the gate gradient rows (if wanted).
+  template <class Phi, class DQ>
+  void query(const Phi& phi, const DQ& Q, const Scalar* S, const Scalar* z,
+             const Normalization& norm, Scalar* a, Scalar* b, Eigen::Ref<RowMatrix<Scalar>>& dQ,
+             Scalar* d_gate) {
+    const Index n = n_;
+    const Eigen::Map<const RowVector<Scalar>> zr(z, r_);
+    product<Scalar, false>(r_, padded(n), dv_, S, dv_, dy_t_.data(), P_, rows_t_.data(), P_);
+    transpose_block(r_, n, rows_t_.data(), P_, rows_r_.data(), r_);
     for (Index i = 0; i < n; ++i) {
-      w.running.setOnes();  // prod_{s=j+1..i} g_s, by channel
-      for (Index j = i; j >= 0; --j) {
-        const auto qw = w.qf.row(i).cwiseProduct(w.running);
-        A(i, j) = qw.dot(w.kf.row(j));
-        if (d_keys) w.dkf.row(j) += w.dA(i, j) * qw;
-        w.running.array() *= w.gates.row(j).array();
-      }
+      const auto A_i = scores_.row(i).head(i + 1);
+      const Scalar den = qhat_.row(i).dot(zr) + A_i.sum();
+      const Scalar dy_num = qhat_.row(i).dot(rows_r_.row(i)) + A_i.dot(d_scores_.row(i).head(i + 1));
+      const ReadGradient<Scalar> g =
+          read_gradient<Scalar, false>(norm, den, dy_num, Scalar(0), first_ + i);
+      a[i] = g.numerator;
+      b[i] = g.denominator;
     }
-  };
-  // G_i from the stored (a, b): [a_i dy_i, b_i]; dA = tril(G V'^T).
-  const auto read_grads = [&](Index first, Index n) {
+    weight_gradients(a, b);
     for (Index i = 0; i < n; ++i) {
-      w.G.row(i).head(dv) = w.a(first + i) * dY.row(first + i);
-      w.G(i, dv) = w.b(first + i);
+      d_features_.row(i) = a[i] * rows_r_.row(i) + b[i] * zr;
+      if (per_channel_)
+        d_features_.row(i).array() *= qscale_.row(i).array();
+      else
+        d_features_.row(i) *= qscale_(i, 0);
     }
-    w.dA.topLeftCorner(n, n).noalias() = w.G.topRows(n) * w.vx.topRows(n).transpose();
-    for (Index i = 0; i + 1 < n; ++i) w.dA.row(i).segment(i + 1, n - i - 1).setZero();
-  };
-  // The gate gradient's per-token terms dL/dB (q .* dq in pass 1, minus k .* dk in pass 2).
-  const auto add_gate_terms = [&](Index first, Index n, const RowMatrix<Scalar>& f,
-                                  const RowMatrix<Scalar>& df, Scalar sign) {
+    if (per_channel_)
+      channel_query_terms();
+    else
+      product<Scalar, true>(n, r_, n, d_scores_.data(), P_, kf_.data(), r_, d_features_.data(),
+                            r_, Triangle::lower_lhs);
+    add_gate_terms(d_gate, qf_, d_features_, Scalar(1));
+    Eigen::Ref<RowMatrix<Scalar>> dq_rows(dQ.middleRows(first_, n));
+    phi.backward(Q.middleRows(first_, n), qf_.topRows(n), d_features_.topRows(n), dq_rows);
+  }
+
+  /// The state gradient's share, given H, hz (the gradient of S', z after the chunk), dA in
+  /// d_scores and (a, b):
+  ///   dk = exp(B_last - B) .* (V H^T + 1 hz^T) + in-chunk terms    through the map into dK
+  ///   dv = (k .* exp(B_last - B)) H + A^T diag(a) dY                into dV
+  ///   H  = diag(exp(B_last)) H + (q .* exp(B))^T diag(a) dY,  hz likewise with b
+  /// and k .* dk subtracted from the gate gradient rows (if wanted).
+  template <class Phi, class DK>
+  void key_value(const Phi& phi, const DK& K, RowMatrix<Scalar>& H, ColVector<Scalar>& hz,
+                 const Scalar* a, const Scalar* b, Eigen::Ref<RowMatrix<Scalar>>& dK,
+                 Eigen::Ref<RowMatrix<Scalar>>& dV, Scalar* d_gate) {
+    const Index n = n_;
+    product<Scalar, false>(r_, padded(n), dv_, H.data(), dv_, v_t_.data(), P_, rows_t_.data(), P_);
+    transpose_block(r_, n, rows_t_.data(), P_, rows_r_.data(), r_);
+    for (Index j = 0; j < n; ++j) {
+      rows_r_.row(j) += hz.transpose();
+      if (per_channel_)
+        rows_r_.row(j).array() *= kscale_.row(j).array();
+      else
+        rows_r_.row(j) *= kscale_(j, 0);
+    }
+    if (per_channel_)
+      channel_key_terms();
+    else
+      upper_product<Scalar, true>(n, r_, d_scores_.data(), P_, qf_.data(), r_, rows_r_.data(), r_,
+                                  d_scores_t_.data(), P_);
+    add_gate_terms(d_gate, kf_, rows_r_, Scalar(-1));
+    {
+      Eigen::Ref<RowMatrix<Scalar>> dk_rows(dK.middleRows(first_, n));
+      phi.backward(K.middleRows(first_, n), kf_.topRows(n), rows_r_.topRows(n), dk_rows);
+    }
+    // dV into a contiguous block first: its bits then do not depend on dV's layout.
+    if (per_channel_)
+      product<Scalar, false>(n, dv_, r_, khat_.data(), r_, H.data(), dv_, dv_rows_.data(), dv_);
+    else
+      product<Scalar, false>(n, dv_, r_, kf_.data(), r_, H.data(), dv_, dv_rows_.data(), dv_,
+                             Triangle::none, kscale_.data());
+    for (Index i = 0; i < n; ++i)
+      rows_v_.row(i) = a[i] * Eigen::Map<const RowVector<Scalar>>(dy_ + i * ld_dy_, dv_);
+    upper_product<Scalar, true>(n, dv_, scores_.data(), P_, rows_v_.data(), dv_, dv_rows_.data(),
+                                dv_, scores_t_.data(), P_);
+    dV.middleRows(first_, n) = dv_rows_.topRows(n);
+    if (per_channel_) {
+      for (Index m = 0; m < r_; ++m) H.row(m) *= decay_end_(m);
+      hz.array() *= decay_end_.transpose().array();
+    } else {
+      H *= decay_end_(0);
+      hz *= decay_end_(0);
+    }
+    product<Scalar, true>(r_, dv_, n, qhat_t_.data(), P_, rows_v_.data(), dv_, H.data(), dv_);
+    for (Index i = 0; i < n; ++i) hz += b[i] * qhat_.row(i).transpose();
+  }
+
+ private:
+  static constexpr Index sub = gate_subchunk<Scalar>;
+  static constexpr Index padded(Index n) noexcept {
+    const Index lanes = kernel_lanes<Scalar>();
+    return (n + lanes - 1) / lanes * lanes;
+  }
+  // x[0, n) = exp(x[0, n)) as one contiguous array (Eigen's packet exp for all but the tail).
+  static void exp_in_place(Scalar* x, Index n) {
+    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> a(x, n);
+    a = a.exp();
+  }
+  Scalar* kw_t(Index I) noexcept { return kw_t_.data() + (I - 1) * r_ * P_; }
+  Scalar* kw(Index I) noexcept { return kw_.data() + (I - 1) * C_ * r_; }
+  Scalar* kw_scale(Index I) noexcept { return kw_scale_.data() + (I - 1) * C_ * r_; }
+
+  // q .* dq (sign +1) or k .* dk (sign -1) into the chunk's rows of the gate gradient.
+  void add_gate_terms(Scalar* d_gate, const RowMatrix<Scalar>& f, const RowMatrix<Scalar>& df,
+                      Scalar sign) const {
     if (d_gate == nullptr) return;
-    for (Index i = 0; i < n; ++i) {
-      Scalar* row = d_gate + (first + i) * gc;
-      if (per_channel)
-        Eigen::Map<RowVector<Scalar>>(row, r) += sign * f.row(i).cwiseProduct(df.row(i));
+    for (Index i = 0; i < n_; ++i) {
+      Scalar* row = d_gate + (first_ + i) * gc_;
+      if (per_channel_)
+        Eigen::Map<RowVector<Scalar>>(row, r_) += sign * f.row(i).cwiseProduct(df.row(i));
       else
         row[0] += sign * f.row(i).dot(df.row(i));
     }
-  };
+  }
 
-  // ---- pass 1: forward; S' before each chunk, dQ, (a, b), q .* dq ----
-  w.Sx.leftCols(dv) = S0;
-  w.Sx.col(dv) = z0;
-  if (d_gate != nullptr) std::fill(d_gate, d_gate + T * gc, Scalar(0));
-  for (Index first = 0; first < T; first += C) {
-    const Index n = std::min(C, T - first);
-    prepare(first, n);
-    scores(n, false);
-    // X = dY S^T serves both the read's (num . dy, den) and dq's state part, so the state is
-    // read once: num_i . dy_i = q-hat_i . X_i + (A V)_i . dy_i, den_i = q-hat_i . z + (A 1)_i.
-    auto X = w.dqf.topRows(n);
-    X.noalias() = dY.middleRows(first, n) * w.Sx.leftCols(dv).transpose();
-    auto AV = w.rows_d.topRows(n);
-    AV.noalias() = w.A.topLeftCorner(n, n) * w.vx.topRows(n);
-    for (Index i = 0; i < n; ++i) {
-      const Scalar den = w.qhat.row(i).dot(w.Sx.col(dv).transpose()) + AV(i, dv);
-      const Scalar dy_num =
-          w.qhat.row(i).dot(X.row(i)) + dY.row(first + i).dot(AV.row(i).head(dv));
-      const ReadGradient<Scalar> g =
-          read_gradient<Scalar, false>(norm, den, dy_num, Scalar(0), first + i);
-      w.a(first + i) = g.numerator;
-      w.b(first + i) = g.denominator;
-    }
-    read_grads(first, n);
-    // dq = exp(B) .* (S' G) + (dA .* exp(B_i - B_j)) k, S' G_i = a_i X_i + b_i z
-    for (Index i = 0; i < n; ++i) {
-      X.row(i) = w.a(first + i) * X.row(i) + w.b(first + i) * w.Sx.col(dv).transpose();
-      if (per_channel)
-        X.row(i).array() *= w.log_cum.row(i).array().exp();
-      else
-        X.row(i) *= std::exp(w.log_cum(i, 0));
-    }
-    if (!per_channel) {
-      w.dA.topLeftCorner(n, n).array() *= w.W.topLeftCorner(n, n).array();
-      w.dqf.topRows(n).noalias() += w.dA.topLeftCorner(n, n) * w.kf.topRows(n);
-    } else {
-      for (Index i = 0; i < n; ++i) {
-        w.running.setOnes();
-        for (Index j = i; j >= 0; --j) {
-          w.dqf.row(i) += w.dA(i, j) * w.kf.row(j).cwiseProduct(w.running);
-          w.running.array() *= w.gates.row(j).array();
-        }
+  // Per-channel scores: sub-chunk row I against the earlier columns through the reference point
+  // B_{i0-1} (one product), the diagonal blocks by products of the gates (as the forward).
+  void channel_scores() {
+    const Index n = n_, r = r_, nb = (n + sub - 1) / sub;
+    for (Index I = 0; I < nb; ++I) {
+      const Index i0 = I * sub, end = std::min(n, i0 + sub);
+      if (I > 0) {
+        const auto ref = log_cum_.row(i0 - 1);
+        for (Index i = i0; i < end; ++i) qt_scale_.row(i) = log_cum_.row(i) - ref;
+        exp_in_place(qt_scale_.row(i0).data(), (end - i0) * r);
+        qt_.middleRows(i0, end - i0) =
+            qf_.middleRows(i0, end - i0).cwiseProduct(qt_scale_.middleRows(i0, end - i0));
+        Eigen::Map<RowMatrix<Scalar>> ks(kw_scale(I), i0, r), kw_rows(kw(I), i0, r);
+        for (Index j = 0; j < i0; ++j) ks.row(j) = ref - log_cum_.row(j);
+        exp_in_place(ks.data(), i0 * r);
+        kw_rows = kf_.topRows(i0).cwiseProduct(ks);
+        transpose_block(i0, r, kw(I), r, kw_t(I), P_);
+        product<Scalar, false>(end - i0, i0, r, qt_.data() + i0 * r, r, kw_t(I), P_,
+                               scores_.data() + i0 * P_, P_);
+      }
+      for (Index i = i0; i < end; ++i) {
+        const Scalar* q = qf_.row(i).data();
+        scores_(i, i) = ordered_dot(q, kf_.row(i).data(), r);
+        std::copy_n(q, r, acc_.data());
+        for (Index j = i - 1; j >= i0; --j)
+          scores_(i, j) = scale_then_dot(acc_.data(), gates_.row(j + 1).data(), kf_.row(j).data(), r);
       }
     }
-    add_gate_terms(first, n, w.qf, w.dqf, Scalar(1));
-    {
-      Eigen::Ref<RowMatrix<Scalar>> dq_rows(dQ.middleRows(first, n));
-      phi.backward(Q.middleRows(first, n), w.qf.topRows(n), w.dqf.topRows(n), dq_rows);
-    }
-    // S' <- diag(exp(B_last)) S' + K-hat^T V'
-    if (per_channel)
-      w.Sx = w.decay_end.transpose().asDiagonal() * w.Sx;
-    else
-      w.Sx *= w.decay_end(0);
-    w.Sx.noalias() += w.khat.topRows(n).transpose() * w.vx.topRows(n);
   }
 
-  // ---- pass 2: reverse; H, dK, dV, minus k .* dk ----
-  if (dS_T != nullptr)
-    w.H.leftCols(dv) = *dS_T;
-  else
-    w.H.leftCols(dv).setZero();
-  if (dz_T != nullptr)
-    w.H.col(dv) = *dz_T;
-  else
-    w.H.col(dv).setZero();
-  // The final state's share of dL/dB_T: rowsum(S'_T .* H_T) (w.Sx holds S'_T now).
-  w.final_term = (w.Sx.array() * w.H.array()).rowwise().sum().transpose();
-  const Index last_first = T == 0 ? -1 : (T - 1) / C * C;
-  for (Index first = last_first; first >= 0; first -= C) {
-    const Index n = std::min(C, T - first);
-    prepare(first, n);
-    read_grads(first, n);
-    // dk = exp(B_last - B_j) .* (V' H^T) + intra
-    w.dkf.topRows(n).noalias() = w.vx.topRows(n) * w.H.transpose();
-    for (Index j = 0; j < n; ++j) {
-      if (per_channel)
-        w.dkf.row(j).array() *= w.to_end.row(j).array();
-      else
-        w.dkf.row(j) *= w.to_end(j, 0);
+  // dq's in-chunk terms, per channel: earlier sub-chunks by one product per sub-chunk row
+  // (scaled by exp(B_i - B_{i0-1})), the diagonal block by Horner's rule over j.
+  void channel_query_terms() {
+    const Index n = n_, r = r_, nb = (n + sub - 1) / sub;
+    using Row = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
+    for (Index I = 0; I < nb; ++I) {
+      const Index i0 = I * sub, end = std::min(n, i0 + sub);
+      if (I > 0) {
+        product<Scalar, false>(end - i0, r, i0, d_scores_.data() + i0 * P_, P_, kw(I), r,
+                               tmp_.data(), r);
+        for (Index i = i0; i < end; ++i)
+          d_features_.row(i).array() +=
+              tmp_.row(i - i0).array() * qt_scale_.row(i).array();
+      }
+      for (Index i = i0; i < end; ++i) {
+        auto acc = acc_.array();
+        acc = d_scores_(i, i0) * Row(kf_.row(i0).data(), r);
+        for (Index j = i0 + 1; j <= i; ++j)
+          acc = acc * Row(gates_.row(j).data(), r) + d_scores_(i, j) * Row(kf_.row(j).data(), r);
+        d_features_.row(i).array() += acc;
+      }
     }
-    scores(n, true);
-    // dV' = K-hat H + A^T G
-    auto dvx = w.rows_d.topRows(n);
-    dvx.noalias() = w.khat.topRows(n) * w.H;
-    dvx.noalias() += w.A.topLeftCorner(n, n).transpose() * w.G.topRows(n);
-    dV.middleRows(first, n) = dvx.leftCols(dv);
-    add_gate_terms(first, n, w.kf, w.dkf, Scalar(-1));
-    {
-      Eigen::Ref<RowMatrix<Scalar>> dk_rows(dK.middleRows(first, n));
-      phi.backward(K.middleRows(first, n), w.kf.topRows(n), w.dkf.topRows(n), dk_rows);
-    }
-    // H before the chunk = diag(exp(B_last)) H + Q-hat^T G
-    if (per_channel)
-      w.H = w.decay_end.transpose().asDiagonal() * w.H;
-    else
-      w.H *= w.decay_end(0);
-    w.H.noalias() += w.qhat.topRows(n).transpose() * w.G.topRows(n);
   }
-  dS0 = w.H.leftCols(dv);
-  dz0 = w.H.col(dv);
+
+  // dk's in-chunk terms, per channel: the diagonal block by Horner's rule over i (from the
+  // sub-chunk's end), the later sub-chunks by one product each, scaled by exp(B_{i0-1} - B_j).
+  void channel_key_terms() {
+    const Index n = n_, r = r_, nb = (n + sub - 1) / sub;
+    using Row = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
+    for (Index I = 0; I < nb; ++I) {
+      const Index i0 = I * sub, end = std::min(n, i0 + sub);
+      for (Index j = i0; j < end; ++j) {
+        auto acc = acc_.array();
+        acc = d_scores_(end - 1, j) * Row(qf_.row(end - 1).data(), r);
+        for (Index i = end - 2; i >= j; --i)
+          acc = acc * Row(gates_.row(i + 1).data(), r) + d_scores_(i, j) * Row(qf_.row(i).data(), r);
+        rows_r_.row(j).array() += acc;
+      }
+      if (I > 0) {
+        const Index ni = end - i0;
+        transpose_block(ni, i0, d_scores_.data() + i0 * P_, P_, block_t_.data(), P_);
+        product<Scalar, false>(i0, r, ni, block_t_.data(), P_, qt_.data() + i0 * r, r,
+                               tmp_.data(), r);
+        const Eigen::Map<const RowMatrix<Scalar>> ks(kw_scale(I), i0, r);
+        rows_r_.topRows(i0).array() += tmp_.topRows(i0).array() * ks.array();
+      }
+    }
+  }
+
+  Index C_, P_, r_, dv_, gc_;
+  bool per_channel_;
+  Index blocks_;
+  Index first_ = 0, n_ = 0, ld_v_ = 0, ld_dy_ = 0;
+  const Scalar* v_ = nullptr;
+  const Scalar* dy_ = nullptr;
+  RowMatrix<Scalar> qf_, kf_, qhat_, rows_r_, d_features_;       // C x r
+  RowMatrix<Scalar> kf_t_, qhat_t_, rows_t_, v_t_, dy_t_;        // r x P, dv x P
+  RowMatrix<Scalar> scores_, d_scores_, scores_t_, d_scores_t_;  // C x P
+  RowMatrix<Scalar> rows_v_, dv_rows_, v_copy_, dy_copy_;        // C x dv
+  RowMatrix<Scalar> log_cum_, qscale_, kscale_;                  // C x gc: B, exp(B), exp(B_last - B)
+  RowVector<Scalar> decay_end_, acc_;                            // gc, r
+  RowMatrix<Scalar> weights_;                                    // C x C (one gate per token)
+  RowMatrix<Scalar> gates_, khat_, qt_, qt_scale_, tmp_;         // C x r (per channel)
+  RowMatrix<Scalar> kw_, kw_scale_, kw_t_, block_t_;             // sub-chunk blocks (per channel)
+};
+
+/// The forward's chunk kernel of the rule (one gate per token, or per channel) for its chunk
+/// of C rows, used to move a state across a backward chunk with the forward's own arithmetic.
+template <class Scalar>
+class GatedForwardStep {
+ public:
+  GatedForwardStep(Index C, Index r, Index dv, bool per_channel) : C_(C) {
+    if (per_channel)
+      channel_.emplace(C, r, dv);
+    else
+      scalar_.emplace(C, r, dv);
+  }
+  /// Scalars the forward kernel's constructor allocates (its buffers, gated_kernels.hpp).
+  [[nodiscard]] static Index scalars_for(Index C, Index r, Index dv, bool per_channel) {
+    static_cast<void>(dv);
+    const Index ld = padded_columns<Scalar>(std::max<Index>(C, per_channel ? gate_subchunk<Scalar> : 1));
+    if (!per_channel) return 2 * r * ld + 2 * C * ld + 5 * C + r;
+    const Index b = (C + gate_subchunk<Scalar> - 1) / gate_subchunk<Scalar>;
+    return 6 * C * r + 2 * r * ld + std::max<Index>(b - 1, 0) * r * ld + C * ld + 2 * b * r +
+           3 * r + 2 * C;
+  }
+  /// S, z absorb rows [first, first + n) whose key features and values `w` has loaded, in the
+  /// forward's chunks of C rows (`first` and the backward's chunk are multiples of C).
+  void absorb(const GatedBackwardChunk<Scalar>& w, const TokenInputs<Scalar>& in, Index first,
+              Index n, RowMatrix<Scalar>& S, ColVector<Scalar>& z) {
+    const Index r = S.rows();
+    for (Index off = 0; off < n; off += C_) {
+      const Index m = std::min(C_, n - off), row = first + off;
+      const Scalar* kf = w.key_features() + off * r;
+      const Scalar* v = w.values() + off * w.values_stride();
+      if (channel_) {
+        channel_->prepare(m, kf, r, v, w.values_stride(),
+                          TokenRows<Scalar>{in.log_gate.data + row * in.log_gate.row_stride,
+                                            in.log_gate.row_stride});
+        channel_->absorb(S, z);
+      } else {
+        const TokenValues<Scalar> gates =
+            in.log_gate.empty()
+                ? TokenValues<Scalar>{&in.constant_log_gate, 0}
+                : TokenValues<Scalar>{in.log_gate.data + row * in.log_gate.row_stride,
+                                      in.log_gate.row_stride};
+        scalar_->prepare(m, kf, r, v, w.values_stride(), gates);
+        scalar_->absorb(S, z);
+      }
+    }
+  }
+
+ private:
+  Index C_;
+  std::optional<ScalarGatedChunk<Scalar>> scalar_;
+  std::optional<ChannelGatedChunk<Scalar>> channel_;
+};
+
+/// Bytes gated_backward_from allocates for T tokens, rebuilding the states or from saved ones:
+/// GatedBackwardChunk for B = min(chunk, T) rows and the forward's chunk kernel for
+/// min(forward_chunk, T), 2 (r dv + r) for the state and H, r for the final term, and per token
+/// (a, b) when rebuilding (one chunk's otherwise).
+template <class Scalar>
+[[nodiscard]] std::size_t gated_backward_bytes(Index T, Index chunk, Index forward_chunk, Index r,
+                                               Index dv, bool per_channel, bool rebuilds) {
+  const Index B = std::min(chunk, std::max<Index>(T, 1));
+  const Index C = std::min(forward_chunk, std::max<Index>(T, 1));
+  const Index n = GatedBackwardChunk<Scalar>::scalars_for(B, r, dv, per_channel, false, false) +
+                  GatedForwardStep<Scalar>::scalars_for(C, r, dv, per_channel) + 2 * (r * dv + r) +
+                  r + 2 * (rebuilds ? T : B);
+  return static_cast<std::size_t>(n) * sizeof(Scalar);
+}
+
+/// The backward over one call (see the file comment), in chunks of `chunk_size` rows, a
+/// multiple of the forward's chunk `forward_chunk`. `in`: Gated's bound log-gates (T x 1 or
+/// T x r) or, when empty, Decay's constant log-gate. Boundary states: `saved` (the states of
+/// the forward of these inputs, one per `chunk_size` rows), or when null rebuilt from S0, z0
+/// (z0 of length r) with the forward's chunk kernel. dS_T, dz_T: gradient of the final state (null: 0). Writes dQ,
+/// dK, dV (may be strided views), d_gate (T x gate columns, contiguous, null: not wanted) and
+/// dS0, dz0 (resized). DenominatorError as the forward read would throw it.
+template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
+void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
+                         const TokenInputs<Scalar>& in, const RowMatrix<Scalar>* S0,
+                         const ColVector<Scalar>* z0, const ChunkStates<Scalar>* saved,
+                         Index r, const RowMatrix<Scalar>* dS_T, const ColVector<Scalar>* dz_T,
+                         Index chunk_size, Index forward_chunk, const Normalization& norm,
+                         Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
+                         Eigen::Ref<RowMatrix<Scalar>> dV, Scalar* d_gate,
+                         RowMatrix<Scalar>& dS0, ColVector<Scalar>& dz0) {
+  const Index T = Q.rows(), dv = V.cols();
+  const bool per_channel = in.log_gate.cols > 1;
+  const Index gc = per_channel ? r : 1;
+  const Index C = std::min(chunk_size, std::max<Index>(T, 1));
+  GatedBackwardChunk<Scalar> w(C, r, dv, per_channel, !has_row_major_storage<DV>(),
+                               !has_row_major_storage<DY>());
+  GatedForwardStep<Scalar> forward(std::min(forward_chunk, std::max<Index>(T, 1)), r, dv,
+                                   per_channel);
+  RowMatrix<Scalar> S(r, dv), H(r, dv);
+  ColVector<Scalar> z(r), hz(r), a(saved == nullptr ? T : C), b(a.size());
+  RowVector<Scalar> final_term = RowVector<Scalar>::Zero(r);
+  if (dS_T != nullptr)
+    H = *dS_T;
+  else
+    H.setZero();
+  if (dz_T != nullptr)
+    hz = *dz_T;
+  else
+    hz.setZero();
+  const bool final_term_wanted = d_gate != nullptr && (dS_T != nullptr || dz_T != nullptr);
+  // The final state's share of dL/dB_T: rowsum(S'_T .* H_T).
+  const auto add_final_term = [&] {
+    final_term = ((S.array() * H.array()).rowwise().sum() + z.array() * hz.array()).transpose();
+  };
+  if (d_gate != nullptr) std::fill(d_gate, d_gate + T * gc, Scalar(0));
+  const Index last_first = T == 0 ? -1 : (T - 1) / C * C;
+
+  if (saved == nullptr) {
+    // ---- pass 1: forward; S' before each chunk (the forward's arithmetic), dQ, (a, b) ----
+    S = *S0;
+    z = *z0;
+    for (Index first = 0; first < T; first += C) {
+      const Index n = std::min(C, T - first);
+      w.load(phi, Q, K, V, dY, in, first, n);
+      w.query(phi, Q, S.data(), z.data(), norm, a.data() + first, b.data() + first, dQ, d_gate);
+      forward.absorb(w, in, first, n, S, z);
+    }
+    if (final_term_wanted) add_final_term();
+    // ---- pass 2: reverse; H, dK, dV ----
+    for (Index first = last_first; first >= 0; first -= C) {
+      const Index n = std::min(C, T - first);
+      w.load(phi, Q, K, V, dY, in, first, n);
+      w.weight_gradients(a.data() + first, b.data() + first);
+      w.key_value(phi, K, H, hz, a.data() + first, b.data() + first, dK, dV, d_gate);
+    }
+  } else {
+    // ---- one reverse sweep: each chunk's state from the saved forward ----
+    for (Index first = last_first; first >= 0; first -= C) {
+      const Index n = std::min(C, T - first), chunk = first / C;
+      const Scalar* state = saved->states.data() + chunk * r * dv;
+      const Scalar* sums = saved->sums.data() + chunk * r;
+      if (chunk > 0) prefetch_rows(saved->states, (chunk - 1) * r, r);
+      w.load(phi, Q, K, V, dY, in, first, n);
+      if (first == last_first && final_term_wanted) {
+        // S'_T: the last saved state across the last chunk, with the forward's arithmetic.
+        S = Eigen::Map<const RowMatrix<Scalar>>(state, r, dv);
+        z = Eigen::Map<const ColVector<Scalar>>(sums, r);
+        forward.absorb(w, in, first, n, S, z);
+        add_final_term();
+      }
+      w.query(phi, Q, state, sums, norm, a.data(), b.data(), dQ, d_gate);
+      w.key_value(phi, K, H, hz, a.data(), b.data(), dK, dV, d_gate);
+    }
+  }
+  dS0 = H;
+  dz0 = hz;
 
   // d log g_s = sum_{t >= s} dL/dB_t, the final state's term on the last token.
   if (d_gate != nullptr && T > 0) {
     Scalar* last = d_gate + (T - 1) * gc;
     if (per_channel)
-      Eigen::Map<RowVector<Scalar>>(last, r) += w.final_term;
+      Eigen::Map<RowVector<Scalar>>(last, r) += final_term;
     else
-      last[0] += w.final_term.sum();
+      last[0] += final_term.sum();
     for (Index t = T - 2; t >= 0; --t)
       Eigen::Map<RowVector<Scalar>>(d_gate + t * gc, gc) +=
           Eigen::Map<const RowVector<Scalar>>(d_gate + (t + 1) * gc, gc);
   }
+}
+
+/// The recomputing backward from the initial state (S0, z0): gated_backward_from without a
+/// saved forward.
+template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
+void gated_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
+                    const TokenInputs<Scalar>& in, const RowMatrix<Scalar>& S0,
+                    const ColVector<Scalar>& z0, const RowMatrix<Scalar>* dS_T,
+                    const ColVector<Scalar>* dz_T, Index chunk_size, Index forward_chunk,
+                    const Normalization& norm, Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
+                    Eigen::Ref<RowMatrix<Scalar>> dV, Scalar* d_gate, RowMatrix<Scalar>& dS0,
+                    ColVector<Scalar>& dz0) {
+  gated_backward_from<Scalar>(phi, Q, K, V, dY, in, &S0, &z0,
+                              static_cast<const ChunkStates<Scalar>*>(nullptr), S0.rows(), dS_T,
+                              dz_T, chunk_size, forward_chunk, norm, dQ, dK, dV, d_gate, dS0,
+                              dz0);
 }
 
 }  // namespace linattn::detail

@@ -5,6 +5,7 @@
 // delta_kernels.hpp; per-token inputs arrive bound and validated (token_inputs.hpp).
 
 #include <linattn/detail/additive_paths.hpp>
+#include <linattn/detail/chunk_observer.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/delta_kernels.hpp>
 #include <linattn/detail/gated_kernels.hpp>
@@ -39,11 +40,15 @@ TokenValues<Scalar> values_from(const TokenArray<Scalar>& a, Index first) {
 /// the kernel prepares the key side once (features, decays, the delta rule's corrected values),
 /// reads each head (each with a single-head call's bits), then updates the state. Each head's
 /// rows are normalized before the state absorbs their chunk, so after a DenominatorError the
-/// state holds exactly the chunks before the failing one. Scratch allocated once per call.
-template <class Scalar, class Rule, class Phi, class QueryAt, class DK, class DV, class OutputAt>
+/// state holds exactly the chunks before the failing one. `observe(first, S, z)` sees the state
+/// before each chunk (NoChunkObserver: nothing; the saving forward keeps it). Scratch
+/// allocated once per call.
+template <class Scalar, class Rule, class Phi, class QueryAt, class DK, class DV, class OutputAt,
+          class Observer = NoChunkObserver>
 void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, Index group,
                   const QueryAt& query, const DK& K, const DV& V, const TokenInputs<Scalar>& in,
-                  RuleState<Rule, Scalar>& state, const OutputAt& output) {
+                  RuleState<Rule, Scalar>& state, const OutputAt& output,
+                  const Observer& observe = {}) {
   const Index T = K.rows(), r = state.feature_dim(), dv = state.value_dim();
   if (T == 0) return;
   auto& S = StateAccess::S(state);
@@ -53,6 +58,7 @@ void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, I
   const auto chunks = [&](auto& kernel, const auto& prepare) {
     for (Index first = 0; first < T; first += C) {
       const Index n = std::min(C, T - first);
+      observe(first, S, z);
       map_rows<Scalar>(phi, K, first, n, kf);
       const auto [v, ld_v] = row_major_rows(V, first, n, v_buffer);
       prepare(kernel, n, v, ld_v, first);
