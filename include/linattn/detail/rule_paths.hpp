@@ -5,6 +5,7 @@
 // delta_kernels.hpp; per-token inputs arrive bound and validated (token_inputs.hpp).
 
 #include <linattn/detail/additive_paths.hpp>
+#include <linattn/detail/chunk_observer.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/delta_kernels.hpp>
 #include <linattn/detail/gated_kernels.hpp>
@@ -40,10 +41,15 @@ TokenValues<Scalar> values_from(const TokenArray<Scalar>& a, Index first) {
 /// reads each head (each with a single-head call's bits), then updates the state. Each head's
 /// rows are normalized before the state absorbs their chunk, so after a DenominatorError the
 /// state holds exactly the chunks before the failing one. Scratch allocated once per call.
-template <class Scalar, class Rule, class Phi, class QueryAt, class DK, class DV, class OutputAt>
+/// Delta rules: `before_chunk(first, S, kernel)` sees each prepared chunk (the DeltaChunk) and
+/// the state before it, before any read (SaveDeltaChunks keeps them for the backward; the
+/// default does nothing).
+template <class Scalar, class Rule, class Phi, class QueryAt, class DK, class DV, class OutputAt,
+          class BeforeChunk = NoChunkObserver>
 void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, Index group,
                   const QueryAt& query, const DK& K, const DV& V, const TokenInputs<Scalar>& in,
-                  RuleState<Rule, Scalar>& state, const OutputAt& output) {
+                  RuleState<Rule, Scalar>& state, const OutputAt& output,
+                  const BeforeChunk& before_chunk = {}) {
   const Index T = K.rows(), r = state.feature_dim(), dv = state.value_dim();
   if (T == 0) return;
   auto& S = StateAccess::S(state);
@@ -77,6 +83,7 @@ void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, I
     chunks(kernel, [&](auto& k, Index n, const Scalar* v, Index ld_v, Index first) {
       k.prepare(n, kf.data(), r, v, ld_v, values_from(in.beta, first),
                 values_from(in.log_alpha, first), S);
+      before_chunk(first, S, static_cast<const DeltaChunk<Scalar>&>(k));
     });
   } else if (in.log_gate.cols > 1) {
     ChannelGatedChunk<Scalar> kernel(C, r, dv);
