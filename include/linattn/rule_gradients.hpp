@@ -30,8 +30,8 @@
 /// Decay / Gated: O(T (r dv + C (r + dv))) time (per-channel gates add O(T C r) for the in-chunk
 /// decays), 2 scalars per token plus O(C (C + r + dv) + r dv). Delta / GatedDelta (the WY / UT
 /// form): O(T (r dv + C (r + dv))) time plus a C x C triangular solve per chunk, the boundary
-/// states stored: r dv / C scalars per token plus O(C (C + r + dv) + r dv). Exact figures:
-/// rule_backward_bytes().
+/// states and each token's corrected values stored: r dv / C + 2 dv scalars per token plus
+/// O(C (C + r + dv) + r dv). Exact figures: rule_backward_bytes().
 ///
 /// The feature map must be a DifferentiableFeatureMap: gradients flow to Q and K through its
 /// backward(). Errors: ShapeError for shapes that do not fit (naming them), std::invalid_argument

@@ -39,6 +39,7 @@
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/delta_kernels.hpp>
 #include <linattn/detail/rule_common.hpp>
+#include <linattn/detail/saved_backward.hpp>
 #include <linattn/detail/small_gemm.hpp>
 #include <linattn/detail/token_inputs.hpp>
 #include <linattn/normalization.hpp>
@@ -51,6 +52,52 @@
 #include <cstddef>
 
 namespace linattn::detail {
+
+// ---- what the backward keeps of a forward -----------------------------------------------------
+
+/// The chunked forward's data the delta backward reads, chunk c of
+/// `chunk_size` rows: the state before it (rows [c r, (c + 1) r) of `states`, r x dv each) and,
+/// per token, the corrected values u_t and the decayed state reads g_t = D(t, -1) kf_t S of
+/// DeltaChunk (rows of `corrected` and `reads`, T x dv). Filled by SaveDeltaChunks (then
+/// stream_fence() before another thread reads it).
+template <class Scalar>
+struct DeltaSavedStates {
+  RowMatrix<Scalar> states, corrected, reads;
+  Index chunk_size = 0;
+
+  /// Sized for T tokens in chunks of C, r features and dv values (allocates when the size
+  /// changes).
+  void resize(Index T, Index C, Index r, Index dv) {
+    const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
+    states.resize(chunks * r, dv);
+    corrected.resize(T, dv);
+    reads.resize(T, dv);
+    chunk_size = C;
+  }
+
+  /// Scalars kept for T tokens: ceil(T / C) r dv + 2 T dv.
+  [[nodiscard]] static std::size_t bytes_for(Index T, Index C, Index r, Index dv) {
+    const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
+    return static_cast<std::size_t>(chunks * r * dv + 2 * T * dv) * sizeof(Scalar);
+  }
+};
+
+/// The chunked delta forward's observer (rule_chunked) that copies each chunk's state, corrected
+/// values and state reads into a DeltaSavedStates sized for the call (chunk_size the forward's
+/// chunk). Called as (first, S, chunk) after chunk.prepare(), before the state absorbs it.
+/// Non-temporal stores where the rows are aligned (stream_copy): the data is read back only by
+/// the backward, after the whole forward, and should not evict the forward's working set.
+template <class Scalar>
+struct SaveDeltaChunks {
+  DeltaSavedStates<Scalar>& out;
+
+  void operator()(Index first, const RowMatrix<Scalar>& S, const DeltaChunk<Scalar>& chunk) const {
+    const Index r = S.rows(), dv = S.cols(), n = chunk.rows();
+    stream_copy(S.data(), r * dv, out.states.data() + first / out.chunk_size * r * dv);
+    stream_copy(chunk.corrected(), n * dv, out.corrected.data() + first * dv);
+    stream_copy(chunk.state_reads(), n * dv, out.reads.data() + first * dv);
+  }
+};
 
 /// Buffers of the delta backward's reverse sweep, allocated once per call (L = C rounded up
 /// to whole packets): per-chunk features and their gradients (C x r), the transposed features
@@ -331,6 +378,7 @@ void delta_save_chunks(const Phi& phi, const DK& K, const DV& V, const TokenInpu
     save(first, S, kernel);
     kernel.absorb(S);
   }
+  stream_fence();
 }
 
 /// The chunked delta-rule backward on the WY / UT form (see the file comment): pass 1

@@ -41,7 +41,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstddef>
 
 namespace linattn::detail {
 
@@ -360,49 +359,6 @@ class DeltaChunk {
   ColVector<Scalar> gate_, decay_in_, weight_out_;
   Index n_ = 0;
   bool gated_ = false;
-};
-
-// ---- what the backward keeps of a forward -----------------------------------------------------
-
-/// The chunked forward's data the delta backward reads (delta_backward.hpp), chunk c of
-/// `chunk_size` rows: the state before it (rows [c r, (c + 1) r) of `states`, r x dv each) and,
-/// per token, the corrected values u_t and the decayed state reads g_t = D(t, -1) kf_t S of
-/// DeltaChunk (rows of `corrected` and `reads`, T x dv). Filled by SaveDeltaChunks.
-template <class Scalar>
-struct DeltaSavedStates {
-  RowMatrix<Scalar> states, corrected, reads;
-  Index chunk_size = 0;
-
-  /// Sized for T tokens in chunks of C, r features and dv values (allocates when the size
-  /// changes).
-  void resize(Index T, Index C, Index r, Index dv) {
-    const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
-    states.resize(chunks * r, dv);
-    corrected.resize(T, dv);
-    reads.resize(T, dv);
-    chunk_size = C;
-  }
-
-  /// Scalars kept for T tokens: ceil(T / C) r dv + 2 T dv.
-  [[nodiscard]] static std::size_t bytes_for(Index T, Index C, Index r, Index dv) {
-    const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
-    return static_cast<std::size_t>(chunks * r * dv + 2 * T * dv) * sizeof(Scalar);
-  }
-};
-
-/// The chunked delta forward's observer (rule_chunked) that copies each chunk's state, corrected
-/// values and state reads into a DeltaSavedStates sized for the call (chunk_size the forward's
-/// chunk). Called as (first, S, chunk) after chunk.prepare(), before the state absorbs it.
-template <class Scalar>
-struct SaveDeltaChunks {
-  DeltaSavedStates<Scalar>& out;
-
-  void operator()(Index first, const RowMatrix<Scalar>& S, const DeltaChunk<Scalar>& chunk) const {
-    const Index r = S.rows(), dv = S.cols(), n = chunk.rows();
-    std::copy_n(S.data(), r * dv, out.states.data() + first / out.chunk_size * r * dv);
-    std::copy_n(chunk.corrected(), n * dv, out.corrected.data() + first * dv);
-    std::copy_n(chunk.state_reads(), n * dv, out.reads.data() + first * dv);
-  }
 };
 
 }  // namespace linattn::detail
