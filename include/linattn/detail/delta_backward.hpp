@@ -113,7 +113,7 @@ struct DeltaBackwardScratch {
   RowMatrix<Scalar> rhs, rhs_t;                  // 2L x dv, dv x 2L
   RowMatrix<Scalar> dU, dW, v_copy, dy_copy;     // C x dv
   RowMatrix<Scalar> u_t, ug_t;                   // dv x L
-  RowMatrix<Scalar> Gam, P, PT, KG, dPT, NAT;    // C x L
+  RowMatrix<Scalar> Gam, P, PT, KG, dPT, NAT, N, F;  // C x L
   RowMatrix<Scalar> blocks;                      // 2L x L: [dP .* Gam ; N + N^T]
   ColVector<Scalar> log_cum, gam, dlg;           // C
   RowMatrix<Scalar> H;                           // r x dv
@@ -128,18 +128,18 @@ struct DeltaBackwardScratch {
     v_copy.resize(copy_v ? C : 0, dv);
     dy_copy.resize(copy_dy ? C : 0, dv);
     for (auto* m : {&u_t, &ug_t}) m->setZero(dv, L);
-    for (auto* m : {&Gam, &P, &PT, &KG, &dPT, &NAT}) m->setZero(C, L);
+    for (auto* m : {&Gam, &P, &PT, &KG, &dPT, &NAT, &N, &F}) m->setZero(C, L);
     blocks.setZero(2 * L, L);
     for (auto* v : {&log_cum, &gam, &dlg}) v->setZero(C);
     H.resize(r, dv);
   }
 
   /// Scalars the constructor allocates (copies of V and dY counted): 4 C r + 4 r L + 4 L dv +
-  /// 4 C dv + 2 dv L + 6 C L + 2 L^2 + 3 C + r dv.
+  /// 4 C dv + 2 dv L + 8 C L + 2 L^2 + 3 C + r dv.
   [[nodiscard]] static std::size_t scalars_for(Index C, Index r, Index dv) {
     const Index L = padded_columns<Scalar>(C);
     return static_cast<std::size_t>(4 * C * r + 4 * r * L + 4 * L * dv + 4 * C * dv +
-                                    2 * dv * L + 6 * C * L + 2 * L * L + 3 * C + r * dv);
+                                    2 * dv * L + 8 * C * L + 2 * L * L + 3 * C + r * dv);
   }
 
   /// Bytes delta_backward allocates for T tokens (chunk, r, dv): the saved data, pass 1's
@@ -158,7 +158,8 @@ struct DeltaBackwardScratch {
 /// (`saved`, chunks of saved.chunk_size rows). `in`: bound beta and (GatedDelta) log_alpha.
 /// Writes dQ, dK, dV, d_beta (length T), d_log_alpha (length T; null for Delta) and dS0
 /// (resized). dS_T null: 0. Same outputs as delta_backward from the same initial state, bit for
-/// bit when `saved` holds the forward's data (the forward and pass 1 run one kernel).
+/// bit when `saved` holds the forward's data (the forward and pass 1 run one kernel). `saved`
+/// must be sized for these T, r, dv (unchecked; an assertion in debug builds).
 /// Per token about 12 r dv + C (5 r + 5 dv) flops; scratch O(C (C + r + dv) + r dv).
 template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
 void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
@@ -168,6 +169,9 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
                           Scalar* d_beta, Scalar* d_log_alpha, RowMatrix<Scalar>& dS0) {
   const Index T = Q.rows(), dv = V.cols(), r = phi.feature_dim(K.cols());
   const Index C = std::max<Index>(saved.chunk_size, 1);
+  // The caller checks the shapes (the public saved forward names them); here only in debug.
+  eigen_assert(saved.corrected.rows() == T && saved.reads.rows() == T &&
+               saved.states.rows() == (T + C - 1) / C * r && saved.states.cols() == dv);
   DeltaBackwardScratch<Scalar> w(std::min(C, std::max<Index>(T, 1)), r, dv,
                                  !has_row_major_storage<DV>(), !has_row_major_storage<DY>());
   const Index L = w.L, L2 = 2 * L;
@@ -247,25 +251,23 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
     // dP = tril(dO U^T): its share of dL/dB, then dP .* Gam.
     rule_gemm<Scalar, false>(n, np, dv, dO, ld_dO, w.u_t.data(), L, dPG, L,
                              Triangle::lower_result);
+    // F_ij collects the in-chunk terms f_ij that go to dL/dB_i with + and to dL/dB_j with -.
+    auto F = w.F.topLeftCorner(n, n);
     for (Index i = 0; i < n; ++i) {
-      Scalar* row = dPG + i * L;
-      if (gated)
-        for (Index j = 0; j <= i; ++j) {
-          const Scalar f = row[j] * w.P(i, j);
-          dlg(i) += f;
-          dlg(j) -= f;
-          row[j] *= w.Gam(i, j);
-        }
-      std::fill(row + i + 1, row + L, Scalar(0));
+      MutableRow row(dPG + i * L, i + 1);
+      if (gated) {
+        F.row(i).head(i + 1) = (row * w.P.row(i).head(i + 1).array()).matrix();
+        F.row(i).tail(n - i - 1).setZero();
+        row *= w.Gam.row(i).head(i + 1).array();
+      }
+      std::fill(dPG + i * L + i + 1, dPG + (i + 1) * L, Scalar(0));
     }
 
     // dW = A^-T dU, A_ij = beta_i KG_ij (i > j): backward substitution on NAT = -A^T, by blocks
     // of delta_solve_block rows (the rows of a block against every later row on the register
     // kernel, inside the block row by row from the last).
-    for (Index k = 1; k < n; ++k) {
-      const Scalar b = in.beta(first + k);
-      for (Index i = 0; i < k; ++i) w.NAT(i, k) = -b * w.KG(k, i);
-    }
+    for (Index k = 1; k < n; ++k) w.N.row(k).head(k) = -in.beta(first + k) * w.KG.row(k).head(k);
+    transpose_into(n, n, w.N.data(), L, w.NAT.data(), L);  // read above the diagonal only
     auto dW = w.dW.topRows(n);
     dW = w.dU.topRows(n);
     for (Index b0 = last / delta_solve_block * delta_solve_block; b0 >= 0;
@@ -284,23 +286,21 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
                              Triangle::lower_result);  // PT reused: dW U^T
     for (Index i = 0; i < n; ++i) {
       const Scalar b = in.beta(first + i);
-      Scalar db = 0;
-      for (Index j = 0; j < i; ++j) {
-        const Scalar dL = -w.PT(i, j);
-        db += dL * w.KG(i, j);
-        const Scalar f = dL * b * w.KG(i, j);  // dL_ij A_ij: the decays' share
-        if (gated) {
-          dlg(i) += f;
-          dlg(j) -= f;
-        }
-        const Scalar nij = dL * b * (gated ? w.Gam(i, j) : Scalar(1));
-        M[i * L + j] = nij;
-        M[j * L + i] = nij;
-      }
-      M[i * L + i] = 0;
-      d_beta[first + i] = db + (Row(v + i * ld_v, dv) - Row(G + i * dv, dv)).matrix().dot(
-                                   dW.row(i));
+      auto dL = w.N.row(i).head(i).array();
+      dL = -w.PT.row(i).head(i).array();
+      const auto dL_KG = dL * w.KG.row(i).head(i).array();
+      if (gated) F.row(i).head(i) += (b * dL_KG).matrix();  // dL_ij A_ij: the decays' share
+      d_beta[first + i] = dL_KG.sum() + (Row(v + i * ld_v, dv) - Row(G + i * dv, dv))
+                                            .matrix()
+                                            .dot(dW.row(i));
+      dL *= b;
+      if (gated) dL *= w.Gam.row(i).head(i).array();  // now N_ij
+      w.N.row(i).segment(i, n - i).setZero();
     }
+    transpose_into(n, n, w.N.data(), L, w.dPT.data(), L);  // dPT reused: N^T
+    for (Index i = 0; i < n; ++i)
+      MutableRow(M + i * L, n) = w.N.row(i).head(n).array() + w.dPT.row(i).head(n).array();
+    if (gated) dlg += F.rowwise().sum() - F.colwise().sum().transpose();
 
     // dR = diag(beta) dW = dV; its share of dL/dB: -gamma_i k_i S . dR_i = -G_i . dR_i. The
     // right-hand blocks: [diag(gamma) dO ; -diag(gamma) dR].
