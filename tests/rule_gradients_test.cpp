@@ -792,3 +792,130 @@ TEST_CASE("prefill_backward_into writes prefill_backward's bits into reused buff
     CHECK(initial.z.size() == 0);  // delta rules keep no z
   }
 }
+
+TEST_CASE("delta backward on the register kernel's widths against the naive loop") {
+  // dk = dv = 16 and 24 fill whole packets (the register kernel's products; the cases above, at
+  // dk = 4, dv = 3, run its row-by-row fallback); chunk 16 is a whole number of packets, 12 is
+  // padded; T = 45 ends in a short chunk; chunk 24 with T = 45 takes more than one solve block.
+  for (const Index d : {Index{16}, Index{24}})
+    for (const Index chunk : {Index{12}, Index{16}, Index{24}}) {
+      INFO("d " << d << ", chunk " << chunk);
+      constexpr Index T = 45;
+      auto delta = make_harness<Identity, Delta, double>(
+          Identity{}, Delta{}, Normalization::unnormalized(), T, d, d, chunk, false, 311);
+      delta.K /= std::sqrt(static_cast<double>(d));  // |k| about 1, as above
+      check_against_oracle<double>(delta, false, unit_roundoff<double>());
+      check_against_oracle<float>(delta, false, unit_roundoff<float>());
+      auto gated_delta = make_harness<Identity, GatedDelta, double>(
+          Identity{}, GatedDelta{}, Normalization::unnormalized(), T, d, d, chunk, false, 321);
+      gated_delta.K /= std::sqrt(static_cast<double>(d));
+      check_against_oracle<double>(gated_delta, false, unit_roundoff<double>());
+      check_against_oracle<float>(gated_delta, false, unit_roundoff<float>());
+    }
+}
+
+namespace {
+
+// The detail-level saved forward of a delta rule: the chunked forward with SaveDeltaChunks as
+// its observer, then delta_backward_saved, against the plain forward and delta_backward.
+template <class Rule, class Scalar>
+void check_saved_delta(Index T, Index dk, Index dv, Index chunk, std::uint64_t seed) {
+  using M = RowMatrix<Scalar>;
+  auto hd = make_harness<L2Normalize, Rule, double>(L2Normalize{}, Rule{},
+                                                    Normalization::unnormalized(), T, dk, dv,
+                                                    chunk, false, seed);
+  const RuleAttention<L2Normalize, Rule, Scalar> attn(L2Normalize{}, Rule{}, hd.attn.options());
+  const M Q = hd.Q.template cast<Scalar>(), K = hd.K.template cast<Scalar>(),
+          V = hd.V.template cast<Scalar>(), dY = hd.WY.template cast<Scalar>(),
+          S0 = hd.S0.template cast<Scalar>(), dS_T = hd.WS.template cast<Scalar>();
+  const ColVector<Scalar> beta = hd.beta.template cast<Scalar>(),
+                          log_alpha = hd.log_alpha.template cast<Scalar>();
+  const Index r = attn.feature_map().feature_dim(dk), C = attn.chunk_size(r, dv);
+  detail::TokenInputs<Scalar> in;
+  if constexpr (Rule::kind == WriteKind::gated_delta)
+    detail::bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(beta, log_alpha), T, r, in);
+  else
+    detail::bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(beta), T, r, in);
+
+  // The forward with the saving observer against the plain one: the same bits in Y and S_T.
+  auto plain = attn.make_state(dk, dv), saving = attn.make_state(dk, dv);
+  plain.assign(S0);
+  saving.assign(S0);
+  M Y_plain(T, dv), Y_saving(T, dv);
+  const auto query = [&](Index) -> const M& { return Q; };
+  detail::rule_chunked(attn.feature_map(), attn.options().normalization, C, 1, query, K, V, in,
+                       plain, [&](Index) -> Eigen::Ref<M> { return Y_plain; });
+  detail::DeltaSavedStates<Scalar> saved;
+  saved.resize(T, std::min(C, std::max<Index>(T, 1)), r, dv);  // the forward's chunk
+  detail::rule_chunked(attn.feature_map(), attn.options().normalization, C, 1, query, K, V, in,
+                       saving, [&](Index) -> Eigen::Ref<M> { return Y_saving; },
+                       detail::SaveDeltaChunks<Scalar>{saved});
+  CHECK(Y_saving == Y_plain);
+  CHECK(saving.S() == plain.S());
+  // The public forward gives the same bits too (it runs the same chunked kernel).
+  auto pub = attn.make_state(dk, dv);
+  pub.assign(S0);
+  M Y_public;
+  if constexpr (Rule::kind == WriteKind::gated_delta)
+    Y_public = attn.prefill(pub, Q, K, V, beta, log_alpha);
+  else
+    Y_public = attn.prefill(pub, Q, K, V, beta);
+  CHECK(Y_public == Y_plain);
+
+  // Pass 1 of the recomputing backward keeps the forward's bits.
+  detail::DeltaSavedStates<Scalar> rebuilt;
+  detail::delta_save_chunks(attn.feature_map(), K, V, in, S0, C, rebuilt);
+  CHECK(rebuilt.chunk_size == saved.chunk_size);
+  CHECK(rebuilt.states == saved.states);
+  CHECK(rebuilt.corrected == saved.corrected);
+  CHECK(rebuilt.reads == saved.reads);
+
+  // The backward from the saved data against delta_backward and the public prefill_backward.
+  Scalar* no_alpha = nullptr;
+  M dQ(T, dk), dK(T, dk), dV(T, dv), dS0;
+  ColVector<Scalar> d_beta(T), d_log_alpha(T);
+  const bool gated = Rule::kind == WriteKind::gated_delta;
+  detail::delta_backward_saved<Scalar>(attn.feature_map(), Q, K, V, dY, in, saved, &dS_T, dQ, dK, dV,
+                               d_beta.data(), gated ? d_log_alpha.data() : no_alpha, dS0);
+  M eQ(T, dk), eK(T, dk), eV(T, dv), eS0;
+  ColVector<Scalar> e_beta(T), e_log_alpha(T);
+  detail::delta_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, &dS_T, C, eQ, eK, eV,
+                         e_beta.data(), gated ? e_log_alpha.data() : no_alpha, eS0);
+  CHECK(dQ == eQ);
+  CHECK(dK == eK);
+  CHECK(dV == eV);
+  CHECK(d_beta == e_beta);
+  if (gated) CHECK(d_log_alpha == e_log_alpha);
+  CHECK(dS0 == eS0);
+  auto st = attn.make_state(dk, dv);
+  st.assign(S0);
+  const StateGradient<Scalar> final_gradient{dS_T, ColVector<Scalar>()};
+  RuleGradients<Scalar> g;
+  if constexpr (Rule::kind == WriteKind::gated_delta)
+    g = prefill_backward(attn, st, Q, K, V, beta, log_alpha, dY, &final_gradient);
+  else
+    g = prefill_backward(attn, st, Q, K, V, beta, dY, &final_gradient);
+  CHECK(g.Q == dQ);
+  CHECK(g.K == dK);
+  CHECK(g.V == dV);
+  CHECK(g.inputs.beta == d_beta);
+  CHECK(g.initial.S == dS0);
+}
+
+}  // namespace
+
+TEST_CASE("delta backward from the forward's saved chunks (detail level)") {
+  // The register kernel's widths (16) and the fallback's (3, 5); T a multiple of the chunk, not
+  // one, shorter than one chunk, 1 and 0.
+  struct Case {
+    Index T, dk, dv, chunk;
+  };
+  for (const Case c : {Case{64, 16, 16, 16}, Case{45, 16, 16, 16}, Case{37, 16, 24, 12},
+                       Case{10, 16, 16, 32}, Case{1, 8, 8, 8}, Case{0, 8, 8, 8},
+                       Case{23, 3, 5, 4}}) {
+    INFO("T " << c.T << ", dk " << c.dk << ", dv " << c.dv << ", chunk " << c.chunk);
+    check_saved_delta<Delta, float>(c.T, c.dk, c.dv, c.chunk, 411);
+    check_saved_delta<GatedDelta, float>(c.T, c.dk, c.dv, c.chunk, 421);
+    check_saved_delta<GatedDelta, double>(c.T, c.dk, c.dv, c.chunk, 431);
+  }
+}

@@ -32,8 +32,8 @@
 /// products, about 10 r dv flops per token against the forward's 4 r dv. A saved forward
 /// (linattn/rule_saved_forward.hpp) skips the rebuild: 8 r dv. Delta / GatedDelta (the WY / UT
 /// form): O(T (r dv + C (r + dv))) time plus a C x C triangular solve per chunk, the boundary
-/// states stored: r dv / C scalars per token plus O(C (C + r + dv) + r dv). Exact figures:
-/// rule_backward_bytes().
+/// states and each token's corrected values stored: r dv / C + 2 dv scalars per token plus
+/// O(C (C + r + dv) + r dv). Exact figures: rule_backward_bytes().
 ///
 /// The feature map must be a DifferentiableFeatureMap: gradients flow to Q and K through its
 /// backward(). Errors: ShapeError for shapes that do not fit (naming them), std::invalid_argument

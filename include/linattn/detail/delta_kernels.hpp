@@ -248,6 +248,7 @@ class DeltaRecurrence {
 /// corrected values u_i = beta_i (v_i - alpha_i kf_i S_{i-1}) solve the unit lower-triangular
 /// system
 ///   u_i + beta_i sum_{j<i} D(i, j) (kf_i . kf_j) u_j = beta_i v_i - beta_i D(i, -1) kf_i S,
+/// (the right-hand side beta_i (v_i - g_i) from the decayed state reads g_i = D(i, -1) kf_i S),
 /// solved by blocks of delta_solve_block rows (a block against all earlier rows is one product
 /// on the register kernel; inside a block, row by row). Then
 ///   out_i = D(i, -1) qf_i S + sum_{j<=i} D(i, j) (qf_i . kf_j) u_j,
@@ -265,8 +266,8 @@ class DeltaChunk {
       : r_(r), dv_(dv), ld_(padded_columns<Scalar>(C)),
         kf_t_(RowMatrix<Scalar>::Zero(r, ld_)), kw_t_(r, ld_),
         decay_(RowMatrix<Scalar>::Zero(C, ld_)), system_(RowMatrix<Scalar>::Zero(C, ld_)),
-        scores_(RowMatrix<Scalar>::Zero(C, ld_)), corrected_(C, dv), gate_(C), decay_in_(C),
-        weight_out_(C), coefficient_(C) {}
+        scores_(RowMatrix<Scalar>::Zero(C, ld_)), corrected_(C, dv), reads_(C, dv), gate_(C),
+        decay_in_(C), weight_out_(C) {}
 
   /// The key side of n tokens from state S: kf (n x r, row stride ld_kf), v (n x dv, row stride
   /// ld_v), beta[t] and, for GatedDelta, log_alpha[t] (t < n; log_alpha.data null for Delta).
@@ -298,12 +299,13 @@ class DeltaChunk {
       if (gated_) row *= decay_.row(i).head(i).array();
       row *= -beta[i];
     }
-    // Right-hand side: -beta_i D(i, -1) kf_i S (a row-scaled product), plus beta_i v_i.
-    for (Index i = 0; i < n; ++i) coefficient_(i) = -beta[i] * (gated_ ? decay_in_(i) : Scalar(1));
-    rule_gemm<Scalar, false>(n, dv, r, kf, ld_kf, S.data(), dv, corrected_.data(), dv,
-                             Triangle::none, coefficient_.data());
+    // Right-hand side beta_i (v_i - g_i) with the decayed state reads g_i = D(i, -1) kf_i S (a
+    // row-scaled product, kept: the backward reads them, see DeltaSavedStates).
+    rule_gemm<Scalar, false>(n, dv, r, kf, ld_kf, S.data(), dv, reads_.data(), dv,
+                             Triangle::none, gated_ ? decay_in_.data() : nullptr);
     using Row = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
-    for (Index i = 0; i < n; ++i) corrected_.row(i).array() += beta[i] * Row(v + i * ld_v, dv);
+    for (Index i = 0; i < n; ++i)
+      corrected_.row(i).array() = beta[i] * (Row(v + i * ld_v, dv) - reads_.row(i).array());
     // Blocked forward substitution: u_i += sum_{j<i} system(i, j) u_j.
     for (Index b0 = 0; b0 < n; b0 += delta_solve_block) {
       const Index end = std::min(n, b0 + delta_solve_block);
@@ -336,6 +338,12 @@ class DeltaChunk {
                             Triangle::lower_lhs);
   }
 
+  /// The prepared chunk's rows, its corrected values u_i (rows() x dv, row-major, contiguous)
+  /// and its decayed state reads g_i = D(i, -1) kf_i S (likewise), valid until the next prepare().
+  [[nodiscard]] Index rows() const noexcept { return n_; }
+  [[nodiscard]] const Scalar* corrected() const noexcept { return corrected_.data(); }
+  [[nodiscard]] const Scalar* state_reads() const noexcept { return reads_.data(); }
+
   /// The state absorbs the prepared chunk: S = D(n-1, -1) S + sum_j D(n-1, j) kf_j^T u_j.
   void absorb(RowMatrix<Scalar>& S) {
     const Index n = n_;
@@ -347,8 +355,8 @@ class DeltaChunk {
 
  private:
   Index r_, dv_, ld_;
-  RowMatrix<Scalar> kf_t_, kw_t_, decay_, system_, scores_, corrected_;
-  ColVector<Scalar> gate_, decay_in_, weight_out_, coefficient_;
+  RowMatrix<Scalar> kf_t_, kw_t_, decay_, system_, scores_, corrected_, reads_;
+  ColVector<Scalar> gate_, decay_in_, weight_out_;
   Index n_ = 0;
   bool gated_ = false;
 };

@@ -40,9 +40,10 @@ TokenValues<Scalar> values_from(const TokenArray<Scalar>& a, Index first) {
 /// the kernel prepares the key side once (features, decays, the delta rule's corrected values),
 /// reads each head (each with a single-head call's bits), then updates the state. Each head's
 /// rows are normalized before the state absorbs their chunk, so after a DenominatorError the
-/// state holds exactly the chunks before the failing one. `observe(first, S, z)` sees the state
-/// before each chunk (NoChunkObserver: nothing; the saving forward keeps it). Scratch
-/// allocated once per call.
+/// state holds exactly the chunks before the failing one. `observe` sees the state before each
+/// chunk: observe(first, S, z) for Decay and Gated, observe(first, S, kernel) for the delta
+/// rules, with the prepared DeltaChunk (NoChunkObserver: nothing; the saving forwards keep them:
+/// SaveChunkStates, SaveDeltaChunks). Scratch allocated once per call.
 template <class Scalar, class Rule, class Phi, class QueryAt, class DK, class DV, class OutputAt,
           class Observer = NoChunkObserver>
 void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, Index group,
@@ -83,6 +84,7 @@ void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, I
     chunks(kernel, [&](auto& k, Index n, const Scalar* v, Index ld_v, Index first) {
       k.prepare(n, kf.data(), r, v, ld_v, values_from(in.beta, first),
                 values_from(in.log_alpha, first), S);
+      observe(first, S, static_cast<const DeltaChunk<Scalar>&>(k));
     });
   } else if (in.log_gate.cols > 1) {
     ChannelGatedChunk<Scalar> kernel(C, r, dv);
