@@ -265,6 +265,8 @@ void BM_delta_saved(benchmark::State& state) {
       static_cast<double>(linattn::detail::DeltaSavedStates<float>::bytes_for(T, C, d, d)) /
       static_cast<double>(T);
   state.counters["delta_rule"] = rule;
+  state.counters["T"] = static_cast<double>(T);
+  state.counters["d"] = static_cast<double>(d);
 }
 
 void delta_saved_args(benchmark::internal::Benchmark* b) {
