@@ -12,8 +12,9 @@
 // rank's wall time between two barriers; the best of --repeat calls is reported. One line per
 // measurement on rank 0:
 //   bench_mpi rule=additive ranks=2 split=balanced T=65536 H=8 d=128 ... schedule=summaries ...
-// with the schedule that ran (--schedule automatic: the one Carry's default picks), what each
-// rank exchanged (ExchangeStats) and each rank's own time.
+// with the schedule that ran (--schedule automatic: the one Carry's default picks), the one
+// Schedule::automatic picks for this call and split (automatic=), what each rank exchanged
+// (ExchangeStats) and each rank's own time.
 // This is not a Google Benchmark program: the timing must span processes.
 
 #include <linattn/mpi.hpp>
@@ -135,11 +136,15 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
   const auto print = [&](const char* what, const Timing& t) {
     if (rank != 0) return;
     const char* ran = t.stats.schedule == mpi::Schedule::pipeline ? "pipeline" : "summaries";
+    // What Schedule::automatic picks for this call (the same model the library runs).
+    const bool pays = linattn::detail::pipeline_pays(
+        H, lengths, true, linattn::detail::carry_cost_of<typename Attention::rule_type>());
     std::printf("bench_mpi rule=%s ranks=%d split=%s T=%ld H=%ld d=%ld call=%s schedule=%s "
-                "seconds=%.4f tokens_per_second=%.0f summary_bytes=%zu state_bytes=%zu "
-                "sent_bytes=%zu received_bytes=%zu rank_seconds=",
+                "automatic=%s seconds=%.4f tokens_per_second=%.0f summary_bytes=%zu "
+                "state_bytes=%zu sent_bytes=%zu received_bytes=%zu rank_seconds=",
                 c.rule.c_str(), ranks, c.split.c_str(), long(c.tokens), long(H), long(d), what,
-                ranks == 1 && std::string(what) == "single_process" ? "none" : ran, t.seconds,
+                ranks == 1 && std::string(what) == "single_process" ? "none" : ran,
+                pays ? "pipeline" : "summaries", t.seconds,
                 double(c.tokens) / t.seconds, t.stats.summary_bytes, t.stats.state_bytes,
                 t.stats.sent_bytes(), t.stats.received_bytes);
     for (std::size_t p = 0; p < t.rank_seconds.size(); ++p)
