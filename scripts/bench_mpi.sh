@@ -85,12 +85,13 @@ for rule in "${rules[@]}"; do
   awk -v rule="$rule" -v T="$tokens" -v P="$ranks" -v t1="$t1" -v te="$te" -v tb="$tb" \
       -v tp="$tp" -v picks="$picks" -v c="$carry_cost" -v sent="$sent" -v summary="$summary" \
       -v sent_p="$sent_p" -v load="$load" 'BEGIN {
-    ta = picks == "pipeline" ? tp : te
+    ta = (picks == "pipeline") ? tp : te
+    verdict = (t1 / ta >= 1.7) ? "met" : "not met"
     printf "mpi: prefill T=%d H=8 d=128 %s (float): 1 process %.3f s; %d ranks: summaries %.3f s " \
            "even (%.2fx), %.3f s balanced c=%s (%.2fx); pipeline %.3f s (%.2fx); automatic picks " \
            "%s: %.2fx (target 1.7x: %s); sent per rank %.1f KiB summaries (%.1f KiB of them), " \
            "%.1f KiB pipeline, independent of T; load %s\n", T, rule, t1, P, te, t1 / te, tb, c,
-           t1 / tb, tp, t1 / tp, picks, t1 / ta, t1 / ta >= 1.7 ? "met" : "not met",
+           t1 / tb, tp, t1 / tp, picks, t1 / ta, verdict,
            sent / 1024, summary / 1024, sent_p / 1024, load
   }'
 done
