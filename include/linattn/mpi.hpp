@@ -34,16 +34,16 @@
 /// the next rank only, the records, the initial state from its holder to rank 0 where it is
 /// not zero, and with broadcast_final the last rank's states to all.
 ///
-/// Compute per rank, for a slice of T_p tokens: a single-process prefill of T_p tokens on the
-/// first non-empty rank of a sequence that starts empty; elsewhere that plus 2 r dv flops per
-/// token and query head for the carry (decayed rules), or about twice a prefill (delta rules:
-/// A_p costs a second pass of width r). Then O(P r dv) (O(P r^2 dv), delta rules) per state
-/// head to compose the summaries. balanced_slices() sizes the slices for that difference.
-/// Memory: between its two phases a rank keeps, per query head, T_p x r values (the query
-/// features, or qf_t^T A_t) and T_p denominators, plus T_p x r key features per state head; a
-/// SequenceParallel object keeps these buffers from call to call, so repeated calls of the same
-/// shape touch no new memory. Calls on one object must not overlap (they are collectives on
-/// one communicator anyway); give each thread its own object and communicator.
+/// Compute per rank, for a slice of T_p tokens (summaries): a single-process prefill of T_p
+/// tokens on the first non-empty rank of a sequence that starts empty; elsewhere that plus
+/// 2 r dv flops per token and query head for the carry (decayed rules), or about twice a
+/// prefill (delta rules: A_p is a second pass of width r); then O(P r dv) (O(P r^2 dv)) per
+/// state head to compose. balanced_slices() sizes the slices for that difference. Pipeline:
+/// one prefill of T_p tokens per item, items in order (the layer's executor is not used).
+/// Memory: per query head T_p x r values and T_p denominators between the summaries' phases,
+/// one state per item (pipeline); kept by the object from call to call, so repeated calls of
+/// one shape touch no new memory. Calls on one object must not overlap; give each thread its
+/// own object and communicator.
 ///
 /// Errors: a call either returns on every rank or throws on every rank the same exception
 /// (type and message), and then no rank's state has changed (outputs may have been written).
@@ -193,20 +193,6 @@ inline ExchangeStats stats_of(const linattn::detail::ExchangeCounts& c) {
   return {c.ranks, c.rank, c.record_bytes, c.summary_bytes, c.initial_state_bytes,
           c.received_bytes, static_cast<Schedule>(c.schedule), c.state_bytes};
 }
-
-/// Rows of `x` (T x d) as row views: in place when they are contiguous rows of Scalar, else
-/// a copy appended to `copies` (kept for the call).
-template <class Scalar, class D>
-linattn::detail::RowsSpec<const Scalar> rows_of(const Eigen::MatrixBase<D>& x,
-                                                std::vector<RowMatrix<Scalar>>& copies) {
-  if constexpr ((D::Flags & Eigen::DirectAccessBit) != 0 && D::IsRowMajor &&
-                D::InnerStrideAtCompileTime == 1 && std::is_same_v<typename D::Scalar, Scalar>) {
-    return linattn::detail::RowsSpec<const Scalar>::of(x.derived());
-  } else {
-    copies.push_back(x.template cast<Scalar>());
-    return linattn::detail::RowsSpec<const Scalar>::of(copies.back());
-  }
-}
 }  // namespace detail
 
 /// Sequence-parallel prefill with `Attention`: a RuleAttention (one head) or a
@@ -262,9 +248,9 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
             state.check_identity(attention_.state_identity());
             work.reset(1);
             auto& item = work.items.front();
-            item.queries.push_back(detail::rows_of<Scalar>(Q, copies));
-            item.keys = detail::rows_of<Scalar>(K, copies);
-            item.values = detail::rows_of<Scalar>(V, copies);
+            item.queries.push_back(linattn::detail::rows_spec_of<Scalar>(Q, copies));
+            item.keys = linattn::detail::rows_spec_of<Scalar>(K, copies);
+            item.values = linattn::detail::rows_spec_of<Scalar>(V, copies);
             item.outputs.push_back(linattn::detail::RowsSpec<Scalar>::of(out));
             linattn::detail::bind_token_inputs<Scalar>(
                 attention_.rule(), inputs, K.rows(), attention_.feature_dim(K.cols()), item.inputs);

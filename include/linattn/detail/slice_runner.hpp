@@ -67,6 +67,20 @@ struct RowsSpec {
   }
 };
 
+/// Rows of `x` (T x d) as row views: in place when they are contiguous rows of Scalar, else
+/// a copy appended to `copies` (kept for the call).
+template <class Scalar, class D>
+RowsSpec<const Scalar> rows_spec_of(const Eigen::MatrixBase<D>& x,
+                                    std::vector<RowMatrix<Scalar>>& copies) {
+  if constexpr ((D::Flags & Eigen::DirectAccessBit) != 0 && D::IsRowMajor &&
+                D::InnerStrideAtCompileTime == 1 && std::is_same_v<typename D::Scalar, Scalar>) {
+    return RowsSpec<const Scalar>::of(x.derived());
+  } else {
+    copies.push_back(x.template cast<Scalar>());
+    return RowsSpec<const Scalar>::of(copies.back());
+  }
+}
+
 /// One state head of one sequence on this process: its G query heads and outputs, its keys,
 /// values and bound per-token inputs (all T rows of the slice), and what run_local keeps for
 /// apply_carry.
