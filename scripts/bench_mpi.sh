@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sequence-parallel prefill over MPI (bench/mpi/bench_mpi.cpp, linattn/mpi.hpp): one sequence of
-# T = 65536 tokens, H = 8 heads, d = 128, in one process and split over 2 ranks; prints one
-# summary line (speed-up and bytes sent per rank) for the main command (scripts/bench.sh).
+# T = 65536 tokens, H = 8 heads, d = 128, in one process and split over 2 ranks under both
+# schedules (summaries: even and balanced slices; pipeline: even slices); prints one summary
+# line (speed-ups, the schedule Schedule::automatic picks for even slices against issue 16's
+# 1.7x target, bytes sent per rank) for the main command (scripts/bench.sh).
 #
 #   bash scripts/bench_mpi.sh               build, run, print the summary line
 #   bash scripts/bench_mpi.sh --all-rules   also Decay, Gated, Delta and GatedDelta (one line each)
@@ -21,7 +23,7 @@ for arg in "$@"; do
   case "$arg" in
     --all-rules) all_rules=1 ;;
     --raw) raw=1 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "bench_mpi.sh: unknown option '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -67,20 +69,29 @@ rules=(additive)
 for rule in "${rules[@]}"; do
   load="$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo '?')"
   one="$(run 1 --rule "$rule")"
-  even="$(run "$ranks" --rule "$rule" --split even)"
-  balanced="$(run "$ranks" --rule "$rule" --split balanced --carry-cost "$carry_cost")"
-  [ "$raw" -eq 1 ] && printf '%s\n%s\n%s\n' "$one" "$even" "$balanced"
+  even="$(run "$ranks" --rule "$rule" --split even --schedule summaries)"
+  balanced="$(run "$ranks" --rule "$rule" --split balanced --carry-cost "$carry_cost" --schedule summaries)"
+  piped="$(run "$ranks" --rule "$rule" --split even --schedule pipeline)"
+  [ "$raw" -eq 1 ] && printf '%s\n%s\n%s\n%s\n' "$one" "$even" "$balanced" "$piped"
   single="$(grep 'call=single_process' <<<"$one")"
   t1="$(field seconds "$single")"
   te="$(field seconds "$even")"
   tb="$(field seconds "$balanced")"
+  tp="$(field seconds "$piped")"
+  picks="$(field automatic "$piped")"  # automatic's choice for even slices
   sent="$(field sent_bytes "$balanced")"
   summary="$(field summary_bytes "$balanced")"
+  sent_p="$(field sent_bytes "$piped")"
   awk -v rule="$rule" -v T="$tokens" -v P="$ranks" -v t1="$t1" -v te="$te" -v tb="$tb" \
-      -v c="$carry_cost" -v sent="$sent" -v summary="$summary" -v load="$load" 'BEGIN {
-    printf "mpi: prefill T=%d H=8 d=128 %s (float): 1 process %.3f s; %d ranks %.3f s even " \
-           "(%.2fx), %.3f s balanced c=%s (%.2fx); sent per rank %.1f KiB (summaries %.1f KiB, " \
-           "independent of T); load %s\n", T, rule, t1, P, te, t1 / te, tb, c, t1 / tb,
-           sent / 1024, summary / 1024, load
+      -v tp="$tp" -v picks="$picks" -v c="$carry_cost" -v sent="$sent" -v summary="$summary" \
+      -v sent_p="$sent_p" -v load="$load" 'BEGIN {
+    ta = (picks == "pipeline") ? tp : te
+    verdict = (t1 / ta >= 1.7) ? "met" : "not met"
+    printf "mpi: prefill T=%d H=8 d=128 %s (float): 1 process %.3f s; %d ranks: summaries %.3f s " \
+           "even (%.2fx), %.3f s balanced c=%s (%.2fx); pipeline %.3f s (%.2fx); automatic picks " \
+           "%s: %.2fx (target 1.7x: %s); sent per rank %.1f KiB summaries (%.1f KiB of them), " \
+           "%.1f KiB pipeline, independent of T; load %s\n", T, rule, t1, P, te, t1 / te, tb, c,
+           t1 / tb, tp, t1 / tp, picks, t1 / ta, verdict,
+           sent / 1024, summary / 1024, sent_p / 1024, load
   }'
 done

@@ -5,13 +5,16 @@
 //
 //   mpirun -np 2 bench_mpi [--tokens 65536] [--heads 8] [--dim 128] [--rule additive]
 //                          [--split even|balanced] [--carry-cost 0.35] [--repeat 3]
+//                          [--schedule automatic|summaries|pipeline]
 //
 // Rules: additive, decay, gated, delta, gated_delta. Every rank holds only its slice of the
 // [1, T, H, d] buffers (distinct random data per head and token). A timed call is the slowest
 // rank's wall time between two barriers; the best of --repeat calls is reported. One line per
 // measurement on rank 0:
-//   bench_mpi rule=additive ranks=2 split=balanced T=65536 H=8 d=128 seconds=0.70 ...
-// with what each rank exchanged (ExchangeStats) and each rank's own time.
+//   bench_mpi rule=additive ranks=2 split=balanced T=65536 H=8 d=128 ... schedule=summaries ...
+// with the schedule that ran (--schedule automatic: the one Carry's default picks), the one
+// Schedule::automatic picks for this call and split (automatic=), what each rank exchanged
+// (ExchangeStats) and each rank's own time.
 // This is not a Google Benchmark program: the timing must span processes.
 
 #include <linattn/mpi.hpp>
@@ -31,7 +34,7 @@ namespace {
 
 struct Config {
   Index tokens = 65536, heads = 8, dim = 128;
-  std::string rule = "additive", split = "even";
+  std::string rule = "additive", split = "even", schedule = "automatic";
   double carry_cost = 0.35;
   int repeat = 3;
 };
@@ -47,6 +50,7 @@ Config parse(int argc, char** argv) {
     else if (key == "--split") c.split = value;
     else if (key == "--carry-cost") c.carry_cost = std::atof(value.c_str());
     else if (key == "--repeat") c.repeat = std::atoi(value.c_str());
+    else if (key == "--schedule") c.schedule = value;
     else throw std::invalid_argument("bench_mpi: unknown option " + key);
   }
   return c;
@@ -114,7 +118,11 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
   const auto O = TensorView<float>::batch_first(out.data(), 1, T, H, d);
   const auto B = view(beta, T, 1), Gt = view(gate, T, 1);
   const Layer layer({H, H, d, d}, attention);
-  mpi::SequenceParallel<Layer> split(layer, MPI_COMM_WORLD);
+  mpi::Carry carry;
+  if (c.schedule == "summaries") carry.schedule = mpi::Schedule::summaries;
+  else if (c.schedule == "pipeline") carry.schedule = mpi::Schedule::pipeline;
+  else if (c.schedule != "automatic") throw std::invalid_argument("bench_mpi: unknown schedule " + c.schedule);
+  mpi::SequenceParallel<Layer> split(layer, MPI_COMM_WORLD, carry);
   auto state = layer.make_state(1);
   const auto call_split = [&] {
     state.sequence(0).reset();
@@ -127,11 +135,17 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
   };
   const auto print = [&](const char* what, const Timing& t) {
     if (rank != 0) return;
-    std::printf("bench_mpi rule=%s ranks=%d split=%s T=%ld H=%ld d=%ld call=%s seconds=%.4f "
-                "tokens_per_second=%.0f summary_bytes=%zu sent_bytes=%zu received_bytes=%zu "
-                "rank_seconds=",
+    const char* ran = t.stats.schedule == mpi::Schedule::pipeline ? "pipeline" : "summaries";
+    // What Schedule::automatic picks for this call (the same model the library runs).
+    const bool pays = linattn::detail::pipeline_pays(
+        H, lengths, true, linattn::detail::carry_cost_of<typename Attention::rule_type>());
+    std::printf("bench_mpi rule=%s ranks=%d split=%s T=%ld H=%ld d=%ld call=%s schedule=%s "
+                "automatic=%s seconds=%.4f tokens_per_second=%.0f summary_bytes=%zu "
+                "state_bytes=%zu sent_bytes=%zu received_bytes=%zu rank_seconds=",
                 c.rule.c_str(), ranks, c.split.c_str(), long(c.tokens), long(H), long(d), what,
-                t.seconds, double(c.tokens) / t.seconds, t.stats.summary_bytes,
+                ranks == 1 && std::string(what) == "single_process" ? "none" : ran,
+                pays ? "pipeline" : "summaries", t.seconds,
+                double(c.tokens) / t.seconds, t.stats.summary_bytes, t.stats.state_bytes,
                 t.stats.sent_bytes(), t.stats.received_bytes);
     for (std::size_t p = 0; p < t.rank_seconds.size(); ++p)
       std::printf("%s%.4f", p ? "," : "", t.rank_seconds[p]);

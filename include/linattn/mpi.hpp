@@ -20,21 +20,30 @@
 /// that starts empty is computed as a single process computes it (the same bits where the
 /// slice holds whole chunks).
 ///
-/// Exchanged per rank, whatever the slice length: one summary per state head of
+/// That is Schedule::summaries. Schedule::pipeline (detail/mpi_pipeline.hpp) runs a wavefront
+/// over the call's items instead: rank p receives item i's state after slice p-1 from rank
+/// p-1, prefills its slice from it and sends the state after its slice to rank p+1 (in a
+/// fixed order: the same P and slices give the same bits; slices of whole chunks, each at
+/// least one, give a single process's bits). Carry::schedule chooses (Schedule).
+///
+/// Exchanged per rank (summaries), whatever the slice length: one summary per state head of
 /// r dv + r scalars (Additive), r dv + r + 1 (Decay), r dv + 2 r (Gated), r dv + r r (Delta,
 /// GatedDelta), plus two records of about 700 bytes, plus the initial state from its holder
 /// where it is not zero. MPI_Allgather delivers each summary to the P - 1 other ranks.
+/// Pipeline: one state per item (r dv + r scalars, r dv for the delta rules, and 16 bytes) to
+/// the next rank only, the records, the initial state from its holder to rank 0 where it is
+/// not zero, and with broadcast_final the last rank's states to all.
 ///
-/// Compute per rank, for a slice of T_p tokens: a single-process prefill of T_p tokens on the
-/// first non-empty rank of a sequence that starts empty; elsewhere that plus 2 r dv flops per
-/// token and query head for the carry (decayed rules), or about twice a prefill (delta rules:
-/// A_p costs a second pass of width r). Then O(P r dv) (O(P r^2 dv), delta rules) per state
-/// head to compose the summaries. balanced_slices() sizes the slices for that difference.
-/// Memory: between its two phases a rank keeps, per query head, T_p x r values (the query
-/// features, or qf_t^T A_t) and T_p denominators, plus T_p x r key features per state head; a
-/// SequenceParallel object keeps these buffers from call to call, so repeated calls of the same
-/// shape touch no new memory. Calls on one object must not overlap (they are collectives on
-/// one communicator anyway); give each thread its own object and communicator.
+/// Compute per rank, for a slice of T_p tokens (summaries): a single-process prefill of T_p
+/// tokens on the first non-empty rank of a sequence that starts empty; elsewhere that plus
+/// 2 r dv flops per token and query head for the carry (decayed rules), or about twice a
+/// prefill (delta rules: A_p is a second pass of width r); then O(P r dv) (O(P r^2 dv)) per
+/// state head to compose. balanced_slices() sizes the slices for that difference. Pipeline:
+/// one prefill of T_p tokens per item, items in order (the layer's executor is not used).
+/// Memory: per query head T_p x r values and T_p denominators between the summaries' phases,
+/// one state per item (pipeline); kept by the object from call to call, so repeated calls of
+/// one shape touch no new memory. Calls on one object must not overlap; give each thread its
+/// own object and communicator.
 ///
 /// Errors: a call either returns on every rank or throws on every rank the same exception
 /// (type and message), and then no rank's state has changed (outputs may have been written).
@@ -74,7 +83,23 @@ namespace linattn::mpi {
 /// Carry::initial_rank's default: the last rank, where a call leaves the final state.
 inline constexpr int kLastRank = -1;
 
-/// Where the state before the call comes from and where the state after it goes.
+/// How the ranks carry the state from slice to slice (docs/distributed.md has the model and
+/// the measurements).
+///   summaries  every rank runs its slice of every item from a zero carry, the summaries are
+///              all-gathered and composed, and every rank but the first reads its carry (the
+///              file comment). Time ~ (T/P)(1 + c) per item: c = 0.35 for the decayed rules,
+///              about 1 for the delta rules (their zero-carry pass runs an extended state).
+///   pipeline   a wavefront over the call's items (state heads of the sequences): rank p takes
+///              item i's state from rank p-1, runs its slice as the attention's own prefill
+///              from it and sends the state after its slice on to rank p+1 while it goes on
+///              with item i+1. Time ~ (items + P - 1) (T/P): every rule alike.
+///   automatic  the pipeline where its modelled time is lower (for even slices: when
+///              c items > P - 1), never for one item or fewer items than ranks.
+enum class Schedule { automatic = 0, summaries = 1, pipeline = 2 };
+static_assert(int(Schedule::pipeline) == int(linattn::detail::ScheduleCode::pipeline));
+
+/// Where the state before the call comes from, where the state after it goes, and how it
+/// travels between the ranks.
 struct Carry {
   /// The rank whose state argument holds the sequence's state before the first token of rank
   /// 0's slice (kLastRank: the last rank, so that consecutive calls continue each other); the
@@ -84,6 +109,8 @@ struct Carry {
   /// from the same summaries on every rank: no extra message, the same bits everywhere).
   /// Otherwise rank p's holds the state after its own slice, and the last rank's the final one.
   bool broadcast_final = false;
+  /// The schedule; every rank must pass the same.
+  Schedule schedule = Schedule::automatic;
 };
 
 /// What one call put into the exchange and took out of it, for this rank, in bytes.
@@ -98,9 +125,15 @@ struct ExchangeStats {
   std::size_t initial_state_bytes = 0;
   /// Everything this rank received: P - 1 records twice, P - 1 summaries, the initial state.
   std::size_t received_bytes = 0;
-  /// What this rank contributed: records, summaries and any initial state.
+  /// The schedule that ran (summaries or pipeline).
+  Schedule schedule = Schedule::summaries;
+  /// Pipeline: the states this rank sent to the next rank (one per item: a 16-byte header and
+  /// S, plus z for the rules that keep it) and, with broadcast_final, on the last rank, the
+  /// final states it broadcast. Independent of T. 0 for the summaries.
+  std::size_t state_bytes = 0;
+  /// What this rank contributed: records, summaries or states, and any initial state.
   [[nodiscard]] std::size_t sent_bytes() const noexcept {
-    return record_bytes + summary_bytes + initial_state_bytes;
+    return record_bytes + summary_bytes + state_bytes + initial_state_bytes;
   }
 };
 
@@ -158,21 +191,7 @@ namespace detail {
 
 inline ExchangeStats stats_of(const linattn::detail::ExchangeCounts& c) {
   return {c.ranks, c.rank, c.record_bytes, c.summary_bytes, c.initial_state_bytes,
-          c.received_bytes};
-}
-
-/// Rows of `x` (T x d) as row views: in place when they are contiguous rows of Scalar, else
-/// a copy appended to `copies` (kept for the call).
-template <class Scalar, class D>
-linattn::detail::RowsSpec<const Scalar> rows_of(const Eigen::MatrixBase<D>& x,
-                                                std::vector<RowMatrix<Scalar>>& copies) {
-  if constexpr ((D::Flags & Eigen::DirectAccessBit) != 0 && D::IsRowMajor &&
-                D::InnerStrideAtCompileTime == 1 && std::is_same_v<typename D::Scalar, Scalar>) {
-    return linattn::detail::RowsSpec<const Scalar>::of(x.derived());
-  } else {
-    copies.push_back(x.template cast<Scalar>());
-    return linattn::detail::RowsSpec<const Scalar>::of(copies.back());
-  }
+          c.received_bytes, static_cast<Schedule>(c.schedule), c.state_bytes};
 }
 }  // namespace detail
 
@@ -192,8 +211,9 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
                 "sequence-parallel prefill needs an ordinary feature map: a log-scaled map "
                 "(random features) keeps S scaled by a running maximum, which has no summary");
 
-  /// Runs `attention` across the ranks of `comm` (not duplicated: the caller's communicator,
-  /// used for collectives only).
+  /// Runs `attention` across the ranks of `comm` (not duplicated: the caller's communicator;
+  /// collectives, and the pipeline's messages with tags 0x4c41 and 0x4c42: no receive of the
+  /// caller's with MPI_ANY_TAG may be pending on it during a call).
   SequenceParallel(Attention attention, MPI_Comm comm, Carry carry = {})
       : attention_(std::move(attention)), comm_(comm), carry_(carry) {}
 
@@ -228,9 +248,9 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
             state.check_identity(attention_.state_identity());
             work.reset(1);
             auto& item = work.items.front();
-            item.queries.push_back(detail::rows_of<Scalar>(Q, copies));
-            item.keys = detail::rows_of<Scalar>(K, copies);
-            item.values = detail::rows_of<Scalar>(V, copies);
+            item.queries.push_back(linattn::detail::rows_spec_of<Scalar>(Q, copies));
+            item.keys = linattn::detail::rows_spec_of<Scalar>(K, copies);
+            item.values = linattn::detail::rows_spec_of<Scalar>(V, copies);
             item.outputs.push_back(linattn::detail::RowsSpec<Scalar>::of(out));
             linattn::detail::bind_token_inputs<Scalar>(
                 attention_.rule(), inputs, K.rows(), attention_.feature_dim(K.cols()), item.inputs);
@@ -259,6 +279,7 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
     linattn::detail::describe_attention(attention_, dk, dv, config);
     config.initial_rank = carry_.initial_rank;
     config.broadcast_final = carry_.broadcast_final ? 1 : 0;
+    config.schedule = static_cast<std::int32_t>(carry_.schedule);
   }
   static ExchangeStats finish(const linattn::detail::SequenceParallelResult& result) {
     if (result.failure) detail::raise(*result.failure);
@@ -323,6 +344,7 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
                                         config);
     config.initial_rank = carry_.initial_rank;
     config.broadcast_final = carry_.broadcast_final ? 1 : 0;
+    config.schedule = static_cast<std::int32_t>(carry_.schedule);
     const auto prepare = [&](auto& work) {
       linattn::detail::check_views(heads, r, Q, K, V, out, SequenceLayout::batch(), true);
       for (const auto& in : inputs)

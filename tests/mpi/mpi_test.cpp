@@ -15,6 +15,7 @@
 #include <linattn/mpi.hpp>
 #include <linattn/thread_pool.hpp>
 
+#include "mpi_support.hpp"
 #include "slice_reference.hpp"
 #include "test_support.hpp"
 
@@ -28,83 +29,9 @@
 using namespace linattn;
 using namespace linattn_test;
 
-namespace {
-
-struct World {
-  int rank = 0, size = 1;
-};
-World world() {
-  World w;
-  MPI_Comm_rank(MPI_COMM_WORLD, &w.rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &w.size);
-  return w;
-}
-
-// This rank's rows [offset, offset + length) of a sequence split at `lengths`.
-struct Slice {
-  Index offset = 0, length = 0;
-};
-Slice slice_of(const std::vector<Index>& lengths, int rank) {
-  Slice s;
-  for (int p = 0; p < rank; ++p) s.offset += lengths[std::size_t(p)];
-  s.length = lengths[std::size_t(rank)];
-  return s;
-}
-
-std::uint64_t fnv1a(const void* data, std::size_t bytes, std::uint64_t h = 1469598103934665603ULL) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (std::size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ULL;
-  return h;
-}
-template <class M>
-std::uint64_t digest(const M& m, std::uint64_t h = 1469598103934665603ULL) {
-  return fnv1a(m.data(), sizeof(typename M::Scalar) * std::size_t(m.size()), h);
-}
-template <class A, class B>
-bool same_bits(const A& a, const B& b) {
-  return a.rows() == b.rows() && a.cols() == b.cols() && RowMatrix<typename A::Scalar>(a) == RowMatrix<typename B::Scalar>(b) &&
-         digest(RowMatrix<typename A::Scalar>(a)) == digest(RowMatrix<typename B::Scalar>(b));
-}
-
-// Every rank's value, in rank order.
-std::vector<std::uint64_t> gather(std::uint64_t mine) {
-  std::vector<std::uint64_t> all(std::size_t(world().size));
-  MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD);
-  return all;
-}
-bool same_on_every_rank(std::uint64_t mine) {
-  for (std::uint64_t x : gather(mine))
-    if (x != mine) return false;
-  return true;
-}
-bool same_on_every_rank(const std::string& text) { return same_on_every_rank(fnv1a(text.data(), text.size())); }
-
-// The rules' per-token inputs cut to rows [first, first + n).
-template <class... In>
-auto rows_of(Index first, Index n, const In&... in) {
-  static_cast<void>(first);
-  static_cast<void>(n);
-  return std::make_tuple(RowMatrix<typename In::Scalar>(in.middleRows(first, n))...);
-}
-
-}  // namespace
-
 int print_digest();
 
-int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rc = 0;
-  if (argc > 1 && std::string(argv[1]) == "--digest") {
-    rc = print_digest();
-  } else {
-    rc = Catch::Session().run(argc, argv);
-  }
-  // One verdict for the whole job: fail on every rank when any rank failed.
-  int worst = 0;
-  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return worst;
-}
+int main(int argc, char** argv) { return run_mpi_tests(argc, argv, "--digest", print_digest); }
 
 // ---- one head ------------------------------------------------------------------------------
 
@@ -290,51 +217,12 @@ TEST_CASE("consecutive calls continue each other; an initial state held by rank 
 
 namespace {
 
-enum class Layout { batch_first, head_first };
-
-// A [B, T, H, d] buffer in `layout`.
-template <class Scalar>
-struct Buffer {
-  std::vector<Scalar> data;
-  Index B = 0, T = 0, H = 0, d = 0;
-  Layout layout = Layout::batch_first;
-
-  Buffer(Layout l, Index B_, Index T_, Index H_, Index d_, const RowMatrix<Scalar>& values)
-      : data(values.data(), values.data() + values.size()), B(B_), T(T_), H(H_), d(d_), layout(l) {}
-  template <class E>
-  TensorView<E> view(E* p) const {
-    return layout == Layout::batch_first ? TensorView<E>::batch_first(p, B, T, H, d)
-                                         : TensorView<E>::head_first(p, B, H, T, d);
-  }
-  // Rows [t0, t0 + n) of every entry, with the full buffer's strides.
-  TensorView<const Scalar> rows(Index t0, Index n) const {
-    const auto full = view<const Scalar>(data.data());
-    return TensorView<const Scalar>(n == 0 ? data.data() : &full(0, t0, 0, 0), {B, n, H, d}, full.strides());
-  }
-  TensorView<Scalar> out_rows(Index t0, Index n) {
-    const auto full = view<Scalar>(data.data());
-    return TensorView<Scalar>(n == 0 ? data.data() : &full(0, t0, 0, 0), {B, n, H, d}, full.strides());
-  }
-  // Rows [first, first + n) of head h of entry b, as a contiguous matrix.
-  RowMatrix<Scalar> cut(Index b, Index h, Index first, Index n) const {
-    const auto full = view<const Scalar>(data.data());
-    RowMatrix<Scalar> m(n, d);
-    for (Index t = 0; t < n; ++t)
-      for (Index c = 0; c < d; ++c) m(t, c) = full(b, first + t, h, c);
-    return m;
-  }
-};
-
-struct InputSpec {
-  bool per_channel;
-  double lo, hi;
-};
-
 // The layer split across the ranks equals, for every query head, the one-head split call on
-// that head's rows (cut out of the buffers), bit for bit; its states equal the one-head states.
+// that head's rows (cut out of the buffers), bit for bit, under the same schedule; its states
+// equal the one-head states.
 template <class Attention, std::size_t N>
 void check_layer(const char* name, const Attention& attention, const std::array<InputSpec, N>& specs,
-                 Layout layout, bool threads) {
+                 Layout layout, bool threads, mpi::Schedule schedule) {
   using Scalar = typename Attention::scalar_type;
   const World w = world();
   const Index B = 2, Hq = 4, Hkv = 2, G = Hq / Hkv, dk = 8, dv = 6, T = 61;
@@ -356,17 +244,19 @@ void check_layer(const char* name, const Attention& attention, const std::array<
     const Slice my = slice_of(lengths, w.rank);
     INFO(name << (layout == Layout::batch_first ? ", batch-first" : ", head-first")
               << (threads ? ", thread pool" : "") << ", rank " << w.rank << ", rows "
-              << my.offset << " + " << my.length);
+              << my.offset << " + " << my.length << ", schedule " << int(schedule));
     Buffer<Scalar> out(layout, B, T, Hq, dv, RowMatrix<Scalar>::Zero(1, B * T * Hq * dv));
     auto state = layer.make_state(2);
     const std::array<Index, 2> slots{1, 0};
-    mpi::SequenceParallel<MultiHeadAttention<Attention>> split(layer, MPI_COMM_WORLD);
-    [&]<std::size_t... I>(std::index_sequence<I...>) {
-      split.prefill_into(state, q.rows(my.offset, my.length), k.rows(my.offset, my.length),
+    const mpi::Carry carry{mpi::kLastRank, false, schedule};
+    mpi::SequenceParallel<MultiHeadAttention<Attention>> split(layer, MPI_COMM_WORLD, carry);
+    const mpi::ExchangeStats stats = [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return split.prefill_into(state, q.rows(my.offset, my.length), k.rows(my.offset, my.length),
                          v.rows(my.offset, my.length), in[I].rows(my.offset, my.length)...,
                          out.out_rows(my.offset, my.length), std::span<const Index>(slots));
     }(std::make_index_sequence<N>{});
-    mpi::SequenceParallel<Attention> one(attention, MPI_COMM_WORLD);
+    CHECK(stats.schedule == schedule);
+    mpi::SequenceParallel<Attention> one(attention, MPI_COMM_WORLD, carry);
     for (Index b = 0; b < B; ++b)
       for (Index h = 0; h < Hq; ++h) {
         const Index g = h / G;
@@ -387,34 +277,36 @@ void check_layer(const char* name, const Attention& attention, const std::array<
 
 }  // namespace
 
-TEST_CASE("multi-head layer, every rule, both layouts, grouped heads, slots, threads: each "
-          "head equals the one-head split call bit for bit",
+TEST_CASE("multi-head layer, both schedules, every rule, both layouts, grouped heads, slots, "
+          "threads: each head equals the one-head split call bit for bit",
           "[mpi][multihead]") {
-  for (Layout layout : {Layout::batch_first, Layout::head_first})
-    for (bool threads : {false, true}) {
-      check_layer("additive", LinearAttention<EluPlusOne>(), std::array<InputSpec, 0>{}, layout, threads);
-      check_layer("decay", RuleAttention<EluPlusOne, Decay>(EluPlusOne{}, Decay(0.9)),
-                  std::array<InputSpec, 0>{}, layout, threads);
-      check_layer("gated (scalar gates)", RuleAttention<EluPlusOne, Gated>(),
-                  std::array<InputSpec, 1>{InputSpec{false, -0.3, 0.0}}, layout, threads);
-      check_layer("gated (per-channel gates)", RuleAttention<EluPlusOne, Gated>(),
-                  std::array<InputSpec, 1>{InputSpec{true, -0.3, 0.0}}, layout, threads);
-      check_layer("delta", RuleAttention<L2Normalize, Delta>(),
-                  std::array<InputSpec, 1>{InputSpec{false, 0.0, 1.0}}, layout, threads);
-      check_layer("gated_delta", RuleAttention<L2Normalize, GatedDelta>(),
-                  std::array<InputSpec, 2>{InputSpec{false, 0.0, 1.0}, InputSpec{false, -0.2, 0.0}},
-                  layout, threads);
-    }
+  for (mpi::Schedule s : {mpi::Schedule::summaries, mpi::Schedule::pipeline})
+    for (Layout layout : {Layout::batch_first, Layout::head_first})
+      for (bool threads : {false, true}) {
+        check_layer("additive", LinearAttention<EluPlusOne>(), std::array<InputSpec, 0>{}, layout,
+                    threads, s);
+        check_layer("decay", RuleAttention<EluPlusOne, Decay>(EluPlusOne{}, Decay(0.9)),
+                    std::array<InputSpec, 0>{}, layout, threads, s);
+        check_layer("gated (scalar gates)", RuleAttention<EluPlusOne, Gated>(),
+                    std::array<InputSpec, 1>{InputSpec{false, -0.3, 0.0}}, layout, threads, s);
+        check_layer("gated (per-channel gates)", RuleAttention<EluPlusOne, Gated>(),
+                    std::array<InputSpec, 1>{InputSpec{true, -0.3, 0.0}}, layout, threads, s);
+        check_layer("delta", RuleAttention<L2Normalize, Delta>(),
+                    std::array<InputSpec, 1>{InputSpec{false, 0.0, 1.0}}, layout, threads, s);
+        check_layer("gated_delta", RuleAttention<L2Normalize, GatedDelta>(),
+                    std::array<InputSpec, 2>{InputSpec{false, 0.0, 1.0}, InputSpec{false, -0.2, 0.0}},
+                    layout, threads, s);
+      }
 }
 
 // ---- what is exchanged -----------------------------------------------------------------------
 
 namespace {
 
-// Runs a layer of 2 key/value heads (4 query heads) with `per_rank` tokens on every rank and
-// returns what this rank exchanged.
+// Runs a layer of 2 key/value heads (4 query heads) with `per_rank` tokens on every rank under
+// `schedule` and returns what this rank exchanged.
 template <class Attention>
-mpi::ExchangeStats layer_exchange(const Attention& attention, Index per_rank) {
+mpi::ExchangeStats layer_exchange(const Attention& attention, Index per_rank, mpi::Schedule schedule) {
   const Index Hq = 4, Hkv = 2, dk = 16, dv = 16, T = per_rank;
   MultiHeadAttention<Attention> layer({Hq, Hkv, dk, dv}, attention);
   const RowMatrix<float> q = random_matrix<float>(T, Hq * dk, 2600), k = random_matrix<float>(T, Hkv * dk, 2601),
@@ -423,7 +315,8 @@ mpi::ExchangeStats layer_exchange(const Attention& attention, Index per_rank) {
   const RowMatrix<float> beta = uniform_matrix<float>(T, Hkv, 2604, 0.0, 1.0);
   RowMatrix<float> out(T, Hq * dv);
   auto state = layer.make_state(1);
-  mpi::SequenceParallel<MultiHeadAttention<Attention>> split(layer, MPI_COMM_WORLD);
+  mpi::SequenceParallel<MultiHeadAttention<Attention>> split(layer, MPI_COMM_WORLD,
+                                                            {mpi::kLastRank, false, schedule});
   const auto Q = TensorView<const float>::batch_first(q.data(), 1, T, Hq, dk);
   const auto K = TensorView<const float>::batch_first(k.data(), 1, T, Hkv, dk);
   const auto V = TensorView<const float>::batch_first(v.data(), 1, T, Hkv, dv);
@@ -440,27 +333,43 @@ mpi::ExchangeStats layer_exchange(const Attention& attention, Index per_rank) {
 
 }  // namespace
 
-TEST_CASE("bytes exchanged per rank do not depend on T: one summary per state head", "[mpi][bytes]") {
+TEST_CASE("bytes exchanged per rank do not depend on T: one summary per state head, or one "
+          "state per state head to the next rank (pipeline)", "[mpi][bytes]") {
   const World w = world();
   const std::size_t P = std::size_t(w.size), r = 16, dv = 16, heads = 2, record = 2 * sizeof(detail::RankRecord);
-  const auto check = [&](const char* name, const auto& attention, std::size_t per_head) {
+  const auto check = [&](const char* name, const auto& attention, std::size_t per_head, std::size_t state) {
     INFO(name);
-    const mpi::ExchangeStats short_call = layer_exchange(attention, 8);
-    const mpi::ExchangeStats long_call = layer_exchange(attention, 300);
+    const auto summaries = mpi::Schedule::summaries;
+    const mpi::ExchangeStats short_call = layer_exchange(attention, 8, summaries);
+    const mpi::ExchangeStats long_call = layer_exchange(attention, 300, summaries);
     const std::size_t summary = (1 + heads * per_head) * sizeof(float);  // status word + heads
     CHECK(short_call.summary_bytes == summary);
     CHECK(long_call.summary_bytes == summary);
     CHECK(long_call.record_bytes == record);
     CHECK(long_call.initial_state_bytes == 0);
+    CHECK(long_call.state_bytes == 0);
+    CHECK(long_call.schedule == summaries);
     CHECK(long_call.sent_bytes() == record + summary);
     CHECK(long_call.received_bytes == (P - 1) * (record + summary));
     CHECK(long_call.ranks == w.size);
+    // Pipeline: every rank but the last sends each item's state (a 16-byte header, S and z) to
+    // the next rank only; every rank but the first receives them.
+    const std::size_t message = 16 + state * sizeof(float);
+    const bool last = w.rank == w.size - 1, first = w.rank == 0;
+    for (Index T : {Index{8}, Index{300}}) {
+      const mpi::ExchangeStats piped = layer_exchange(attention, T, mpi::Schedule::pipeline);
+      CHECK(piped.schedule == mpi::Schedule::pipeline);
+      CHECK(piped.summary_bytes == 0);
+      CHECK(piped.state_bytes == (last ? 0 : heads * message));
+      CHECK(piped.sent_bytes() == record + (last ? 0 : heads * message));
+      CHECK(piped.received_bytes == (P - 1) * record + (first ? 0 : heads * message));
+    }
   };
-  check("additive", LinearAttention<EluPlusOne>(), r * dv + r);
-  check("decay", RuleAttention<EluPlusOne, Decay>(EluPlusOne{}, Decay(0.9)), r * dv + r + 1);
-  check("gated", RuleAttention<EluPlusOne, Gated>(), r * dv + 2 * r);
-  check("delta", RuleAttention<L2Normalize, Delta>(), r * dv + r * r);
-  check("gated_delta", RuleAttention<L2Normalize, GatedDelta>(), r * dv + r * r);
+  check("additive", LinearAttention<EluPlusOne>(), r * dv + r, r * dv + r);
+  check("decay", RuleAttention<EluPlusOne, Decay>(EluPlusOne{}, Decay(0.9)), r * dv + r + 1, r * dv + r);
+  check("gated", RuleAttention<EluPlusOne, Gated>(), r * dv + 2 * r, r * dv + r);
+  check("delta", RuleAttention<L2Normalize, Delta>(), r * dv + r * r, r * dv);
+  check("gated_delta", RuleAttention<L2Normalize, GatedDelta>(), r * dv + r * r, r * dv);
 }
 
 TEST_CASE("balanced_slices: contiguous lengths that sum to T, rank 0 with 1 + c shares", "[mpi]") {
@@ -480,23 +389,6 @@ TEST_CASE("balanced_slices: contiguous lengths that sum to T, rank 0 with 1 + c 
 namespace {
 
 constexpr Index kBadT = 40, kBadDk = 8, kBadDv = 6;
-
-// Calls `call`, which must throw E on this rank; checks that every rank threw the same message
-// and returns it. Every rank reaching the check proves no rank is left inside the call.
-template <class E, class F>
-std::string every_rank_throws(F&& call) {
-  std::string message = "(nothing was thrown)";
-  bool caught = false;
-  try {
-    call();
-  } catch (const E& e) {
-    message = e.what();
-    caught = true;
-  }
-  CHECK(caught);
-  CHECK(same_on_every_rank(message));
-  return message;
-}
 
 // A good call after a failed one: every rank is back in step, and the result is right.
 void good_call() {
@@ -676,8 +568,9 @@ TEST_CASE("a denominator rejected on one rank: every rank throws it with the seq
 
 // ---- digest (for digest_check.cmake) ----------------------------------------------------------
 
-// One hash of every rule's outputs and broadcast final states for a fixed workload split over
-// this job's ranks, printed by rank 0: runs with the same number of ranks must print the same.
+// One hash of every rule's outputs and broadcast final states under both schedules for a fixed
+// workload split over this job's ranks, printed by rank 0: runs with the same number of ranks
+// must print the same.
 int print_digest() {
   const World w = world();
   const Index T = 150, dk = 16, dv = 8;
@@ -688,16 +581,18 @@ int print_digest() {
   for_each_rule<float>(T, dk, 3400, [&](const char*, const auto& attention, Phi, const MatrixXdR&,
                                         const MatrixXdR&, const MatrixXdR&, const auto&... in) {
     using Attention = std::decay_t<decltype(attention)>;
-    auto state = attention.make_state(dk, dv);
-    RowMatrix<float> out(my.length, dv);
-    const auto cut = rows_of(my.offset, my.length, in...);
-    std::apply([&](const auto&... x) {
-      mpi::SequenceParallel<Attention>(attention, MPI_COMM_WORLD, {mpi::kLastRank, true})
-          .prefill_into(state, qkv.Q.middleRows(my.offset, my.length),
-                        qkv.K.middleRows(my.offset, my.length),
-                        qkv.V.middleRows(my.offset, my.length), x..., out);
-    }, cut);
-    h = digest(state.S(), digest(out, h));
+    for (mpi::Schedule schedule : {mpi::Schedule::summaries, mpi::Schedule::pipeline}) {
+      auto state = attention.make_state(dk, dv);
+      RowMatrix<float> out(my.length, dv);
+      const auto cut = rows_of(my.offset, my.length, in...);
+      std::apply([&](const auto&... x) {
+        mpi::SequenceParallel<Attention>(attention, MPI_COMM_WORLD, {mpi::kLastRank, true, schedule})
+            .prefill_into(state, qkv.Q.middleRows(my.offset, my.length),
+                          qkv.K.middleRows(my.offset, my.length),
+                          qkv.V.middleRows(my.offset, my.length), x..., out);
+      }, cut);
+      h = digest(state.S(), digest(out, h));
+    }
   });
   std::uint64_t all = 1469598103934665603ULL;
   for (std::uint64_t x : gather(h)) all = fnv1a(&x, sizeof x, all);

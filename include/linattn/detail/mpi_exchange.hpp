@@ -30,7 +30,7 @@ struct CallConfig {
   std::int32_t normalization = 0;  // Normalization::Kind
   std::int32_t initial_rank = 0;   // Carry::initial_rank as given
   std::int32_t broadcast_final = 0;
-  std::int32_t unused = 0;
+  std::int32_t schedule = 0;  // mpi::Schedule as given (ScheduleCode)
   double rule_parameter = 0;
   double normalization_epsilon = 0;
   std::uint64_t feature_map_fingerprint = 0;
@@ -115,6 +115,14 @@ inline void record_failure(RankRecord& record) noexcept {
   }
 }
 
+/// Bytes this rank put into the exchange and took out of it (see mpi::ExchangeStats).
+struct ExchangeCounts {
+  int ranks = 1, rank = 0;
+  std::int32_t schedule = 1;  // the schedule that ran (ScheduleCode: summaries or pipeline)
+  std::size_t record_bytes = 0, summary_bytes = 0, state_bytes = 0, initial_state_bytes = 0,
+              received_bytes = 0;
+};
+
 /// Throws std::runtime_error naming the MPI call unless rc is MPI_SUCCESS. (With MPI's default
 /// error handler a failing call aborts the job before this is reached.)
 inline void check_mpi(int rc, const char* call) {
@@ -189,6 +197,7 @@ inline std::optional<Failure> first_disagreement(const std::vector<RankRecord>& 
     compare("the number of key/value heads", c0.kv_heads, ck.kv_heads);
     compare("Carry::initial_rank", c0.initial_rank, ck.initial_rank);
     compare("Carry::broadcast_final", c0.broadcast_final, ck.broadcast_final);
+    compare("Carry::schedule (0: automatic, 1: summaries, 2: pipeline)", c0.schedule, ck.schedule);
   }
   return found;
 }

@@ -17,8 +17,12 @@
 //      every rank with the same exception, and then no rank's state has changed.
 // Bytes a rank puts into the exchange are independent of the slice length: two records, one
 // summary per item and, on the holder of a non-zero initial state, that state.
+// That is the summaries schedule. After step 2 every rank makes the same choice of schedule
+// (Carry::schedule, or pipeline_pays() for automatic); the pipeline schedule
+// (mpi_pipeline.hpp) replaces steps 3 to 6.
 
 #include <linattn/detail/mpi_exchange.hpp>
+#include <linattn/detail/mpi_pipeline.hpp>
 #include <linattn/detail/slice_runner.hpp>
 #include <linattn/detail/slice_summary.hpp>
 #include <linattn/detail/state_core.hpp>
@@ -45,6 +49,7 @@ struct RankWork {
   std::vector<SliceItem<Scalar>> items;
   std::vector<typename Attention::State*> states;
   Index tokens = 0;  // this rank's slice length
+  PipelineBuffers<Scalar> pipeline;  // the pipeline schedule's messages
 
   /// `count` items, keeping the existing ones (and their buffers) when the count repeats; their
   /// views and inputs are for the caller to set again.
@@ -59,12 +64,6 @@ struct RankWork {
     states.clear();
     tokens = 0;
   }
-};
-
-/// Bytes this rank put into the exchange and took out of it (see ExchangeStats).
-struct ExchangeCounts {
-  int ranks = 1, rank = 0;
-  std::size_t record_bytes = 0, summary_bytes = 0, initial_state_bytes = 0, received_bytes = 0;
 };
 
 struct SequenceParallelResult {
@@ -136,6 +135,12 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
                                  std::to_string(P) + " ranks"};
     return result;
   }
+  if (config.schedule < 0 || config.schedule > 2) {
+    result.failure = Failure{FailureKind::invalid_argument,
+                             "linattn::mpi: Carry::schedule is " + std::to_string(config.schedule) +
+                                 ", not automatic (0), summaries (1) or pipeline (2)"};
+    return result;
+  }
   const int holder = config.initial_rank == -1 ? P - 1 : config.initial_rank;
   std::vector<Index> lengths(std::size_t(P), 0), offsets(std::size_t(P) + 1, 0);
   for (int q = 0; q < P; ++q) {
@@ -156,8 +161,27 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
     return result;
   }
 
-  // 3: the initial state, from its holder, where it is not zero.
+  // The schedule, the same on every rank (agreed inputs only).
   const bool initial_nonzero = records[std::size_t(holder)].initial_nonzero != 0;
+  const auto requested = static_cast<ScheduleCode>(config.schedule);
+  if (requested == ScheduleCode::pipeline ||
+      (requested == ScheduleCode::automatic &&
+       pipeline_pays(items, lengths, !initial_nonzero, carry_cost_of<Rule>()))) {
+    counts.schedule = static_cast<std::int32_t>(ScheduleCode::pipeline);
+    PipelinePlan plan;
+    plan.rank = rank;
+    plan.ranks = P;
+    plan.holder = holder;
+    plan.broadcast_final = config.broadcast_final != 0;
+    plan.initial_nonzero = initial_nonzero;
+    plan.initial_tokens = records[std::size_t(holder)].initial_tokens;
+    plan.offset = offsets[std::size_t(rank)];
+    result.failure = run_pipeline(comm, attention, dk, dv, plan, work.items, work.states,
+                                  work.pipeline, counts);
+    return result;
+  }
+
+  // 3: the initial state, from its holder, where it is not zero.
   std::vector<Scalar> initial;
   std::vector<std::int64_t> initial_tokens(std::size_t(items),
                                            records[std::size_t(holder)].initial_tokens);

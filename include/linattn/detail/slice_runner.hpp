@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -65,6 +66,20 @@ struct RowsSpec {
     return {n == 0 ? data : data + first * stride, n, cols, stride};
   }
 };
+
+/// Rows of `x` (T x d) as row views: in place when they are contiguous rows of Scalar, else
+/// a copy appended to `copies` (kept for the call).
+template <class Scalar, class D>
+RowsSpec<const Scalar> rows_spec_of(const Eigen::MatrixBase<D>& x,
+                                    std::vector<RowMatrix<Scalar>>& copies) {
+  if constexpr ((D::Flags & Eigen::DirectAccessBit) != 0 && D::IsRowMajor &&
+                D::InnerStrideAtCompileTime == 1 && std::is_same_v<typename D::Scalar, Scalar>) {
+    return RowsSpec<const Scalar>::of(x.derived());
+  } else {
+    copies.push_back(x.template cast<Scalar>());
+    return RowsSpec<const Scalar>::of(copies.back());
+  }
+}
 
 /// One state head of one sequence on this process: its G query heads and outputs, its keys,
 /// values and bound per-token inputs (all T rows of the slice), and what run_local keeps for
@@ -171,6 +186,22 @@ class SliceRunner {
     }
   }
 
+  /// The pipeline schedule's step (mpi_pipeline.hpp): the attention's own prefill of the
+  /// slice from `state`, the state the slice starts from (left as the state after it); the
+  /// outputs are final. A DenominatorError names the row in the whole sequence (`first_row`,
+  /// the slice's first row, added to the row within the slice).
+  void run_from(const SliceItem<Scalar>& item, typename Attention::State& state,
+                Index first_row) const {
+    const Index T = item.keys.rows;
+    if (T == 0) return;
+    try {
+      prefill(attention_, state, item.queries, item.keys, item.values, item.inputs, 0, T,
+              item.outputs, 0);
+    } catch (const DenominatorError& e) {
+      throw shifted_row(e, first_row);
+    }
+  }
+
   /// Phase 2: the carried state (S_c, z_c) added to the outputs of a slice whose first row is
   /// row `first_row` of the sequence (for DenominatorError). Nothing to do where item.direct.
   void apply_carry(SliceItem<Scalar>& item, const RowMatrix<Scalar>& S_c,
@@ -215,6 +246,17 @@ class SliceRunner {
   // register kernel sweeps the column panels of S_c (one product over all T rows re-streams
   // the reads from memory once per panel: measured half the rate).
   static constexpr Index kCarryBlock = 64;
+
+  // `e` with its row moved by `first_row`, in the message too (Normalization's text names the
+  // row as "at query row N").
+  static DenominatorError shifted_row(const DenominatorError& e, Index first_row) {
+    std::string message = e.what();
+    const std::string from = "at query row " + std::to_string(e.row()) + " ",
+                      to = "at query row " + std::to_string(e.row() + first_row) + " ";
+    if (const auto at = message.find(from); at != std::string::npos)
+      message.replace(at, from.size(), to);
+    return DenominatorError(message, e.row() + first_row, e.value());
+  }
 
   static Options unnormalized(Options options) {
     options.normalization = Normalization::unnormalized();
