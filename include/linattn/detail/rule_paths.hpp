@@ -59,7 +59,7 @@ void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, I
   const auto chunks = [&](auto& kernel, const auto& prepare) {
     for (Index first = 0; first < T; first += C) {
       const Index n = std::min(C, T - first);
-      observe(first, S, z);
+      if constexpr (!is_delta_rule<Rule>) observe(first, S, z);  // (delta: after prepare)
       map_rows<Scalar>(phi, K, first, n, kf);
       const auto [v, ld_v] = row_major_rows(V, first, n, v_buffer);
       prepare(kernel, n, v, ld_v, first);
