@@ -3,7 +3,7 @@
 // recomputing backward (bit for bit: both run the same chunk code on the forward's states),
 // central differences in double through the saved backward with chunks of several per-channel
 // sub-chunks, segments, errors and the memory figures. Decay, Gated with one gate per token and
-// per channel; float and double.
+// per channel; float and double. Delta and GatedDelta (L2-normalized keys) in the bitwise test.
 
 #include <linattn/rule_gradients.hpp>
 #include <linattn/rule_saved_forward.hpp>
@@ -24,11 +24,17 @@ using linattn_test::uniform_matrix;
 
 namespace {
 
-enum class Gates { decay, scalar, channel };
+enum class Gates { decay, scalar, channel, delta, gated_delta };
 
 const char* name_of(Gates g) {
-  return g == Gates::decay ? "decay" : g == Gates::scalar ? "gated, one gate per token"
-                                                          : "gated per channel";
+  switch (g) {
+    case Gates::decay: return "decay";
+    case Gates::scalar: return "gated, one gate per token";
+    case Gates::channel: return "gated per channel";
+    case Gates::delta: return "delta";
+    case Gates::gated_delta: return "gated delta";
+  }
+  return "?";
 }
 
 template <class Scalar>
@@ -40,12 +46,12 @@ Options options_for(Index chunk, Normalization norm) {
 }
 
 // One call's inputs: Q, K, V, dY ~ N(0, 1); log-gates uniform in [-2, 0) with -30 and -1e-6
-// planted; an initial state S0 ~ N(0, 0.25), z0 in [0.5, 1.5) (positive: strict reads defined);
-// a final-state gradient.
+// planted; betas in [0, 1] with 0 and 1 planted, log-alphas in [-1, 0); an initial state
+// S0 ~ N(0, 0.25), z0 in [0.5, 1.5) (positive: strict reads defined); a final-state gradient.
 template <class Scalar>
 struct Case {
   RowMatrix<Scalar> Q, K, V, dY, log_gate, S0, WS;
-  ColVector<Scalar> z0, wz;
+  ColVector<Scalar> z0, wz, beta, log_alpha;
 };
 
 template <class Scalar>
@@ -65,14 +71,25 @@ Case<Scalar> make_case(Index T, Index dk, Index dv, Index r, bool per_channel,
   c.z0 = uniform_matrix<Scalar>(r, 1, seed + 6, 0.5, 1.5);
   c.WS = random_matrix<Scalar>(r, dv, seed + 7);
   c.wz = random_matrix<Scalar>(r, 1, seed + 8);
+  c.beta = uniform_matrix<Scalar>(T, 1, seed + 9, 0.0, 1.0);
+  c.log_alpha = uniform_matrix<Scalar>(T, 1, seed + 10, -1.0, 0.0);
+  if (T >= 3) {
+    c.beta(0) = 0;
+    c.beta(T - 1) = 1;
+  }
   return c;
 }
 
 // f(attn, inputs...) with the rule's per-token inputs (none for Decay).
 template <class Attn, class Scalar, class F>
 decltype(auto) with_inputs(const Attn&, const Case<Scalar>& c, F&& f) {
-  if constexpr (Attn::rule_type::kind == WriteKind::gated)
+  constexpr WriteKind kind = Attn::rule_type::kind;
+  if constexpr (kind == WriteKind::gated)
     return f(c.log_gate);
+  else if constexpr (kind == WriteKind::delta)
+    return f(c.beta);
+  else if constexpr (kind == WriteKind::gated_delta)
+    return f(c.beta, c.log_alpha);
   else
     return f();
 }
@@ -84,10 +101,21 @@ template <class Attn>
 void check_bitwise(const Attn& attn, const Case<typename Attn::scalar_type>& c,
                    bool with_initial_state) {
   using Scalar = typename Attn::scalar_type;
+  constexpr bool keeps_z = Attn::rule_type::keeps_normalizer;
   const Index T = c.Q.rows(), dk = c.Q.cols(), dv = c.V.cols();
   CAPTURE(T, dk, dv, with_initial_state, attn.chunk_size(attn.feature_dim(dk), dv));
   auto initial = attn.make_state(dk, dv);
-  if (with_initial_state) initial.assign(c.S0, c.z0);
+  if (with_initial_state) {
+    if constexpr (keeps_z)
+      initial.assign(c.S0, c.z0);
+    else
+      initial.assign(c.S0);
+  }
+  // Every per-token input's gradient (empty where the rule has none): the same bits.
+  const auto same_inputs = [](const RuleInputGradients<Scalar>& a,
+                              const RuleInputGradients<Scalar>& b) {
+    return a.log_gate == b.log_gate && a.beta == b.beta && a.log_alpha == b.log_alpha;
+  };
   auto plain_state = initial;
   auto saving_state = initial;
   const RowMatrix<Scalar> Y = with_inputs(attn, c, [&](const auto&... in) {
@@ -100,12 +128,12 @@ void check_bitwise(const Attn& attn, const Case<typename Attn::scalar_type>& c,
   });
   CHECK(Ys == Y);
   CHECK(saving_state.S() == plain_state.S());
-  CHECK(saving_state.z() == plain_state.z());
+  if constexpr (keeps_z) CHECK(saving_state.z() == plain_state.z());
   CHECK(saving_state.tokens() == plain_state.tokens());
   CHECK(saved.tokens() == T);
   CHECK(saved.bytes() == saved_forward_bytes(attn, T, dk, dv));
 
-  const StateGradient<Scalar> final_gradient{c.WS, c.wz};
+  const StateGradient<Scalar> final_gradient{c.WS, keeps_z ? c.wz : ColVector<Scalar>()};
   for (const StateGradient<Scalar>* fg : {&final_gradient, static_cast<const StateGradient<Scalar>*>(nullptr)}) {
     INFO((fg != nullptr ? "with a final-state gradient" : "without a final-state gradient"));
     const auto ref = with_inputs(attn, c, [&](const auto&... in) {
@@ -117,7 +145,7 @@ void check_bitwise(const Attn& attn, const Case<typename Attn::scalar_type>& c,
     CHECK(got.Q == ref.Q);
     CHECK(got.K == ref.K);
     CHECK(got.V == ref.V);
-    CHECK(got.inputs.log_gate == ref.inputs.log_gate);
+    CHECK(same_inputs(got.inputs, ref.inputs));
     CHECK(got.initial.S == ref.initial.S);
     CHECK(got.initial.z == ref.initial.z);
   }
@@ -138,7 +166,7 @@ void check_bitwise(const Attn& attn, const Case<typename Attn::scalar_type>& c,
     CHECK(got.Q == ref.Q);
     CHECK(got.K == ref.K);
     CHECK(got.V == ref.V);
-    CHECK(got.inputs.log_gate == ref.inputs.log_gate);
+    CHECK(same_inputs(got.inputs, ref.inputs));
     // _into on head 1's columns of [T, 2 d] buffers: the same bits.
     RowMatrix<Scalar> dQ = RowMatrix<Scalar>::Zero(T, 2 * dk), dK = dQ,
                       dV = RowMatrix<Scalar>::Zero(T, 2 * dv);
@@ -155,7 +183,7 @@ void check_bitwise(const Attn& attn, const Case<typename Attn::scalar_type>& c,
     CHECK(RowMatrix<Scalar>(q) == ref.Q);
     CHECK(RowMatrix<Scalar>(k) == ref.K);
     CHECK(RowMatrix<Scalar>(v) == ref.V);
-    CHECK(d_in.log_gate == ref.inputs.log_gate);
+    CHECK(same_inputs(d_in, ref.inputs));
     CHECK(init.S == ref.initial.S);
     CHECK(dQ.leftCols(dk).cwiseAbs().maxCoeff() == Scalar(0));
   }
@@ -172,6 +200,13 @@ void run_bitwise(Gates gates, Index T, Index dk, Index dv, Index chunk, Normaliz
     if (gates == Gates::decay)
       check_bitwise(RuleAttention<EluPlusOne, Decay, Scalar>(phi, Decay(0.9), options), c,
                     with_state);
+    else if (gates == Gates::delta)
+      check_bitwise(RuleAttention<L2Normalize, Delta, Scalar>(L2Normalize{}, Delta{}, options), c,
+                    with_state);
+    else if (gates == Gates::gated_delta)
+      check_bitwise(
+          RuleAttention<L2Normalize, GatedDelta, Scalar>(L2Normalize{}, GatedDelta{}, options), c,
+          with_state);
     else
       check_bitwise(RuleAttention<EluPlusOne, Gated, Scalar>(phi, Gated{}, options), c,
                     with_state);
@@ -193,8 +228,10 @@ TEST_CASE("saving forward: the forward's bits; backward from it: the recomputing
                               {150, 16, 16, 64},            {45, 3, 2, 4},
                               {70, 128, 128, kAuto}};
   for (const Shape s : shapes)
-    for (const Gates g : {Gates::decay, Gates::scalar, Gates::channel})
+    for (const Gates g : {Gates::decay, Gates::scalar, Gates::channel, Gates::delta,
+                          Gates::gated_delta})
       for (const bool strict : {true, false}) {
+        if ((g == Gates::delta || g == Gates::gated_delta) && strict) continue;  // they never divide
         const Normalization norm = strict ? Normalization::strict() : Normalization::unnormalized();
         INFO("T " << s.T << ", dk " << s.dk << ", dv " << s.dv << (strict ? ", strict" : ", unnormalized"));
         run_bitwise<float>(g, s.T, s.dk, s.dv, s.chunk, norm);
@@ -415,4 +452,11 @@ TEST_CASE("rule saved forward: memory figures") {
   parallel_saving_into(attn, Q, K, V, gates, Mask::causal, Y, saved);
   CHECK(saved.bytes() == saved_forward_bytes(attn, 100, 64, 64));
   CHECK(saved.chunks() == (100 + attn.chunk_size(64, 64) - 1) / attn.chunk_size(64, 64));
+  // The delta rules keep the forward kernel's data: the state before each forward chunk of C
+  // rows and two rows of dv per token (u_t, g_t); their backward from it nothing per token.
+  const RuleAttention<L2Normalize, Delta, float> delta;
+  const Index C = delta.chunk_size(128, 128);
+  CHECK(saved_forward_bytes(delta, 8192, 128, 128) ==
+        static_cast<std::size_t>((8192 + C - 1) / C * 128 * 128 + 2 * 8192 * 128) * sizeof(float));
+  CHECK(saved_backward_bytes(delta, 8192, 64, 64) == saved_backward_bytes(delta, 65536, 64, 64));
 }

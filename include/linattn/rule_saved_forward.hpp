@@ -1,6 +1,6 @@
 #pragma once
 /// \file rule_saved_forward.hpp
-/// A saved forward for the write rules Decay and Gated (the additive rule's is
+/// A saved forward for the write rules Decay, Gated, Delta and GatedDelta (the additive rule's is
 /// linattn/saved_forward.hpp): the causal forward keeps the state at every chunk boundary, and
 /// the backward from those states skips the sweep that rebuilds them (rule_gradients.hpp's
 /// backward).
@@ -9,34 +9,38 @@
 ///   parallel_saving_into(gated, Q, K, V, log_gates, Mask::causal, Y, saved);
 ///   auto g = parallel_backward(gated, saved, Q, K, V, log_gates, Mask::causal, dY);
 ///
-/// The saving forward is the forward (detail::rule_chunked) with the state (S, z) copied out
-/// before every backward chunk of B rows (B = Options::chunk_size when set, else 32: a multiple
-/// of the forward's chunk C, detail::backward_chunk_size): its outputs and final state are the
-/// forward's bits. The backward from it is one reverse sweep over the chunks
-/// (detail::gated_backward_from): per chunk the read's share (dQ, the gate gradient's q .* dq)
-/// from the saved state, then the state gradient's (dK, dV, H). It runs the recomputing
-/// backward's chunk code on the states that one rebuilds with the forward's own chunk kernel,
-/// so the two agree bit for bit.
+/// Decay and Gated: the saving forward is the forward (detail::rule_chunked) with the state
+/// (S, z) copied out before every backward chunk of B rows (B = Options::chunk_size when set,
+/// else 32: a multiple of the forward's chunk C, detail::backward_chunk_size). The backward from
+/// it is one reverse sweep over the chunks (detail::gated_backward_from): per chunk the read's
+/// share (dQ, the gate gradient's q .* dq) from the saved state, then the state gradient's
+/// (dK, dV, H). Flops per token (c = 16 rows per sub-chunk for per-channel gates): forward
+/// 4 r dv + C (r + dv); recomputing backward about 10 r dv + B (5 r + 3 dv); from saved states
+/// about 8 r dv + B (3 r + 2 dv) (per-channel gates: + about 2 c r in both backwards, c r in the
+/// forward), and one evaluation of the feature map and its derivative per input instead of two.
+/// Memory: ceil(T / B) (r dv + r) scalars: 520 B per token at r = dv = 64 and 2,064 B at
+/// r = dv = 128 in float (T = 8,192 at d = 128: 16.1 MiB).
 ///
-/// Flops per token (r features, dv values, chunks C and B; c = 16 rows per sub-chunk for
-/// per-channel gates): forward 4 r dv + C (r + dv); recomputing backward about 10 r dv +
-/// B (5 r + 3 dv); backward from saved states about 8 r dv + B (3 r + 2 dv) (per-channel gates: + about 2 c r
-/// in both backwards, c r in the forward), and one evaluation of the feature map and its
-/// derivative per input instead of two evaluations.
+/// Delta and GatedDelta: the saving forward keeps what the forward's chunk kernel computes
+/// anyway: the state before each of its chunks of C rows and, per token, the corrected value
+/// u_t and the decayed state read g_t (detail::SaveDeltaChunks). The backward from it is the
+/// reverse sweep alone (detail::delta_backward_saved: about 12 r dv + C (5 r + 5 dv) flops per
+/// token, no triangular solve), where the recomputing backward first runs that forward again.
+/// Memory: ceil(T / C) r dv + 2 T dv scalars: 1 KiB per token at r = dv = 64 (C = 32) and
+/// 5 KiB at r = dv = 128 (C = 16) in float (T = 8,192 at d = 128: 40 MiB).
 ///
-/// Memory: SavedForward holds ceil(T / B) (r dv + r) scalars, i.e. (r dv + r) / B per token:
-/// 520 B per token at r = dv = 64 and 2,064 B at r = dv = 128 in float with B = 32; T = 8,192
-/// at d = 128 is 16.1 MiB. The copy costs r (dv + 1) scalars of non-temporal stores per B rows. The backward allocates one chunk's scratch
-/// (saved_backward_bytes), nothing per token.
+/// Every rule: the saving forward's outputs and final state are the plain forward's bits (the
+/// copies are non-temporal stores from an observer that does nothing in the plain forward),
+/// and the backward from the saved data gives the recomputing backward's bits (that backward
+/// rebuilds the same data with the forward's own chunk kernel). The backward allocates one
+/// chunk's scratch (saved_backward_bytes), nothing per token.
 ///
 /// The saved states belong to the inputs of the forward that filled them: the backward must
 /// get the same Q, K, V and per-token inputs (it checks the shapes, the attention's identity,
 /// the chunk size and the length, not the values).
 
 #include <linattn/attention.hpp>
-#include <linattn/detail/gated_backward.hpp>
-#include <linattn/detail/rule_paths.hpp>
-#include <linattn/detail/token_inputs.hpp>
+#include <linattn/detail/rule_saved.hpp>
 #include <linattn/gradients.hpp>
 #include <linattn/rule_gradients.hpp>
 #include <linattn/rule_state.hpp>
@@ -51,99 +55,13 @@
 
 namespace linattn {
 
-namespace detail {
-
-/// The rules with a saved forward here: Decay and Gated.
-template <class Rule>
-concept SavedGatedRule = Rule::kind == WriteKind::decay || Rule::kind == WriteKind::gated;
-
-template <class Phi, class Rule, class Scalar, class DQ, class DK, class DV>
-void check_rule_saved(const RuleAttention<Phi, Rule, Scalar>& attn,
-                      const SavedForward<Scalar>& saved, const Eigen::MatrixBase<DQ>& Q,
-                      const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V) {
-  const Index dk = K.cols(), dv = V.cols(), r = attn.feature_map().feature_dim(dk);
-  const Index C = backward_chunk_size(attn, r, dv);
-  if (saved.tokens() != Q.rows() || saved.key_dim() != dk || saved.value_dim() != dv ||
-      saved.feature_dim() != r || (Q.rows() > 0 && saved.chunk_size() != C))
-    throw_shape_error("the saved forward holds ", saved.tokens(), " tokens of key dim ",
-                      saved.key_dim(), ", value dim ", saved.value_dim(), ", feature dim ",
-                      saved.feature_dim(), " in chunks of ", saved.chunk_size(),
-                      "; this backward has Q ", shape_of(Q), ", K ", shape_of(K), ", V ",
-                      shape_of(V), ", feature dim ", r, " and chunks of ", C,
-                      " (pass the saved forward of these inputs)");
-  const StateIdentity& id = SavedForwardAccess::identity(saved);
-  if (!(id == attn.state_identity()))
-    throw_error<StateMismatchError>("the saved forward was made by ", id.describe(),
-                                    ", this attention uses ", attn.state_identity().describe());
-}
-
-// The saving forward continuing `state` for bound or unbound inputs `in...`.
-template <class Phi, class Rule, class Scalar, class DQ, class DK, class DV, class... In>
-void rule_saving_forward(const RuleAttention<Phi, Rule, Scalar>& attn,
-                         RuleState<Rule, Scalar>& state, const Eigen::MatrixBase<DQ>& Q,
-                         const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
-                         Eigen::Ref<RowMatrix<Scalar>> out, SavedForward<Scalar>& saved,
-                         const In&... in) {
-  check_forward_shapes(Q, K, V, out);
-  const Index T = Q.rows(), dk = K.cols(), dv = V.cols(), r = attn.feature_map().feature_dim(dk);
-  state.check_shape(r, dk, dv);
-  state.check_identity(attn.state_identity());
-  state.check_room(T);
-  TokenInputs<Scalar> bound;
-  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
-  const Index C = attn.chunk_size(r, dv), B = backward_chunk_size(attn, r, dv);
-  SavedForwardAccess::prepare(saved, T, B, r, dk, dv, false, attn.state_identity());
-  const SaveChunkStates<Scalar> save{SavedForwardAccess::data(saved), B};
-  const auto& Qm = materialize(Q);
-  const auto& Km = materialize(K);
-  const auto& Vm = materialize(V);
-  const auto query = [&](Index) -> const auto& { return Qm; };
-  const auto output = [&](Index) -> Eigen::Ref<RowMatrix<Scalar>> { return out; };
-  rule_chunked(attn.feature_map(), attn.options().normalization, C, 1, query, Km, Vm, bound,
-               state, output, save);
-  stream_fence();
-  SavedForwardAccess::finish(saved, T);
-}
-
-// The backward from `saved` for the inputs `in...`: checks, then gated_backward_from.
-template <class Phi, class Rule, class Scalar, class DQ, class DK, class DV, class DY,
-          class... In>
-void rule_saved_backward(const RuleAttention<Phi, Rule, Scalar>& attn,
-                         const SavedForward<Scalar>& saved, const Eigen::MatrixBase<DQ>& Q,
-                         const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
-                         const Eigen::MatrixBase<DY>& dY,
-                         const StateGradient<Scalar>* final_gradient, GradientsRef<Scalar> out,
-                         RuleInputGradients<Scalar>& d_in, StateGradient<Scalar>& initial,
-                         const In&... in) {
-  require_differentiable<Phi, Scalar>();
-  check_backward_shapes(Q, K, V, dY, Mask::causal);
-  const Index T = Q.rows(), dk = K.cols(), dv = V.cols(), r = attn.feature_map().feature_dim(dk);
-  check_gradient_outputs(out, T, T, dk, dv);
-  check_rule_saved(attn, saved, Q, K, V);
-  check_final_gradient(final_gradient, r, dv);
-  TokenInputs<Scalar> bound;
-  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
-  Scalar* d_gate = nullptr;
-  if constexpr (Rule::kind == WriteKind::gated) {
-    d_in.log_gate.resize(T, bound.log_gate.cols);
-    d_gate = d_in.log_gate.data();
-  }
-  gated_backward_from<Scalar>(
-      attn.feature_map(), materialize(Q), materialize(K), materialize(V), materialize(dY), bound,
-      nullptr, nullptr, &SavedForwardAccess::data(saved), r,
-      final_gradient != nullptr ? &final_gradient->S : nullptr,
-      final_gradient != nullptr ? &final_gradient->z : nullptr, saved.chunk_size(),
-      attn.chunk_size(r, dv), attn.options().normalization, out.Q, out.K, out.V, d_gate, initial.S, initial.z);
-}
-
-}  // namespace detail
 
 /// prefill_saving_into(attn, state, Q, K, V, inputs..., out, saved): attn.prefill_into(state,
 /// Q, K, V, inputs..., out) (same bits in out and in the state afterwards), keeping the state
 /// before every backward chunk in `saved` (a SavedForward<Scalar>). Throws as prefill_into;
 /// `saved` is then left empty. Cost: the forward plus a copy of r (dv + 1) scalars per chunk; `saved` is
 /// resized (allocated) only when its size changes.
-template <class Phi, detail::SavedGatedRule Rule, class Scalar, class DQ, class DK, class DV,
+template <class Phi, detail::SavedRule Rule, class Scalar, class DQ, class DK, class DV,
           class... Args>
   requires(sizeof...(Args) == Rule::token_inputs + 2)
 void prefill_saving_into(const RuleAttention<Phi, Rule, Scalar>& attn,
@@ -162,7 +80,7 @@ void prefill_saving_into(const RuleAttention<Phi, Rule, Scalar>& attn,
 /// parallel_saving_into(attn, Q, K, V, inputs..., Mask::causal, out, saved):
 /// attn.parallel_into(Q, K, V, inputs..., Mask::causal, out) (same bits in out), keeping the
 /// chunk-boundary states in `saved`; otherwise as prefill_saving_into from an empty state.
-template <class Phi, detail::SavedGatedRule Rule, class Scalar, class DQ, class DK, class DV,
+template <class Phi, detail::SavedRule Rule, class Scalar, class DQ, class DK, class DV,
           class... Args>
   requires(sizeof...(Args) == Rule::token_inputs + 3)
 void parallel_saving_into(const RuleAttention<Phi, Rule, Scalar>& attn,
@@ -192,7 +110,7 @@ void parallel_saving_into(const RuleAttention<Phi, Rule, Scalar>& attn,
 /// ShapeError naming the shapes when `saved` is not for these T, dk, dv, r and chunk size,
 /// StateMismatchError when another attention filled it, otherwise as the recomputing backward.
 /// Allocates one chunk's scratch (saved_backward_bytes).
-template <class Phi, detail::SavedGatedRule Rule, class Scalar, class DQ, class DK, class DV,
+template <class Phi, detail::SavedRule Rule, class Scalar, class DQ, class DK, class DV,
           class... Args>
   requires(sizeof...(Args) == Rule::token_inputs + 5)
 void prefill_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
@@ -214,7 +132,7 @@ void prefill_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
 
 /// prefill_backward(attn, saved, Q, K, V, inputs..., dY[, final_gradient]): the backward from
 /// a saved forward returning a RuleGradients (dQ, dK, dV, the inputs' gradients, `initial`).
-template <class Phi, detail::SavedGatedRule Rule, class Scalar, class DQ, class DK, class DV,
+template <class Phi, detail::SavedRule Rule, class Scalar, class DQ, class DK, class DV,
           class... Args>
   requires(sizeof...(Args) == Rule::token_inputs + 1 ||
            sizeof...(Args) == Rule::token_inputs + 2)
@@ -241,7 +159,7 @@ template <class Phi, detail::SavedGatedRule Rule, class Scalar, class DQ, class 
 /// parallel_backward_into(attn, saved, Q, K, V, inputs..., Mask::causal, dY, out, d_inputs[,
 /// initial]): the backward from the saved forward of parallel_saving_into; `initial` (a
 /// StateGradient*), when given and not null, gets the empty initial state's gradient.
-template <class Phi, detail::SavedGatedRule Rule, class Scalar, class DQ, class DK, class DV,
+template <class Phi, detail::SavedRule Rule, class Scalar, class DQ, class DK, class DV,
           class... Args>
   requires(sizeof...(Args) == Rule::token_inputs + 4 ||
            sizeof...(Args) == Rule::token_inputs + 5)
@@ -270,7 +188,7 @@ void parallel_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
 
 /// parallel_backward(attn, saved, Q, K, V, inputs..., Mask::causal, dY): the backward from the
 /// saved forward of parallel_saving_into, returning a RuleGradients.
-template <class Phi, detail::SavedGatedRule Rule, class Scalar, class DQ, class DK, class DV,
+template <class Phi, detail::SavedRule Rule, class Scalar, class DQ, class DK, class DV,
           class... Args>
   requires(sizeof...(Args) == Rule::token_inputs + 2)
 [[nodiscard]] RuleGradients<Scalar> parallel_backward(const RuleAttention<Phi, Rule, Scalar>& attn,
@@ -296,27 +214,35 @@ template <class Phi, detail::SavedGatedRule Rule, class Scalar, class DQ, class 
 }
 
 /// Bytes a SavedForward holds for T tokens of key dim dk and value dim dv under this rule
-/// attention: ceil(T / B) (r dv + r) scalars, B its backward chunk (32 under kAuto).
-/// r = dv = 128, float, T = 8,192: 16,908,288 (16.1 MiB).
-template <class Phi, detail::SavedGatedRule Rule, class Scalar>
+/// attention. Decay, Gated: ceil(T / B) (r dv + r) scalars, B the backward chunk (32 under
+/// kAuto); r = dv = 128, float, T = 8,192: 16,908,288 (16.1 MiB). Delta, GatedDelta:
+/// ceil(T / C) r dv + 2 T dv scalars, C the forward's chunk (16 at r = dv = 128 under kAuto):
+/// 41,943,040 (40 MiB) there.
+template <class Phi, detail::SavedRule Rule, class Scalar>
 [[nodiscard]] std::size_t saved_forward_bytes(const RuleAttention<Phi, Rule, Scalar>& attn,
                                               Index T, Index dk, Index dv) {
   const Index r = attn.feature_map().feature_dim(dk);
-  return detail::ChunkStates<Scalar>::bytes_for(T, detail::backward_chunk_size(attn, r, dv), r, dv,
-                                                false);
+  const Index C = detail::saved_chunk_size(attn, T, r, dv);
+  if constexpr (detail::is_delta_rule<Rule>)
+    return detail::DeltaSavedStates<Scalar>::bytes_for(T, C, r, dv);
+  else
+    return detail::ChunkStates<Scalar>::bytes_for(T, C, r, dv, false);
 }
 
 /// Bytes the backward from a saved forward allocates for itself (one chunk's scratch, with
-/// row-major contiguous V and dY; one gate per token, or `per_channel_gates`): nothing per
-/// token.
-template <class Phi, detail::SavedGatedRule Rule, class Scalar>
+/// row-major contiguous V and dY; Gated: one gate per token, or `per_channel_gates`): nothing
+/// per token.
+template <class Phi, detail::SavedRule Rule, class Scalar>
 [[nodiscard]] std::size_t saved_backward_bytes(const RuleAttention<Phi, Rule, Scalar>& attn,
                                                Index T, Index dk, Index dv,
                                                bool per_channel_gates = false) {
   const Index r = attn.feature_map().feature_dim(dk);
-  return detail::gated_backward_bytes<Scalar>(T, detail::backward_chunk_size(attn, r, dv),
-                                              attn.chunk_size(r, dv), r, dv, per_channel_gates,
-                                              false);
+  const Index C = detail::saved_chunk_size(attn, T, r, dv);
+  if constexpr (detail::is_delta_rule<Rule>)
+    return detail::DeltaBackwardScratch<Scalar>::scalars_for(C, r, dv) * sizeof(Scalar);
+  else
+    return detail::gated_backward_bytes<Scalar>(T, C, attn.chunk_size(r, dv), r, dv,
+                                                per_channel_gates, false);
 }
 
 }  // namespace linattn

@@ -32,6 +32,7 @@
 #include <Eigen/Core>
 #include <cstddef>
 #include <linattn/attention.hpp>
+#include <linattn/detail/delta_backward.hpp>
 #include <linattn/detail/saved_backward.hpp>
 #include <linattn/gradients.hpp>
 #include <stdexcept>
@@ -45,7 +46,9 @@ struct SavedForwardAccess;
 /// The chunk-boundary states of one causal forward (see the file comment): the stored S (r x dv)
 /// and z (r) before each backward chunk of chunk_size() rows (B, a multiple of the forward's
 /// chunk), and for log-scaled maps their log-scale.
-/// Filled by parallel_saving_into / prefill_saving_into; read by the backward overloads below.
+/// Filled by parallel_saving_into / prefill_saving_into; read by the backward overloads below
+/// (and rule_saved_forward.hpp's; for Delta and GatedDelta the saved data is the forward
+/// kernel's, kept apart: chunks() is 0 and bytes() counts it).
 /// Empty (tokens() == 0, no chunks) until filled; a forward that throws leaves it empty.
 template <class Scalar>
 class SavedForward {
@@ -66,13 +69,16 @@ class SavedForward {
   /// Bytes held: chunks() (r dv + r (+ 1 for log-scaled maps)) scalars.
   [[nodiscard]] std::size_t bytes() const noexcept {
     return static_cast<std::size_t>(data_.states.size() + data_.sums.size() +
-                                    data_.log_scales.size()) *
+                                    data_.log_scales.size() + delta_.states.size() +
+                                    delta_.corrected.size() + delta_.reads.size()) *
            sizeof(Scalar);
   }
 
  private:
   friend struct detail::SavedForwardAccess;
   detail::ChunkStates<Scalar> data_;
+  // The delta rules' saved data (linattn/rule_saved_forward.hpp); then data_ is empty.
+  detail::DeltaSavedStates<Scalar> delta_;
   Index tokens_ = 0, chunk_size_ = 0, key_dim_ = 0;
   detail::StateIdentity identity_;
 };
@@ -101,9 +107,26 @@ struct SavedForwardAccess {
     s.data_.states.resize(chunks * r, dv);
     s.data_.sums.resize(chunks, r);
     s.data_.log_scales.resize(log_scaled ? chunks : 0);
+    s.delta_.resize(0, C, r, dv);
     s.chunk_size_ = C;
     s.key_dim_ = dk;
     s.identity_ = identity;
+  }
+  template <class Scalar>
+  static detail::DeltaSavedStates<Scalar>& delta(SavedForward<Scalar>& s) noexcept {
+    return s.delta_;
+  }
+  template <class Scalar>
+  static const detail::DeltaSavedStates<Scalar>& delta(const SavedForward<Scalar>& s) noexcept {
+    return s.delta_;
+  }
+  /// As prepare, for the delta rules' data (chunks of C rows, per-token rows); the chunk-state
+  /// matrices keep only their widths (feature_dim(), value_dim()).
+  template <class Scalar>
+  static void prepare_delta(SavedForward<Scalar>& s, Index T, Index C, Index r, Index dk, Index dv,
+                            const StateIdentity& identity) {
+    prepare(s, 0, C, r, dk, dv, false, identity);
+    s.delta_.resize(T, C, r, dv);
   }
   template <class Scalar>
   static void finish(SavedForward<Scalar>& s, Index T) noexcept {
