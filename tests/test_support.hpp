@@ -18,6 +18,14 @@ namespace linattn_test {
 using linattn::Index;
 using MatrixXdR = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
+#ifndef LINATTN_TEST_SANITIZED
+#define LINATTN_TEST_SANITIZED 0
+#endif
+/// Whether this is the sanitizer build (-O0 with ASan + UBSan, scripts/test.sh --sanitize),
+/// where a few tests run their longest shapes shorter: the same code paths, and the g++
+/// Release build runs them in full.
+inline constexpr bool kSanitizedBuild = LINATTN_TEST_SANITIZED != 0;
+
 /// Unit roundoff u of Scalar: 2^-24 for float, 2^-53 for double.
 template <class Scalar>
 constexpr double unit_roundoff() {

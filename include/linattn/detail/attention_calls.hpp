@@ -9,6 +9,7 @@
 #include <linattn/detail/call_args.hpp>
 #include <linattn/detail/checks.hpp>
 #include <linattn/detail/eigen_utils.hpp>
+#include <linattn/detail/erased_rows.hpp>
 #include <linattn/detail/head_group.hpp>
 #include <linattn/detail/rule_paths.hpp>
 #include <linattn/detail/state_core.hpp>
@@ -66,9 +67,7 @@ class AttentionCalls {
           const auto query = [&](Index) -> const auto& { return Qm; };
           const auto output = [&](Index) -> OutputRef { return out; };
           if (!causal) {
-            if constexpr (Rule::has_full_form)
-              additive_full<typename Derived::scalar_type>(self().feature_map(), norm(), 1, query,
-                                                           Km, Vm, output);
+            if constexpr (Rule::has_full_form) run_full(1, query, Km, Vm, output);
             return;
           }
           auto state = self().make_state(K.cols(), V.cols());
@@ -97,9 +96,7 @@ class AttentionCalls {
           const auto output = [&](Index g) -> OutputRef { return outputs[g]; };
           const auto G = static_cast<Index>(queries.size());
           if (!causal) {
-            if constexpr (Rule::has_full_form)
-              additive_full<typename Derived::scalar_type>(self().feature_map(), norm(), G, query,
-                                                           Km, Vm, output);
+            if constexpr (Rule::has_full_form) run_full(G, query, Km, Vm, output);
             return;
           }
           auto state = self().make_state(K.cols(), V.cols());
@@ -317,20 +314,36 @@ class AttentionCalls {
         inputs);
   }
 
+  // The kernels get views (erased_rows.hpp) where the inputs allow, so that they are compiled
+  // once per attention type, not once per caller's argument types.
   template <bool Recurrent, class State, class QueryAt, class DK, class DV, class Tuple, class OutputAt>
   void run_causal(State& state, Index group, const QueryAt& query, const DK& K, const DV& V,
                   const Tuple& inputs, const OutputAt& output) const {
     using Rule = typename Derived::rule_type;
     using Scalar = typename Derived::scalar_type;
     const Index r = state.feature_dim(), C = self().chunk_size(r, state.value_dim());
-    if constexpr (Rule::kind == WriteKind::additive) {
-      static_cast<void>(inputs);
-      additive_chunked(self().feature_map(), norm(), C, group, query, K, V, state, output);
-    } else {
-      TokenInputs<Scalar> in;
-      bind(inputs, K.rows(), r, in);
-      rule_chunked(self().feature_map(), norm(), C, group, query, K, V, in, state, output);
-    }
+    TokenInputs<Scalar> in;
+    if constexpr (Rule::kind != WriteKind::additive) bind(inputs, K.rows(), r, in);
+    with_row_views<Scalar>(group, query, K, V, output,
+                           [&](const auto& q, const auto& k, const auto& v, const auto& o) {
+                             if constexpr (Rule::kind == WriteKind::additive)
+                               additive_chunked(self().feature_map(), norm(), C, group, q, k, v,
+                                                state, o);
+                             else
+                               rule_chunked(self().feature_map(), norm(), C, group, q, k, v, in,
+                                            state, o);
+                           });
+  }
+
+  template <class QueryAt, class DK, class DV, class OutputAt>
+  void run_full(Index group, const QueryAt& query, const DK& K, const DV& V,
+                const OutputAt& output) const {
+    using Scalar = typename Derived::scalar_type;
+    with_row_views<Scalar>(group, query, K, V, output,
+                           [&](const auto& q, const auto& k, const auto& v, const auto& o) {
+                             additive_full<Scalar>(self().feature_map(), norm(), group, q, k, v,
+                                                   o);
+                           });
   }
 
   template <class State, class DQ, class DK, class DV, class Tuple, class Out>
@@ -338,14 +351,18 @@ class AttentionCalls {
                      Out& out) const {
     using Rule = typename Derived::rule_type;
     using Scalar = typename Derived::scalar_type;
-    if constexpr (Rule::kind == WriteKind::additive) {
-      static_cast<void>(inputs);
-      additive_recurrent(self().feature_map(), norm(), Q, K, V, state, out);
-    } else {
-      TokenInputs<Scalar> in;
-      bind(inputs, K.rows(), state.feature_dim(), in);
-      rule_recurrent(self().feature_map(), norm(), Q, K, V, in, state, out);
-    }
+    TokenInputs<Scalar> in;
+    if constexpr (Rule::kind != WriteKind::additive) bind(inputs, K.rows(), state.feature_dim(), in);
+    const auto run = [&](const auto& q, const auto& k, const auto& v) {
+      if constexpr (Rule::kind == WriteKind::additive)
+        additive_recurrent(self().feature_map(), norm(), q, k, v, state, out);
+      else
+        rule_recurrent(self().feature_map(), norm(), q, k, v, in, state, out);
+    };
+    if constexpr (is_rows_of<Scalar, DQ>() && is_rows_of<Scalar, DK>() && is_rows_of<Scalar, DV>())
+      run(const_rows_view<Scalar>(Q), const_rows_view<Scalar>(K), const_rows_view<Scalar>(V));
+    else
+      run(Q, K, V);
   }
 };
 
