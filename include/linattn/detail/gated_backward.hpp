@@ -223,13 +223,8 @@ class GatedBackwardChunk {
       b[i] = g.denominator;
     }
     weight_gradients(a, b);
-    for (Index i = 0; i < n; ++i) {
-      d_features_.row(i) = a[i] * rows_r_.row(i) + b[i] * zr;
-      if (per_channel_)
-        d_features_.row(i).array() *= qscale_.row(i).array();
-      else
-        d_features_.row(i) *= qscale_(i, 0);
-    }
+    for (Index i = 0; i < n; ++i) d_features_.row(i) = a[i] * rows_r_.row(i) + b[i] * zr;
+    scale_rows(d_features_, qscale_, n);
     if (per_channel_)
       channel_query_terms();
     else
@@ -253,13 +248,8 @@ class GatedBackwardChunk {
     const Index n = n_;
     product<Scalar, false>(r_, padded(n), dv_, H.data(), dv_, v_t_.data(), P_, rows_t_.data(), P_);
     transpose_block(r_, n, rows_t_.data(), P_, rows_r_.data(), r_);
-    for (Index j = 0; j < n; ++j) {
-      rows_r_.row(j) += hz.transpose();
-      if (per_channel_)
-        rows_r_.row(j).array() *= kscale_.row(j).array();
-      else
-        rows_r_.row(j) *= kscale_(j, 0);
-    }
+    for (Index j = 0; j < n; ++j) rows_r_.row(j) += hz.transpose();
+    scale_rows(rows_r_, kscale_, n);
     if (per_channel_)
       channel_key_terms();
     else
@@ -306,6 +296,17 @@ class GatedBackwardChunk {
   Scalar* kw_t(Index I) noexcept { return kw_t_.data() + (I - 1) * r_ * P_; }
   Scalar* kw(Index I) noexcept { return kw_.data() + (I - 1) * C_ * r_; }
   Scalar* kw_scale(Index I) noexcept { return kw_scale_.data() + (I - 1) * C_ * r_; }
+
+  // Rows [0, n) of m times their decay scales: per channel (scale's row, elementwise) or one
+  // per row (scale's first column).
+  void scale_rows(RowMatrix<Scalar>& m, const RowMatrix<Scalar>& scale, Index n) const {
+    for (Index i = 0; i < n; ++i) {
+      if (per_channel_)
+        m.row(i).array() *= scale.row(i).array();
+      else
+        m.row(i) *= scale(i, 0);
+    }
+  }
 
   // q .* dq (sign +1) or k .* dk (sign -1) into the chunk's rows of the gate gradient.
   void add_gate_terms(Scalar* d_gate, const RowMatrix<Scalar>& f, const RowMatrix<Scalar>& df,
