@@ -165,13 +165,13 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
   // The schedule, the same on every rank (agreed inputs only). The delta rules' hybrid is the
   // pipeline (schedule_model.hpp: no fills).
   const bool initial_nonzero = records[std::size_t(holder)].initial_nonzero != 0;
-  ScheduleCode schedule = static_cast<ScheduleCode>(config.schedule);
-  std::vector<Index> fills(std::size_t(P), 0);
+  auto schedule = static_cast<ScheduleCode>(config.schedule);
+  Index fills = 0;  // the hybrid's k_p for this rank
   if (schedule == ScheduleCode::automatic || schedule == ScheduleCode::hybrid) {
-    ScheduleModel model = model_schedules(items, lengths, !initial_nonzero, carry_cost_of<Rule>(),
-                                          hybrid_fills<Rule>());
+    const ScheduleModel model = model_schedules(items, lengths, !initial_nonzero,
+                                                carry_cost_of<Rule>(), hybrid_fills<Rule>());
     if (schedule == ScheduleCode::automatic) schedule = model.pick;
-    if (schedule == ScheduleCode::hybrid) fills.swap(model.fills);
+    fills = model.fills[std::size_t(rank)];
   }
   if (schedule == ScheduleCode::hybrid && !hybrid_fills<Rule>()) schedule = ScheduleCode::pipeline;
   if (schedule != ScheduleCode::summaries) {
@@ -184,7 +184,7 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
     plan.initial_nonzero = initial_nonzero;
     plan.initial_tokens = records[std::size_t(holder)].initial_tokens;
     plan.offset = offsets[std::size_t(rank)];
-    plan.fills = fills[std::size_t(rank)];
+    plan.fills = schedule == ScheduleCode::hybrid ? fills : 0;
     result.failure = run_pipeline(comm, attention, dk, dv, plan, work.items, work.states,
                                   work.pipeline, counts);
     return result;
