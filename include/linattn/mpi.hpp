@@ -229,7 +229,7 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
                 "(random features) keeps S scaled by a running maximum, which has no summary");
 
   /// Runs `attention` across the ranks of `comm` (not duplicated: the caller's communicator;
-  /// collectives, and the pipeline's messages with tags 0x4c41 and 0x4c42: no receive of the
+  /// collectives, and the wavefront's messages with tags 0x4c41 and 0x4c42: no receive of the
   /// caller's with MPI_ANY_TAG may be pending on it during a call).
   SequenceParallel(Attention attention, MPI_Comm comm, Carry carry = {})
       : attention_(std::move(attention)), comm_(comm), carry_(carry) {}
