@@ -188,43 +188,43 @@ TEST_CASE("pipeline and hybrid: consecutive calls continue each other; the initi
     // One item: under the hybrid every rank after the first that waits a slot for it fills it
     // (reads the carried initial state as the summaries do); the bounds hold for both.
     for (const mpi::Schedule schedule : {mpi::Schedule::pipeline, mpi::Schedule::hybrid})
-    for (int holder : {mpi::kLastRank, 0, int(P / 2)}) {
-      INFO(name << ", rank " << w.rank << " of " << P << ", holder " << holder << ", schedule "
-                << int(schedule));
-      // The first call leaves each rank the state after its own slice; the holder's is the one
-      // the second call continues (the last rank's: the state after [0, T1)).
-      mpi::SequenceParallel<Attention> split(attention, MPI_COMM_WORLD, {mpi::kLastRank, false, schedule});
-      auto state = attention.make_state(dk, dv);
-      const Slice a = slice_of(first, w.rank);
-      static_cast<void>(one_head_call(split, state, qkv, a.offset, a.length, nullptr, in...));
-      if (holder != mpi::kLastRank) {
-        // Hand the state after [0, T1) to the holder (as a user would, e.g. restored from disk).
-        auto held = attention.make_state(dk, dv);
-        RowMatrix<Scalar> unused(T1, dv);
-        if (w.rank == holder)
-          attention.prefill_into(held, qkv.Q.topRows(T1), qkv.K.topRows(T1), qkv.V.topRows(T1),
-                                 in.topRows(T1)..., unused);
-        state = held;
+      for (int holder : {mpi::kLastRank, 0, int(P / 2)}) {
+        INFO(name << ", rank " << w.rank << " of " << P << ", holder " << holder << ", schedule "
+                  << int(schedule));
+        // The first call leaves each rank the state after its own slice; the holder's is the one
+        // the second call continues (the last rank's: the state after [0, T1)).
+        mpi::SequenceParallel<Attention> split(attention, MPI_COMM_WORLD, {mpi::kLastRank, false, schedule});
+        auto state = attention.make_state(dk, dv);
+        const Slice a = slice_of(first, w.rank);
+        static_cast<void>(one_head_call(split, state, qkv, a.offset, a.length, nullptr, in...));
+        if (holder != mpi::kLastRank) {
+          // Hand the state after [0, T1) to the holder (as a user would, e.g. restored from disk).
+          auto held = attention.make_state(dk, dv);
+          RowMatrix<Scalar> unused(T1, dv);
+          if (w.rank == holder)
+            attention.prefill_into(held, qkv.Q.topRows(T1), qkv.K.topRows(T1), qkv.V.topRows(T1),
+                                   in.topRows(T1)..., unused);
+          state = held;
+        }
+        mpi::SequenceParallel<Attention> next(attention, MPI_COMM_WORLD, {holder, true, schedule});
+        const Slice b = slice_of(second, w.rank);
+        mpi::ExchangeStats stats;
+        const RowMatrix<Scalar> out = one_head_call(next, state, qkv, T1 + b.offset, b.length, &stats, in...);
+        const int from = holder == mpi::kLastRank ? int(P) - 1 : holder;
+        CHECK((stats.initial_state_bytes > 0) == (w.rank == from && from != 0));
+        CHECK(same_on_every_rank(digest(state.S())));
+        check_final(state);
+        const Index row0 = T1 + b.offset;
+        const MatrixXdR Yd = Y.middleRows(row0, b.length).template cast<double>();
+        if constexpr (!Attention::rule_type::keeps_normalizer) {
+          const auto bound = split_delta_bound(qkv.Q, qkv.K, qkv.V, beta, log_alpha, phi, C, all_lengths);
+          CHECK(worst_ratio_of<Scalar>(out, Yd, [&](Index i, Index) { return bound.outputs(row0 + i); }) <= 1.0);
+        } else {
+          const bool normalize = attention.options().normalization.divides();
+          const MatrixXdR bound = split_gated_output_bound(qkv.Q, qkv.K, qkv.V, lg, phi, normalize, C, 2 * P);
+          CHECK(worst_ratio_of<Scalar>(out, Yd, [&](Index i, Index c) { return bound(row0 + i, c); }) <= 1.0);
+        }
       }
-      mpi::SequenceParallel<Attention> next(attention, MPI_COMM_WORLD, {holder, true, schedule});
-      const Slice b = slice_of(second, w.rank);
-      mpi::ExchangeStats stats;
-      const RowMatrix<Scalar> out = one_head_call(next, state, qkv, T1 + b.offset, b.length, &stats, in...);
-      const int from = holder == mpi::kLastRank ? int(P) - 1 : holder;
-      CHECK((stats.initial_state_bytes > 0) == (w.rank == from && from != 0));
-      CHECK(same_on_every_rank(digest(state.S())));
-      check_final(state);
-      const Index row0 = T1 + b.offset;
-      const MatrixXdR Yd = Y.middleRows(row0, b.length).template cast<double>();
-      if constexpr (!Attention::rule_type::keeps_normalizer) {
-        const auto bound = split_delta_bound(qkv.Q, qkv.K, qkv.V, beta, log_alpha, phi, C, all_lengths);
-        CHECK(worst_ratio_of<Scalar>(out, Yd, [&](Index i, Index) { return bound.outputs(row0 + i); }) <= 1.0);
-      } else {
-        const bool normalize = attention.options().normalization.divides();
-        const MatrixXdR bound = split_gated_output_bound(qkv.Q, qkv.K, qkv.V, lg, phi, normalize, C, 2 * P);
-        CHECK(worst_ratio_of<Scalar>(out, Yd, [&](Index i, Index c) { return bound(row0 + i, c); }) <= 1.0);
-      }
-    }
   });
 }
 
@@ -286,11 +286,11 @@ TEMPLATE_TEST_CASE("hybrid: every rule, 1 to 6 items (grouped heads), every slic
       const auto outputs = [&] {
         return Buffer<Scalar>(Layout::batch_first, B, T, Hq, dv, RowMatrix<Scalar>::Zero(1, B * T * Hq * dv));
       };
-      // f(Q, K, V, inputs..., out) over rows [first, first + rows) of the buffers.
-      const auto over_rows = [&](Index first, Index rows, Buffer<Scalar>& out, auto&& f) {
+      // f(Q, K, V, inputs..., out) over rows [first, first + count) of the buffers.
+      const auto over_rows = [&](Index first, Index count, Buffer<Scalar>& out, auto&& f) {
         [&]<std::size_t... I>(std::index_sequence<I...>) {
-          f(q.rows(first, rows), k.rows(first, rows), v.rows(first, rows),
-            inputs[I].rows(first, rows)..., out.out_rows(first, rows));
+          f(q.rows(first, count), k.rows(first, count), v.rows(first, count),
+            inputs[I].rows(first, count)..., out.out_rows(first, count));
         }(std::make_index_sequence<N>{});
       };
       Buffer<Scalar> Y = outputs();
@@ -369,18 +369,18 @@ TEMPLATE_TEST_CASE("hybrid: every rule, 1 to 6 items (grouped heads), every slic
             CHECK(same_on_every_rank(digest(final_state.S())));
             if (w.rank == P - 1) CHECK(same_bits(final_state.S(), mine.S()));
             for (Index g = h * G; g < (h + 1) * G; ++g) {
-              const RowMatrix<Scalar> rows = out_h.cut(b, g, my.offset, my.length);
-              if (pipelined) CHECK(same_bits(rows, out_p.cut(b, g, my.offset, my.length)));
-              CHECK(same_bits(again.cut(b, g, my.offset, my.length), rows));
-              CHECK(same_bits(out_b.cut(b, g, my.offset, my.length), rows));
+              const RowMatrix<Scalar> y = out_h.cut(b, g, my.offset, my.length);
+              if (pipelined) CHECK(same_bits(y, out_p.cut(b, g, my.offset, my.length)));
+              CHECK(same_bits(again.cut(b, g, my.offset, my.length), y));
+              CHECK(same_bits(out_b.cut(b, g, my.offset, my.length), y));
               const MatrixXdR Yd = Y.cut(b, g, my.offset, my.length).template cast<double>();
               const std::size_t head = std::size_t(b * Hq + g);
               if constexpr (delta) {
-                CHECK(worst_ratio_of<Scalar>(rows, Yd, [&](Index i, Index) {
+                CHECK(worst_ratio_of<Scalar>(y, Yd, [&](Index i, Index) {
                         return delta_bounds[head].outputs(my.offset + i);
                       }) <= 1.0);
               } else {
-                CHECK(worst_ratio_of<Scalar>(rows, Yd, [&](Index i, Index c) {
+                CHECK(worst_ratio_of<Scalar>(y, Yd, [&](Index i, Index c) {
                         return output_bounds[head](my.offset + i, c);
                       }) <= 1.0);
               }
@@ -478,29 +478,29 @@ TEST_CASE("pipeline and hybrid: a denominator rejected on one rank for one head 
   for (const auto& bad : {std::pair<Index, Index>{1, last_first + 2}, {0, 0}, {2, middle_last}}) {
     const Index head = bad.first, bad_row = bad.second;
     for (const mpi::Schedule schedule : {mpi::Schedule::pipeline, mpi::Schedule::hybrid})
-    for (bool broadcast : {false, true}) {
-      INFO("head " << head << ", row " << bad_row << ", rank " << w.rank << ", schedule "
-                   << int(schedule) << (broadcast ? ", broadcast_final" : ""));
-      FailingLayer f;
-      auto state = f.layer.make_state(1);
-      CHECK(f.call(state, lengths, broadcast, schedule).schedule == schedule);  // a good call first
-      const std::uint64_t before = digest_of(state);
-      f.Q.block(bad_row, head * FailingLayer::d, 1, FailingLayer::d).setConstant(-1.0f);
-      Index row = -1;
-      const std::string message = every_rank_throws<DenominatorError>([&] {
-        try {
-          f.call(state, lengths, broadcast, schedule);
-        } catch (const DenominatorError& e) {
-          row = e.row();
-          throw;
-        }
-      });
-      CHECK(row == bad_row);
-      CHECK_THAT(message, Catch::Contains("at query row " + std::to_string(bad_row) + " "));
-      CHECK(digest_of(state) == before);
-      f.Q.block(bad_row, head * FailingLayer::d, 1, FailingLayer::d).setConstant(0.5f);
-      CHECK_NOTHROW(f.call(state, lengths, broadcast, schedule));  // every rank back in step
-    }
+      for (bool broadcast : {false, true}) {
+        INFO("head " << head << ", row " << bad_row << ", rank " << w.rank << ", schedule "
+                     << int(schedule) << (broadcast ? ", broadcast_final" : ""));
+        FailingLayer f;
+        auto state = f.layer.make_state(1);
+        CHECK(f.call(state, lengths, broadcast, schedule).schedule == schedule);  // a good call first
+        const std::uint64_t before = digest_of(state);
+        f.Q.block(bad_row, head * FailingLayer::d, 1, FailingLayer::d).setConstant(-1.0f);
+        Index row = -1;
+        const std::string message = every_rank_throws<DenominatorError>([&] {
+          try {
+            f.call(state, lengths, broadcast, schedule);
+          } catch (const DenominatorError& e) {
+            row = e.row();
+            throw;
+          }
+        });
+        CHECK(row == bad_row);
+        CHECK_THAT(message, Catch::Contains("at query row " + std::to_string(bad_row) + " "));
+        CHECK(digest_of(state) == before);
+        f.Q.block(bad_row, head * FailingLayer::d, 1, FailingLayer::d).setConstant(0.5f);
+        CHECK_NOTHROW(f.call(state, lengths, broadcast, schedule));  // every rank back in step
+      }
   }
 }
 

@@ -35,7 +35,6 @@
 // and kInitialTag (the initial state, holder to rank 0) on the caller's communicator.
 
 #include <linattn/detail/mpi_exchange.hpp>
-#include <linattn/detail/schedule_model.hpp>
 #include <linattn/detail/slice_runner.hpp>
 #include <linattn/detail/slice_summary.hpp>
 #include <linattn/types.hpp>

@@ -22,7 +22,6 @@
 // parallel; the wavefront runs them in order).
 
 #include <linattn/types.hpp>
-#include <linattn/write_rules.hpp>
 
 #include <algorithm>
 #include <cmath>
