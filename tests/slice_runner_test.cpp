@@ -4,10 +4,12 @@
 // sequence to the derived rounding bound (tests/slice_reference.hpp), for every write rule,
 // slices of every shape (empty ones included) and a non-zero starting state; a first slice of
 // whole chunks is bit-identical; the transposed step of the scan is the adjoint of the
-// forward step.
+// forward step. The cost model that picks the schedule (detail/schedule_model.hpp) on slices
+// whose times are worked out by hand below.
 // tests/mpi/ runs the same algorithm across real processes.
 
 #include <linattn/attention.hpp>
+#include <linattn/detail/schedule_model.hpp>
 #include <linattn/detail/slice_runner.hpp>
 #include <linattn/detail/slice_summary.hpp>
 
@@ -249,4 +251,143 @@ TEST_CASE("carry_back is the adjoint of a scan step: <A X, Y> = <X, A^T Y>", "[s
                 (scan.z().cwiseAbs().dot(g.cwiseAbs()) + x.cwiseAbs().dot(dz.cwiseAbs())));
     }
   });
+}
+
+// ---- the cost model of the schedules (no MPI) -------------------------------------------------
+
+// Times in token-times of one item (schedule_model.hpp): L per pipelined or filled slice, c L
+// per carry read. Each expected time below is worked out by hand from the schedule's order.
+TEST_CASE("schedule model: the three schedules' times on the actual slices, the hybrid's fills "
+          "and automatic's choice",
+          "[slices][schedule]") {
+  using detail::ScheduleCode;
+  const double c = 0.35;
+  const auto model = [&](Index items, const std::vector<Index>& lengths, bool starts_empty = true,
+                         double cost = 0.35, bool fills = true) {
+    return detail::model_schedules(items, lengths, starts_empty, cost, fills);
+  };
+  // Sums of a few multiples of 0.35 and integers: exact to a few units in the last place.
+  const auto same = [](double x) { return Approx(x).epsilon(1e-12); };
+  {
+    // 8 items, 2 even slices of L = 100. Summaries: 8 (1 + c) L (rank 1 reads the carries).
+    // Pipeline: (8 + 1) L. Hybrid: rank 1 fills item 7 while item 0 comes (slot 0), pipelines
+    // items 0..6 in slots 1..7, and at 8 L, when item 7 arrives, reads its carry: (8 + c) L.
+    const auto m = model(8, {100, 100});
+    CHECK(m.summaries == same(8 * 135.0));
+    CHECK(m.pipeline == same(900.0));
+    CHECK(m.hybrid == same(835.0));
+    CHECK(m.fills == std::vector<Index>{0, 1});
+    CHECK(m.pick == ScheduleCode::hybrid);
+  }
+  {
+    // 4 ranks of 50: rank p waits p slots for item 0 and fills its last p items; rank 3 ends
+    // at (8 + 3 c) 50 = 452.5 (its three carries read one after the other from 8 slots on).
+    // Pipeline (8 + 3) 50, summaries 8 (1.35) 50.
+    const auto m = model(8, {50, 50, 50, 50});
+    CHECK(m.summaries == same(540.0));
+    CHECK(m.pipeline == same(550.0));
+    CHECK(m.hybrid == same(452.5));
+    CHECK(m.fills == std::vector<Index>{0, 1, 2, 3});
+    CHECK(m.pick == ScheduleCode::hybrid);
+  }
+  {
+    // The delta rules fill nothing (a fill is an extended prefill of two slots): the hybrid is
+    // the pipeline, which automatic picks (c = 1: summaries 8 x 2 L).
+    const auto m = model(8, {100, 100}, true, 1.0, false);
+    CHECK(m.fills == std::vector<Index>{0, 0});
+    CHECK(m.hybrid == same(m.pipeline));
+    CHECK(m.pipeline == same(900.0));
+    CHECK(m.summaries == same(1600.0));
+    CHECK(m.pick == ScheduleCode::pipeline);
+    CHECK(detail::carry_cost_of<Delta>() == 1.0);
+    CHECK_FALSE(detail::hybrid_fills<Delta>());
+    CHECK_FALSE(detail::hybrid_fills<GatedDelta>());
+    CHECK(detail::carry_cost_of<Additive>() == c);
+    CHECK(detail::hybrid_fills<Additive>());
+    CHECK(detail::hybrid_fills<Decay>());
+    CHECK(detail::hybrid_fills<Gated>());
+  }
+  {
+    // n = P = 2: rank 1 fills item 1, pipelines item 0 in slot 1, reads item 1's carry at 2 L:
+    // 2.35 L against the summaries' 2.7 L and the pipeline's 3 L.
+    const auto m = model(2, {100, 100});
+    CHECK(m.hybrid == same(235.0));
+    CHECK(m.summaries == same(270.0));
+    CHECK(m.pipeline == same(300.0));
+    CHECK(m.pick == ScheduleCode::hybrid);
+  }
+  {
+    // One item: the hybrid is the summaries' order (rank 1 fills it, reads the carry at L):
+    // 1.35 L both, the pipeline 2 L; automatic keeps the summaries.
+    const auto m = model(1, {100, 100});
+    CHECK(m.fills == std::vector<Index>{0, 1});
+    CHECK(m.hybrid == same(135.0));
+    CHECK(m.summaries == same(135.0));
+    CHECK(m.pick == ScheduleCode::summaries);
+    // Fewer items than ranks: 3 items on 4 ranks of 50; rank 3 fills all three (3 slots) and
+    // reads their carries from slot 3 on: 3 (1 + c) 50 = 202.5, the summaries' time.
+    const auto f = model(3, {50, 50, 50, 50});
+    CHECK(f.fills == std::vector<Index>{0, 1, 2, 3});
+    CHECK(f.hybrid == same(202.5));
+    CHECK(f.summaries == same(202.5));
+    CHECK(f.pipeline == same(300.0));
+    CHECK(f.pick == ScheduleCode::summaries);
+    // A single item on uneven slices, where the pipeline would be the fastest by a little
+    // (50 + 150 = 200 against 150 x 1.35 = 202.5): automatic still keeps the summaries.
+    const auto u = model(1, {50, 150});
+    CHECK(u.pipeline == same(200.0));
+    CHECK(u.summaries == same(202.5));
+    CHECK(u.pick == ScheduleCode::summaries);
+  }
+  {
+    // The summaries' balanced split (rank 0 with 1 + c shares: 114 / 86), 8 items: summaries
+    // 8 x 86 x 1.35 = 928.8; pipeline 200 + 7 x 114 = 998; hybrid: rank 1 waits 114 = 1.33
+    // slots, fills 1 (2 ends no sooner: both wait for rank 0, whose items leave every 114),
+    // and reads item 7's carry when it arrives at 912: 942.1. The summaries stay.
+    const auto m = model(8, {114, 86});
+    CHECK(m.summaries == same(928.8));
+    CHECK(m.pipeline == same(998.0));
+    CHECK(m.hybrid == same(942.1));
+    CHECK(m.fills == std::vector<Index>{0, 1});
+    CHECK(m.pick == ScheduleCode::summaries);
+  }
+  {
+    // A long last slice: rank 2 (L = 1000) gets item 0 at 200 (rank 1 fills item 7 first);
+    // filling one item would make it start at 1000 and end at 8000 + 350, not filling ends at
+    // 200 + 8000: it fills nothing, and the hybrid is the pipeline (a tie goes to the pipeline).
+    const auto m = model(8, {100, 100, 1000});
+    CHECK(m.fills == std::vector<Index>{0, 1, 0});
+    CHECK(m.hybrid == same(8200.0));
+    CHECK(m.pipeline == same(8200.0));
+    CHECK(m.pick == ScheduleCode::pipeline);
+  }
+  {
+    // Empty slices: rank 0 empty, rank 1 gets every item at once and fills nothing; the
+    // summaries (rank 1 then starts from zero and reads no carry) tie and are kept.
+    const auto m = model(8, {0, 200});
+    CHECK(m.fills == std::vector<Index>{0, 0});
+    CHECK(m.summaries == same(1600.0));
+    CHECK(m.pipeline == same(1600.0));
+    CHECK(m.hybrid == same(1600.0));
+    CHECK(m.pick == ScheduleCode::summaries);
+    const auto last = model(8, {200, 0});
+    CHECK(last.fills == std::vector<Index>{0, 0});
+    CHECK(last.pick == ScheduleCode::summaries);
+  }
+  {
+    // A carried initial state: rank 0 reads a carry under the summaries too (3 x 135 = 405);
+    // the pipeline 400; the hybrid (rank 1 fills item 2, pipelines 0 and 1, reads item 2's
+    // carry at 300) 335.
+    const auto m = model(3, {100, 100}, false);
+    CHECK(m.summaries == same(405.0));
+    CHECK(m.pipeline == same(400.0));
+    CHECK(m.hybrid == same(335.0));
+    CHECK(m.pick == ScheduleCode::hybrid);
+  }
+  {
+    // No items: nothing to do, the summaries.
+    const auto m = model(0, {10, 10});
+    CHECK(m.summaries == 0.0);
+    CHECK(m.pick == ScheduleCode::summaries);
+  }
 }

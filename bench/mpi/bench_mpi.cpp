@@ -5,7 +5,7 @@
 //
 //   mpirun -np 2 bench_mpi [--tokens 65536] [--heads 8] [--dim 128] [--rule additive]
 //                          [--split even|balanced] [--carry-cost 0.35] [--repeat 3]
-//                          [--schedule automatic|summaries|pipeline]
+//                          [--schedule automatic|summaries|pipeline|hybrid]
 //
 // Rules: additive, decay, gated, delta, gated_delta. Every rank holds only its slice of the
 // [1, T, H, d] buffers (distinct random data per head and token). A timed call is the slowest
@@ -121,6 +121,7 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
   mpi::Carry carry;
   if (c.schedule == "summaries") carry.schedule = mpi::Schedule::summaries;
   else if (c.schedule == "pipeline") carry.schedule = mpi::Schedule::pipeline;
+  else if (c.schedule == "hybrid") carry.schedule = mpi::Schedule::hybrid;
   else if (c.schedule != "automatic") throw std::invalid_argument("bench_mpi: unknown schedule " + c.schedule);
   mpi::SequenceParallel<Layer> split(layer, MPI_COMM_WORLD, carry);
   auto state = layer.make_state(1);
@@ -135,16 +136,23 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
   };
   const auto print = [&](const char* what, const Timing& t) {
     if (rank != 0) return;
-    const char* ran = t.stats.schedule == mpi::Schedule::pipeline ? "pipeline" : "summaries";
+    using Rule = typename Attention::rule_type;
+    const auto name = [](int code) {
+      return code == int(mpi::Schedule::pipeline) ? "pipeline"
+             : code == int(mpi::Schedule::hybrid) ? "hybrid"
+                                                  : "summaries";
+    };
     // What Schedule::automatic picks for this call (the same model the library runs).
-    const bool pays = linattn::detail::pipeline_pays(
-        H, lengths, true, linattn::detail::carry_cost_of<typename Attention::rule_type>());
+    const auto model =
+        linattn::detail::model_schedules(H, lengths, true, linattn::detail::carry_cost_of<Rule>(),
+                                         linattn::detail::hybrid_fills<Rule>());
     std::printf("bench_mpi rule=%s ranks=%d split=%s T=%ld H=%ld d=%ld call=%s schedule=%s "
                 "automatic=%s seconds=%.4f tokens_per_second=%.0f summary_bytes=%zu "
                 "state_bytes=%zu sent_bytes=%zu received_bytes=%zu rank_seconds=",
                 c.rule.c_str(), ranks, c.split.c_str(), long(c.tokens), long(H), long(d), what,
-                ranks == 1 && std::string(what) == "single_process" ? "none" : ran,
-                pays ? "pipeline" : "summaries", t.seconds,
+                ranks == 1 && std::string(what) == "single_process" ? "none"
+                                                                     : name(int(t.stats.schedule)),
+                name(int(model.pick)), t.seconds,
                 double(c.tokens) / t.seconds, t.stats.summary_bytes, t.stats.state_bytes,
                 t.stats.sent_bytes(), t.stats.received_bytes);
     for (std::size_t p = 0; p < t.rank_seconds.size(); ++p)

@@ -24,26 +24,29 @@
 /// over the call's items instead: rank p receives item i's state after slice p-1 from rank
 /// p-1, prefills its slice from it and sends the state after its slice to rank p+1 (in a
 /// fixed order: the same P and slices give the same bits; slices of whole chunks, each at
-/// least one, give a single process's bits). Carry::schedule chooses (Schedule).
+/// least one, give a single process's bits). Schedule::hybrid is the pipeline with each rank's
+/// idle start-up slots filled by the summaries' zero-carry pass of its last items.
+/// Carry::schedule chooses (Schedule).
 ///
 /// Exchanged per rank (summaries), whatever the slice length: one summary per state head of
 /// r dv + r scalars (Additive), r dv + r + 1 (Decay), r dv + 2 r (Gated), r dv + r r (Delta,
 /// GatedDelta), plus two records of about 700 bytes, plus the initial state from its holder
 /// where it is not zero. MPI_Allgather delivers each summary to the P - 1 other ranks.
-/// Pipeline: one state per item (r dv + r scalars, r dv for the delta rules, and 16 bytes) to
-/// the next rank only, the records, the initial state from its holder to rank 0 where it is
-/// not zero, and with broadcast_final the last rank's states to all.
+/// Pipeline and hybrid: one state per item (r dv + r scalars, r dv for the delta rules, and
+/// 16 bytes) to the next rank only, the records, the initial state from its holder to rank 0
+/// where it is not zero, and with broadcast_final the last rank's states to all.
 ///
 /// Compute per rank, for a slice of T_p tokens (summaries): a single-process prefill of T_p
 /// tokens on the first non-empty rank of a sequence that starts empty; elsewhere that plus
 /// 2 r dv flops per token and query head for the carry (decayed rules), or about twice a
 /// prefill (delta rules: A_p is a second pass of width r); then O(P r dv) (O(P r^2 dv)) per
 /// state head to compose. balanced_slices() sizes the slices for that difference. Pipeline:
-/// one prefill of T_p tokens per item, items in order (the layer's executor is not used).
-/// Memory: per query head T_p x r values and T_p denominators between the summaries' phases,
-/// one state per item (pipeline); kept by the object from call to call, so repeated calls of
-/// one shape touch no new memory. Calls on one object must not overlap; give each thread its
-/// own object and communicator.
+/// one prefill of T_p tokens per item, items in order (the layer's executor is not used);
+/// hybrid: the summaries' cost for the k_p filled items, the pipeline's for the others.
+/// Memory: per query head T_p x r values and T_p denominators between the summaries' phases
+/// (the hybrid's filled items likewise), one state per item (pipeline, hybrid); kept by the
+/// object from call to call, so repeated calls of one shape touch no new memory. Calls on one
+/// object must not overlap; give each thread its own object and communicator.
 ///
 /// Errors: a call either returns on every rank or throws on every rank the same exception
 /// (type and message), and then no rank's state has changed (outputs may have been written).
@@ -84,19 +87,33 @@ namespace linattn::mpi {
 inline constexpr int kLastRank = -1;
 
 /// How the ranks carry the state from slice to slice (docs/distributed.md has the model and
-/// the measurements).
+/// the measurements); n is the call's number of items (state heads of the sequences).
 ///   summaries  every rank runs its slice of every item from a zero carry, the summaries are
 ///              all-gathered and composed, and every rank but the first reads its carry (the
 ///              file comment). Time ~ (T/P)(1 + c) per item: c = 0.35 for the decayed rules,
 ///              about 1 for the delta rules (their zero-carry pass runs an extended state).
-///   pipeline   a wavefront over the call's items (state heads of the sequences): rank p takes
-///              item i's state from rank p-1, runs its slice as the attention's own prefill
-///              from it and sends the state after its slice on to rank p+1 while it goes on
-///              with item i+1. Time ~ (items + P - 1) (T/P): every rule alike.
-///   automatic  the pipeline where its modelled time is lower (for even slices: when
-///              c items > P - 1), never for one item or fewer items than ranks.
-enum class Schedule { automatic = 0, summaries = 1, pipeline = 2 };
-static_assert(int(Schedule::pipeline) == int(linattn::detail::ScheduleCode::pipeline));
+///   pipeline   a wavefront over the items: rank p takes item i's state from rank p-1, runs its
+///              slice as the attention's own prefill from it and sends the state after its
+///              slice on to rank p+1 while it goes on with item i+1. Time ~ (n + P - 1) T/P:
+///              every rule alike.
+///   hybrid     the pipeline, but rank p > 0 first runs its last k_p items from a zero carry as
+///              the summaries do, in the slots it would wait for item 0 (k_p = min(p, n) for
+///              even slices); when such an item's state arrives it sends the state after its
+///              slice on at once (one scan step of the summaries) and then reads the carry into
+///              the outputs. Time ~ (n + (P - 1) c) T/P. Delta and GatedDelta: their
+///              zero-carry pass costs about two slots, so hybrid runs the pipeline for them
+///              (ExchangeStats::schedule says pipeline).
+///   automatic  the least modelled time on the actual slice lengths (detail/schedule_model.hpp;
+///              ties to the summaries, then the pipeline); the summaries for one item or fewer
+///              items than ranks; never the hybrid for the delta rules.
+/// Bits: every schedule gives the same bits for the same P and slices whatever MPI does (the
+/// hybrid's k_p follow from the agreed slice lengths, and each rank handles the items in a
+/// fixed order). Under the hybrid an item that rank p and every rank before it pipelined has
+/// the pipeline's bits (a single process's where the slices hold whole chunks); a filled item's
+/// outputs and states agree with a single process to rounding, as the summaries' do.
+enum class Schedule { automatic = 0, summaries = 1, pipeline = 2, hybrid = 3 };
+static_assert(int(Schedule::pipeline) == int(linattn::detail::ScheduleCode::pipeline) &&
+              int(Schedule::hybrid) == int(linattn::detail::ScheduleCode::hybrid));
 
 /// Where the state before the call comes from, where the state after it goes, and how it
 /// travels between the ranks.
@@ -125,11 +142,11 @@ struct ExchangeStats {
   std::size_t initial_state_bytes = 0;
   /// Everything this rank received: P - 1 records twice, P - 1 summaries, the initial state.
   std::size_t received_bytes = 0;
-  /// The schedule that ran (summaries or pipeline).
+  /// The schedule that ran (summaries, pipeline or hybrid; never automatic).
   Schedule schedule = Schedule::summaries;
-  /// Pipeline: the states this rank sent to the next rank (one per item: a 16-byte header and
-  /// S, plus z for the rules that keep it) and, with broadcast_final, on the last rank, the
-  /// final states it broadcast. Independent of T. 0 for the summaries.
+  /// Pipeline and hybrid: the states this rank sent to the next rank (one per item: a 16-byte
+  /// header and S, plus z for the rules that keep it) and, with broadcast_final, on the last
+  /// rank, the final states it broadcast. Independent of T. 0 for the summaries.
   std::size_t state_bytes = 0;
   /// What this rank contributed: records, summaries or states, and any initial state.
   [[nodiscard]] std::size_t sent_bytes() const noexcept {
@@ -212,7 +229,7 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
                 "(random features) keeps S scaled by a running maximum, which has no summary");
 
   /// Runs `attention` across the ranks of `comm` (not duplicated: the caller's communicator;
-  /// collectives, and the pipeline's messages with tags 0x4c41 and 0x4c42: no receive of the
+  /// collectives, and the wavefront's messages with tags 0x4c41 and 0x4c42: no receive of the
   /// caller's with MPI_ANY_TAG may be pending on it during a call).
   SequenceParallel(Attention attention, MPI_Comm comm, Carry carry = {})
       : attention_(std::move(attention)), comm_(comm), carry_(carry) {}

@@ -17,9 +17,12 @@
 #include "slice_reference.hpp"
 #include "test_support.hpp"
 
+#include <array>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace linattn;
@@ -33,6 +36,7 @@ namespace {
 
 constexpr mpi::Carry kPipeline{mpi::kLastRank, false, mpi::Schedule::pipeline};
 constexpr mpi::Carry kSummaries{mpi::kLastRank, false, mpi::Schedule::summaries};
+constexpr mpi::Carry kHybrid{mpi::kLastRank, false, mpi::Schedule::hybrid};
 
 // This rank's slice of a one-head call with `attention` over rows [base + offset, + length),
 // into a fresh output; returns the output and the stats.
@@ -150,9 +154,9 @@ TEMPLATE_TEST_CASE("pipeline, one head, every rule and slicing: rows and states 
   });
 }
 
-TEST_CASE("pipeline: consecutive calls continue each other; the initial state on rank 0, a "
-          "middle rank or the last",
-          "[mpi][pipeline]") {
+TEST_CASE("pipeline and hybrid: consecutive calls continue each other; the initial state on "
+          "rank 0, a middle rank or the last",
+          "[mpi][pipeline][hybrid]") {
   using Scalar = float;
   const World w = world();
   const Index T = 120, T1 = 47, dk = 8, dv = 6, P = w.size;
@@ -181,42 +185,207 @@ TEST_CASE("pipeline: consecutive calls continue each other; the initial state on
       }
       CHECK(state.tokens() == T);
     };
-    for (int holder : {mpi::kLastRank, 0, int(P / 2)}) {
-      INFO(name << ", rank " << w.rank << " of " << P << ", holder " << holder);
-      // The first call leaves each rank the state after its own slice; the holder's is the one
-      // the second call continues (the last rank's: the state after [0, T1)).
-      mpi::SequenceParallel<Attention> split(attention, MPI_COMM_WORLD,
-                                             {mpi::kLastRank, false, mpi::Schedule::pipeline});
-      auto state = attention.make_state(dk, dv);
-      const Slice a = slice_of(first, w.rank);
-      static_cast<void>(one_head_call(split, state, qkv, a.offset, a.length, nullptr, in...));
-      if (holder != mpi::kLastRank) {
-        // Hand the state after [0, T1) to the holder (as a user would, e.g. restored from disk).
-        auto held = attention.make_state(dk, dv);
-        RowMatrix<Scalar> unused(T1, dv);
-        if (w.rank == holder)
-          attention.prefill_into(held, qkv.Q.topRows(T1), qkv.K.topRows(T1), qkv.V.topRows(T1),
-                                 in.topRows(T1)..., unused);
-        state = held;
+    // One item: under the hybrid every rank after the first that waits a slot for it fills it
+    // (reads the carried initial state as the summaries do); the bounds hold for both.
+    for (const mpi::Schedule schedule : {mpi::Schedule::pipeline, mpi::Schedule::hybrid})
+      for (int holder : {mpi::kLastRank, 0, int(P / 2)}) {
+        INFO(name << ", rank " << w.rank << " of " << P << ", holder " << holder << ", schedule "
+                  << int(schedule));
+        // The first call leaves each rank the state after its own slice; the holder's is the one
+        // the second call continues (the last rank's: the state after [0, T1)).
+        mpi::SequenceParallel<Attention> split(attention, MPI_COMM_WORLD, {mpi::kLastRank, false, schedule});
+        auto state = attention.make_state(dk, dv);
+        const Slice a = slice_of(first, w.rank);
+        static_cast<void>(one_head_call(split, state, qkv, a.offset, a.length, nullptr, in...));
+        if (holder != mpi::kLastRank) {
+          // Hand the state after [0, T1) to the holder (as a user would, e.g. restored from disk).
+          auto held = attention.make_state(dk, dv);
+          RowMatrix<Scalar> unused(T1, dv);
+          if (w.rank == holder)
+            attention.prefill_into(held, qkv.Q.topRows(T1), qkv.K.topRows(T1), qkv.V.topRows(T1),
+                                   in.topRows(T1)..., unused);
+          state = held;
+        }
+        mpi::SequenceParallel<Attention> next(attention, MPI_COMM_WORLD, {holder, true, schedule});
+        const Slice b = slice_of(second, w.rank);
+        mpi::ExchangeStats stats;
+        const RowMatrix<Scalar> out = one_head_call(next, state, qkv, T1 + b.offset, b.length, &stats, in...);
+        const int from = holder == mpi::kLastRank ? int(P) - 1 : holder;
+        CHECK((stats.initial_state_bytes > 0) == (w.rank == from && from != 0));
+        CHECK(same_on_every_rank(digest(state.S())));
+        check_final(state);
+        const Index row0 = T1 + b.offset;
+        const MatrixXdR Yd = Y.middleRows(row0, b.length).template cast<double>();
+        if constexpr (!Attention::rule_type::keeps_normalizer) {
+          const auto bound = split_delta_bound(qkv.Q, qkv.K, qkv.V, beta, log_alpha, phi, C, all_lengths);
+          CHECK(worst_ratio_of<Scalar>(out, Yd, [&](Index i, Index) { return bound.outputs(row0 + i); }) <= 1.0);
+        } else {
+          const bool normalize = attention.options().normalization.divides();
+          const MatrixXdR bound = split_gated_output_bound(qkv.Q, qkv.K, qkv.V, lg, phi, normalize, C, 2 * P);
+          CHECK(worst_ratio_of<Scalar>(out, Yd, [&](Index i, Index c) { return bound(row0 + i, c); }) <= 1.0);
+        }
       }
-      mpi::SequenceParallel<Attention> next(attention, MPI_COMM_WORLD,
-                                            {holder, true, mpi::Schedule::pipeline});
-      const Slice b = slice_of(second, w.rank);
-      mpi::ExchangeStats stats;
-      const RowMatrix<Scalar> out = one_head_call(next, state, qkv, T1 + b.offset, b.length, &stats, in...);
-      const int from = holder == mpi::kLastRank ? int(P) - 1 : holder;
-      CHECK((stats.initial_state_bytes > 0) == (w.rank == from && from != 0));
-      CHECK(same_on_every_rank(digest(state.S())));
-      check_final(state);
-      const Index row0 = T1 + b.offset;
-      const MatrixXdR Yd = Y.middleRows(row0, b.length).template cast<double>();
-      if constexpr (!Attention::rule_type::keeps_normalizer) {
-        const auto bound = split_delta_bound(qkv.Q, qkv.K, qkv.V, beta, log_alpha, phi, C, all_lengths);
-        CHECK(worst_ratio_of<Scalar>(out, Yd, [&](Index i, Index) { return bound.outputs(row0 + i); }) <= 1.0);
-      } else {
-        const bool normalize = attention.options().normalization.divides();
-        const MatrixXdR bound = split_gated_output_bound(qkv.Q, qkv.K, qkv.V, lg, phi, normalize, C, 2 * P);
-        CHECK(worst_ratio_of<Scalar>(out, Yd, [&](Index i, Index c) { return bound(row0 + i, c); }) <= 1.0);
+  });
+}
+
+// ---- the hybrid schedule ---------------------------------------------------------------------
+
+namespace {
+
+// One head's per-token inputs (T x c) for every batch entry and key/value head of a layer, as
+// a [B, T, H, c] batch-first buffer.
+template <class Scalar>
+Buffer<Scalar> every_head(const RowMatrix<Scalar>& x, Index B, Index H) {
+  const Index T = x.rows(), c = x.cols();
+  RowMatrix<Scalar> all(1, B * T * H * c);
+  for (Index b = 0; b < B; ++b)
+    for (Index t = 0; t < T; ++t)
+      for (Index h = 0; h < H; ++h)
+        for (Index j = 0; j < c; ++j) all(0, ((b * T + t) * H + h) * c + j) = x(t, j);
+  return Buffer<Scalar>(Layout::batch_first, B, T, H, c, all);
+}
+
+}  // namespace
+
+// The bounds: a filled item's outputs and states are computed as the summaries compute them,
+// except that the carry a rank reads was formed slice by slice by the ranks before it, each
+// either continuing it through its own chunked prefill (the pipeline's step) or with one scan
+// step (S = A S_c + B, the summaries' step). Per key term that is at most one addition, one
+// decay multiplication and one rounded decay per slice either way, then the summaries' read:
+// within the summaries' allowance of 3 P + 6 extra units (slice_reference.hpp). Items that
+// every rank up to this one pipelined are the pipeline's, bit for bit (the pipeline test checks
+// those against one process with the same bounds). The delta rules fill nothing: the hybrid is
+// the pipeline, bit for bit.
+TEMPLATE_TEST_CASE("hybrid: every rule, 1 to 6 items (grouped heads), every slicing: rows and "
+                   "states equal one prefill to rounding, items pipelined through this rank the "
+                   "pipeline's bits, a second call the same bits, broadcast_final",
+                   "[mpi][hybrid]", float, double) {
+  using Scalar = TestType;
+  const World w = world();
+  const Index T = 67, dk = 8, dv = 6, P = w.size;
+  for_each_rule<Scalar>(T, dk, 4700, [&](const char* name, const auto& attention, Phi phi,
+                                         const MatrixXdR& lg, const MatrixXdR& beta,
+                                         const MatrixXdR& log_alpha, const auto&... in) {
+    using Attention = std::decay_t<decltype(attention)>;
+    using Rule = typename Attention::rule_type;
+    using Layer = MultiHeadAttention<Attention>;
+    constexpr bool delta = !Rule::keeps_normalizer;
+    constexpr std::size_t N = sizeof...(in);
+    const Index r = attention.feature_dim(dk), C = attention.chunk_size(r, dv), G = 2;
+    const bool normalize = attention.options().normalization.divides();
+    // (B, H_kv): n = B H_kv items of G query heads each; n = 1, P, 6 and P - 1.
+    std::vector<std::array<Index, 2>> shapes{{1, 1}, {1, P}, {2, 3}};
+    if (P > 2) shapes.push_back({1, P - 1});
+    for (const auto& shape : shapes) {
+      const Index B = shape[0], Hkv = shape[1], Hq = G * Hkv, n = B * Hkv;
+      const Layer layer(HeadConfig{Hq, Hkv, dk, dv}, attention);
+      const Buffer<Scalar> q(Layout::batch_first, B, T, Hq, dk, random_matrix<Scalar>(1, B * T * Hq * dk, 4710));
+      const Buffer<Scalar> k(Layout::batch_first, B, T, Hkv, dk, random_matrix<Scalar>(1, B * T * Hkv * dk, 4711));
+      const Buffer<Scalar> v(Layout::batch_first, B, T, Hkv, dv, random_matrix<Scalar>(1, B * T * Hkv * dv, 4712));
+      const std::array<Buffer<Scalar>, N> inputs{every_head(in, B, Hkv)...};
+      const auto outputs = [&] {
+        return Buffer<Scalar>(Layout::batch_first, B, T, Hq, dv, RowMatrix<Scalar>::Zero(1, B * T * Hq * dv));
+      };
+      // f(Q, K, V, inputs..., out) over rows [first, first + count) of the buffers.
+      const auto over_rows = [&](Index first, Index count, Buffer<Scalar>& out, auto&& f) {
+        [&]<std::size_t... I>(std::index_sequence<I...>) {
+          f(q.rows(first, count), k.rows(first, count), v.rows(first, count),
+            inputs[I].rows(first, count)..., out.out_rows(first, count));
+        }(std::make_index_sequence<N>{});
+      };
+      Buffer<Scalar> Y = outputs();
+      auto whole = layer.make_state(B);
+      over_rows(0, T, Y, [&](const auto&... x) { layer.prefill_into(whole, x...); });
+      // Per query head (b, g), against one piece (the delta rules' bound depends on the slicing).
+      std::vector<MatrixXdR> output_bounds;
+      if constexpr (!delta)
+        for (Index b = 0; b < B; ++b)
+          for (Index g = 0; g < Hq; ++g)
+            output_bounds.push_back(split_gated_output_bound(q.cut(b, g, 0, T), k.cut(b, g / G, 0, T),
+                                                             v.cut(b, g / G, 0, T), lg, phi, normalize, C, P));
+      mpi::SequenceParallel<Layer> piped(layer, MPI_COMM_WORLD, kPipeline);
+      mpi::SequenceParallel<Layer> hybrid(layer, MPI_COMM_WORLD, kHybrid);
+      mpi::SequenceParallel<Layer> everywhere(layer, MPI_COMM_WORLD, {mpi::kLastRank, true, mpi::Schedule::hybrid});
+      const auto all_slicings = slicings(T, P);
+      for (const auto& lengths : all_slicings) {
+        const Slice my = slice_of(lengths, w.rank);
+        const Index end = my.offset + my.length;
+        const std::vector<Index> fills =
+            detail::model_schedules(n, lengths, true, detail::carry_cost_of<Rule>(), detail::hybrid_fills<Rule>())
+                .fills;
+        INFO(name << ", " << n << " items, rank " << w.rank << " of " << P << ", rows " << my.offset
+                  << " + " << my.length << ", fills " << fills[std::size_t(w.rank)]);
+        // The even slicing fills on rank 1 (it waits a slot for item 0), so filled items are
+        // checked; the delta rules never fill.
+        if (&lengths == &all_slicings.front() && P > 1) CHECK((fills[1] > 0) == !delta);
+        Buffer<Scalar> out_p = outputs(), out_h = outputs(), again = outputs(), out_b = outputs();
+        auto state_p = layer.make_state(B), state_h = layer.make_state(B), state_again = layer.make_state(B),
+             state_b = layer.make_state(B);
+        mpi::ExchangeStats stats;
+        over_rows(my.offset, my.length, out_p, [&](const auto&... x) { piped.prefill_into(state_p, x...); });
+        over_rows(my.offset, my.length, out_h, [&](const auto&... x) { stats = hybrid.prefill_into(state_h, x...); });
+        CHECK(stats.schedule == (delta ? mpi::Schedule::pipeline : mpi::Schedule::hybrid));
+        over_rows(my.offset, my.length, again, [&](const auto&... x) { hybrid.prefill_into(state_again, x...); });
+        over_rows(my.offset, my.length, out_b, [&](const auto&... x) { everywhere.prefill_into(state_b, x...); });
+        // The single process's states after this rank's slice.
+        auto prefix = layer.make_state(B);
+        if (end > 0) {
+          Buffer<Scalar> unused = outputs();
+          over_rows(0, end, unused, [&](const auto&... x) { layer.prefill_into(prefix, x...); });
+        }
+        std::vector<DeltaSplitBound> delta_bounds;
+        if constexpr (delta)
+          for (Index b = 0; b < B; ++b)
+            for (Index g = 0; g < Hq; ++g)
+              delta_bounds.push_back(split_delta_bound(q.cut(b, g, 0, T), k.cut(b, g / G, 0, T),
+                                                       v.cut(b, g / G, 0, T), beta, log_alpha, phi, C, lengths));
+        for (Index b = 0; b < B; ++b)
+          for (Index h = 0; h < Hkv; ++h) {
+            const Index item = b * Hkv + h;
+            // Pipelined by every rank up to this one (rank 0 pipelines everything).
+            bool pipelined = true;
+            for (int p = 1; p <= w.rank; ++p) pipelined = pipelined && item < n - fills[std::size_t(p)];
+            INFO("item " << item << (pipelined ? " (pipelined)" : " (filled here or before)"));
+            const auto& mine = state_h.sequence(b).head(h);
+            const auto& single = prefix.sequence(b).head(h);
+            CHECK(mine.tokens() == end);
+            if (pipelined) CHECK(same_bits(mine.S(), state_p.sequence(b).head(h).S()));
+            if constexpr (delta) {
+              CHECK((mine.S() - single.S()).template cast<double>().norm() <=
+                    unit_roundoff<Scalar>() * delta_bounds[std::size_t(b * Hq + h * G)].states[std::size_t(w.rank)]);
+            } else {
+              const RowMatrix<Scalar> Kh = k.cut(b, h, 0, T);
+              const MatrixXdR sb = split_gated_state_bound(Kh, v.cut(b, h, 0, T), lg, phi, end, C, P);
+              CHECK(worst_ratio_of<Scalar>(mine.S(), single.S().template cast<double>(),
+                                           [&](Index i, Index c) { return sb(i, c); }) <= 1.0);
+              // z sums the key features as S sums kf v^T: the same bound with every value 1.
+              const MatrixXdR zb = split_gated_state_bound(Kh, MatrixXdR(MatrixXdR::Ones(T, 1)), lg, phi, end, C, P);
+              CHECK(worst_ratio_of<Scalar>(mine.z(), single.z().template cast<double>(),
+                                           [&](Index i, Index) { return zb(i, 0); }) <= 1.0);
+            }
+            CHECK(same_bits(state_again.sequence(b).head(h).S(), mine.S()));
+            const auto& final_state = state_b.sequence(b).head(h);
+            CHECK(final_state.tokens() == T);
+            CHECK(same_on_every_rank(digest(final_state.S())));
+            if (w.rank == P - 1) CHECK(same_bits(final_state.S(), mine.S()));
+            for (Index g = h * G; g < (h + 1) * G; ++g) {
+              const RowMatrix<Scalar> y = out_h.cut(b, g, my.offset, my.length);
+              if (pipelined) CHECK(same_bits(y, out_p.cut(b, g, my.offset, my.length)));
+              CHECK(same_bits(again.cut(b, g, my.offset, my.length), y));
+              CHECK(same_bits(out_b.cut(b, g, my.offset, my.length), y));
+              const MatrixXdR Yd = Y.cut(b, g, my.offset, my.length).template cast<double>();
+              const std::size_t head = std::size_t(b * Hq + g);
+              if constexpr (delta) {
+                CHECK(worst_ratio_of<Scalar>(y, Yd, [&](Index i, Index) {
+                        return delta_bounds[head].outputs(my.offset + i);
+                      }) <= 1.0);
+              } else {
+                CHECK(worst_ratio_of<Scalar>(y, Yd, [&](Index i, Index c) {
+                        return output_bounds[head](my.offset + i, c);
+                      }) <= 1.0);
+              }
+            }
+          }
       }
     }
   });
@@ -224,36 +393,8 @@ TEST_CASE("pipeline: consecutive calls continue each other; the initial state on
 
 // ---- the automatic choice --------------------------------------------------------------------
 
-TEST_CASE("automatic: the pipeline where c items > P - 1 (even slices), never for one item or "
-          "fewer items than ranks",
-          "[mpi][pipeline]") {
-  using detail::pipeline_pays;
-  const std::vector<Index> two{100, 100}, four{50, 50, 50, 50};
-  // Additive, c = 0.35, 2 ranks: 2 items 0.7 < 1, 3 items 1.05 > 1.
-  CHECK_FALSE(pipeline_pays(1, two, true, 0.35));
-  CHECK_FALSE(pipeline_pays(2, two, true, 0.35));
-  CHECK(pipeline_pays(3, two, true, 0.35));
-  CHECK(pipeline_pays(8, two, true, 0.35));
-  // 4 ranks: c items > 3 from 9 items on.
-  CHECK_FALSE(pipeline_pays(8, four, true, 0.35));
-  CHECK(pipeline_pays(9, four, true, 0.35));
-  // Delta rules, c = 1: from P items on.
-  CHECK(pipeline_pays(2, two, true, 1.0));
-  CHECK_FALSE(pipeline_pays(3, four, true, 1.0));
-  CHECK(pipeline_pays(5, four, true, 1.0));
-  // The balanced split of the summaries (rank 0 with 1 + c shares) is the summaries' best case:
-  // 8 items on 2 ranks, c = 0.35, split 114 / 86: summaries 8 x 116.1 = 929, pipeline
-  // 200 + 7 x 114 = 998; with 20 items 2322 against 2366 still; the pipeline wants even slices.
-  CHECK_FALSE(pipeline_pays(8, {114, 86}, true, 0.35));
-  CHECK_FALSE(pipeline_pays(20, {114, 86}, true, 0.35));
-  // Against an even split (the pipeline's best), the summaries' own best split loses from
-  // 8 items: 8 x 116.1 = 929 > 200 + 7 x 100 = 900.
-  CHECK(pipeline_pays(8, two, true, 0.35));
-  // A carried initial state: rank 0 reads a carry too, so the summaries' slot is longer.
-  CHECK(pipeline_pays(3, {100, 100}, false, 0.35));
-  CHECK(detail::carry_cost_of<Additive>() == 0.35);
-  CHECK(detail::carry_cost_of<Delta>() == 1.0);
-
+// The model's choices on given slices: tests/slice_runner_test.cpp (no MPI needed).
+TEST_CASE("automatic: a layer call runs and reports the schedule the model picks", "[mpi][pipeline]") {
   // A layer call reports the schedule the model picked: 8 state heads, additive.
   const World w = world();
   const Index H = 8, d = 4, T = 6 * w.size;
@@ -266,8 +407,20 @@ TEST_CASE("automatic: the pipeline where c items > P - 1 (even slices), never fo
   const mpi::ExchangeStats stats =
       mpi::SequenceParallel<MultiHeadAttention<LinearAttention<EluPlusOne>>>(layer, MPI_COMM_WORLD)
           .prefill_into(state, rows, rows, rows, TensorView<float>::batch_first(out.data(), 1, my.length, H, d));
-  CHECK(stats.schedule == (0.35 * double(H) > double(w.size - 1) ? mpi::Schedule::pipeline
-                                                                   : mpi::Schedule::summaries));
+  // Even slices, 8 items, P <= 4, c = 0.35: the hybrid's (8 + (P - 1) c) slots beat the
+  // pipeline's 8 + P - 1 and the summaries' 8 (1 + c).
+  CHECK(stats.schedule == mpi::Schedule::hybrid);
+  // The delta rules never take the hybrid (it fills nothing for them): the pipeline's 8 + P - 1
+  // slots beat the summaries' 8 x 2.
+  using DeltaLayer = MultiHeadAttention<RuleAttention<L2Normalize, Delta>>;
+  const DeltaLayer delta_layer({H, H, d, d});
+  const RowMatrix<float> beta = uniform_matrix<float>(T, H, 4501, 0.0, 1.0);
+  auto delta_state = delta_layer.make_state(1);
+  const auto beta_rows = TensorView<const float>::batch_first(beta.data() + my.offset * H, 1, my.length, H, 1);
+  CHECK(mpi::SequenceParallel<DeltaLayer>(delta_layer, MPI_COMM_WORLD)
+            .prefill_into(delta_state, rows, rows, rows, beta_rows,
+                          TensorView<float>::batch_first(out.data(), 1, my.length, H, d))
+            .schedule == mpi::Schedule::pipeline);
 }
 
 // ---- failures in the middle of the wavefront -------------------------------------------------
@@ -284,15 +437,16 @@ struct FailingLayer {
   RowMatrix<float> K = uniform_matrix<float>(T, H * d, 4601, 0.1, 1.0);
   RowMatrix<float> V = random_matrix<float>(T, H * d, 4602);
 
-  // This rank's slice of the call under the pipeline; returns the stats.
-  mpi::ExchangeStats call(Layer::State& state, const std::vector<Index>& lengths, bool broadcast) {
+  // This rank's slice of the call under `schedule`; returns the stats.
+  mpi::ExchangeStats call(Layer::State& state, const std::vector<Index>& lengths, bool broadcast,
+                          mpi::Schedule schedule) {
     const Slice my = slice_of(lengths, world().rank);
     RowMatrix<float> out(my.length, H * d);
     const auto rows = [&](const RowMatrix<float>& X) {
       return TensorView<const float>::batch_first(X.data() + my.offset * H * d, 1, my.length, H, d);
     };
     return mpi::SequenceParallel<Layer>(layer, MPI_COMM_WORLD,
-                                        {mpi::kLastRank, broadcast, mpi::Schedule::pipeline})
+                                        {mpi::kLastRank, broadcast, schedule})
         .prefill_into(state, rows(Q), rows(K), rows(V),
                       TensorView<float>::batch_first(out.data(), 1, my.length, H, d));
   }
@@ -309,58 +463,72 @@ std::uint64_t digest_of(const FailingLayer::Layer::State& state) {
 
 }  // namespace
 
-TEST_CASE("pipeline: a denominator rejected on one rank for one head makes every rank throw it "
-          "with the sequence's row; no state changes; the next call works",
-          "[mpi][pipeline][errors]") {
+TEST_CASE("pipeline and hybrid: a denominator rejected on one rank for one head makes every rank "
+          "throw it with the sequence's row; no state changes; the next call works",
+          "[mpi][pipeline][hybrid][errors]") {
   const World w = world();
   const std::vector<Index> lengths = slicings(FailingLayer::T, w.size).front();
   // Head 1 on the last rank (a carried state, items before and after it), head 0 on rank 0's
-  // first row (where the wavefront starts), head 2 on a middle rank's last row.
+  // first row (where the wavefront starts), head 2 on a middle rank's last row. Under the
+  // hybrid (3 items, even slices: rank p fills its last min(p, 3)) head 2 is filled on every
+  // rank after the first and head 1 from rank 2 on: their rows are rejected in the carry's
+  // read, after the state went on, head 0's in the wavefront.
   const Index last_first = FailingLayer::T - lengths.back();
   const Index middle_last = slice_of(lengths, w.size / 2).offset + lengths[std::size_t(w.size / 2)] - 1;
   for (const auto& bad : {std::pair<Index, Index>{1, last_first + 2}, {0, 0}, {2, middle_last}}) {
     const Index head = bad.first, bad_row = bad.second;
-    INFO("head " << head << ", row " << bad_row << ", rank " << w.rank);
-    for (bool broadcast : {false, true}) {
-      FailingLayer f;
-      auto state = f.layer.make_state(1);
-      CHECK(f.call(state, lengths, broadcast).schedule == mpi::Schedule::pipeline);  // a good call first
-      const std::uint64_t before = digest_of(state);
-      f.Q.block(bad_row, head * FailingLayer::d, 1, FailingLayer::d).setConstant(-1.0f);
-      Index row = -1;
-      const std::string message = every_rank_throws<DenominatorError>([&] {
-        try {
-          f.call(state, lengths, broadcast);
-        } catch (const DenominatorError& e) {
-          row = e.row();
-          throw;
-        }
-      });
-      CHECK(row == bad_row);
-      CHECK_THAT(message, Catch::Contains("at query row " + std::to_string(bad_row) + " "));
-      CHECK(digest_of(state) == before);
-      f.Q.block(bad_row, head * FailingLayer::d, 1, FailingLayer::d).setConstant(0.5f);
-      CHECK_NOTHROW(f.call(state, lengths, broadcast));  // every rank back in step
-    }
+    for (const mpi::Schedule schedule : {mpi::Schedule::pipeline, mpi::Schedule::hybrid})
+      for (bool broadcast : {false, true}) {
+        INFO("head " << head << ", row " << bad_row << ", rank " << w.rank << ", schedule "
+                     << int(schedule) << (broadcast ? ", broadcast_final" : ""));
+        FailingLayer f;
+        auto state = f.layer.make_state(1);
+        CHECK(f.call(state, lengths, broadcast, schedule).schedule == schedule);  // a good call first
+        const std::uint64_t before = digest_of(state);
+        f.Q.block(bad_row, head * FailingLayer::d, 1, FailingLayer::d).setConstant(-1.0f);
+        Index row = -1;
+        const std::string message = every_rank_throws<DenominatorError>([&] {
+          try {
+            f.call(state, lengths, broadcast, schedule);
+          } catch (const DenominatorError& e) {
+            row = e.row();
+            throw;
+          }
+        });
+        CHECK(row == bad_row);
+        CHECK_THAT(message, Catch::Contains("at query row " + std::to_string(bad_row) + " "));
+        CHECK(digest_of(state) == before);
+        f.Q.block(bad_row, head * FailingLayer::d, 1, FailingLayer::d).setConstant(0.5f);
+        CHECK_NOTHROW(f.call(state, lengths, broadcast, schedule));  // every rank back in step
+      }
   }
 }
 
-TEST_CASE("pipeline: a state that overflows on rank 0 fails downstream too; bad input and "
-          "disagreeing schedules throw on every rank",
-          "[mpi][pipeline][errors]") {
+TEST_CASE("pipeline and hybrid: a state that overflows on rank 0 or the last rank fails "
+          "downstream too; bad input and disagreeing schedules throw on every rank",
+          "[mpi][pipeline][hybrid][errors]") {
   const World w = world();
   const std::vector<Index> lengths = slicings(FailingLayer::T, w.size).front();
-  {
+  const Index last_first = FailingLayer::T - lengths.back();
+  for (const mpi::Schedule schedule : {mpi::Schedule::pipeline, mpi::Schedule::hybrid}) {
     // An infinite value in head 2's first row on rank 0: its state after the slice is not
-    // finite, so rank 0 fails on item 2 and every later rank hears of it through the messages.
-    FailingLayer f;
-    auto state = f.layer.make_state(1);
-    f.call(state, lengths, false);
-    const std::uint64_t before = digest_of(state);
-    f.V(0, 2 * FailingLayer::d) = std::numeric_limits<float>::infinity();
-    const std::string m = every_rank_throws<std::domain_error>([&] { f.call(state, lengths, false); });
-    CHECK_THAT(m, Catch::Contains("rank 0 of") && Catch::Contains("not finite"));
-    CHECK(digest_of(state) == before);
+    // finite, so rank 0 fails on item 2 and every later rank hears of it through the messages
+    // (under the hybrid the later ranks have filled item 2 already and drop it). Then on the
+    // last rank, where the hybrid fills item 2: the state after the slice (one scan step from
+    // a summary holding Inf) is not finite before it is sent on or read.
+    for (const int bad_rank : {0, w.size - 1}) {
+      INFO("schedule " << int(schedule) << ", Inf on rank " << bad_rank);
+      FailingLayer f;
+      auto state = f.layer.make_state(1);
+      f.call(state, lengths, false, schedule);
+      const std::uint64_t before = digest_of(state);
+      f.V(bad_rank == 0 ? 0 : last_first, 2 * FailingLayer::d) = std::numeric_limits<float>::infinity();
+      const std::string m =
+          every_rank_throws<std::domain_error>([&] { f.call(state, lengths, false, schedule); });
+      CHECK_THAT(m, Catch::Contains("rank " + std::to_string(bad_rank) + " of") &&
+                        Catch::Contains("not finite"));
+      CHECK(digest_of(state) == before);
+    }
   }
   {
     // A shape error on the last rank, found before any message moves.
@@ -400,8 +568,12 @@ TEST_CASE("pipeline: a state that overflows on rank 0 fails downstream too; bad 
     std::string m = every_rank_throws<mpi::RankMismatchError>(
         [&] { run(w.rank == 1 ? mpi::Schedule::summaries : mpi::Schedule::pipeline); });
     CHECK_THAT(m, Catch::Contains("Carry::schedule") && Catch::Contains("rank 0 has 2, rank 1 has 1"));
+    m = every_rank_throws<mpi::RankMismatchError>(
+        [&] { run(w.rank == 1 ? mpi::Schedule::hybrid : mpi::Schedule::pipeline); });
+    CHECK_THAT(m, Catch::Contains("rank 0 has 2, rank 1 has 3"));
     m = every_rank_throws<std::invalid_argument>([&] { run(static_cast<mpi::Schedule>(7)); });
     CHECK_THAT(m, Catch::Contains("Carry::schedule is 7"));
     CHECK_NOTHROW(run(mpi::Schedule::pipeline));
+    CHECK_NOTHROW(run(mpi::Schedule::hybrid));
   }
 }

@@ -356,14 +356,17 @@ TEST_CASE("bytes exchanged per rank do not depend on T: one summary per state he
     // the next rank only; every rank but the first receives them.
     const std::size_t message = 16 + state * sizeof(float);
     const bool last = w.rank == w.size - 1, first = w.rank == 0;
-    for (Index T : {Index{8}, Index{300}}) {
-      const mpi::ExchangeStats piped = layer_exchange(attention, T, mpi::Schedule::pipeline);
-      CHECK(piped.schedule == mpi::Schedule::pipeline);
-      CHECK(piped.summary_bytes == 0);
-      CHECK(piped.state_bytes == (last ? 0 : heads * message));
-      CHECK(piped.sent_bytes() == record + (last ? 0 : heads * message));
-      CHECK(piped.received_bytes == (P - 1) * record + (first ? 0 : heads * message));
-    }
+    // The hybrid sends the same messages (the delta rules run it as the pipeline).
+    const bool fills = linattn::detail::hybrid_fills<typename std::decay_t<decltype(attention)>::rule_type>();
+    for (const mpi::Schedule schedule : {mpi::Schedule::pipeline, mpi::Schedule::hybrid})
+      for (Index T : {Index{8}, Index{300}}) {
+        const mpi::ExchangeStats piped = layer_exchange(attention, T, schedule);
+        CHECK(piped.schedule == (fills ? schedule : mpi::Schedule::pipeline));
+        CHECK(piped.summary_bytes == 0);
+        CHECK(piped.state_bytes == (last ? 0 : heads * message));
+        CHECK(piped.sent_bytes() == record + (last ? 0 : heads * message));
+        CHECK(piped.received_bytes == (P - 1) * record + (first ? 0 : heads * message));
+      }
   };
   check("additive", LinearAttention<EluPlusOne>(), r * dv + r, r * dv + r);
   check("decay", RuleAttention<EluPlusOne, Decay>(EluPlusOne{}, Decay(0.9)), r * dv + r + 1, r * dv + r);
@@ -568,7 +571,7 @@ TEST_CASE("a denominator rejected on one rank: every rank throws it with the seq
 
 // ---- digest (for digest_check.cmake) ----------------------------------------------------------
 
-// One hash of every rule's outputs and broadcast final states under both schedules for a fixed
+// One hash of every rule's outputs and broadcast final states under every schedule for a fixed
 // workload split over this job's ranks, printed by rank 0: runs with the same number of ranks
 // must print the same.
 int print_digest() {
@@ -581,7 +584,8 @@ int print_digest() {
   for_each_rule<float>(T, dk, 3400, [&](const char*, const auto& attention, Phi, const MatrixXdR&,
                                         const MatrixXdR&, const MatrixXdR&, const auto&... in) {
     using Attention = std::decay_t<decltype(attention)>;
-    for (mpi::Schedule schedule : {mpi::Schedule::summaries, mpi::Schedule::pipeline}) {
+    for (mpi::Schedule schedule :
+         {mpi::Schedule::summaries, mpi::Schedule::pipeline, mpi::Schedule::hybrid}) {
       auto state = attention.make_state(dk, dv);
       RowMatrix<float> out(my.length, dv);
       const auto cut = rows_of(my.offset, my.length, in...);

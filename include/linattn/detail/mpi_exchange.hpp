@@ -118,7 +118,7 @@ inline void record_failure(RankRecord& record) noexcept {
 /// Bytes this rank put into the exchange and took out of it (see mpi::ExchangeStats).
 struct ExchangeCounts {
   int ranks = 1, rank = 0;
-  std::int32_t schedule = 1;  // the schedule that ran (ScheduleCode: summaries or pipeline)
+  std::int32_t schedule = 1;  // the schedule that ran (ScheduleCode, never automatic)
   std::size_t record_bytes = 0, summary_bytes = 0, state_bytes = 0, initial_state_bytes = 0,
               received_bytes = 0;
 };
@@ -197,7 +197,8 @@ inline std::optional<Failure> first_disagreement(const std::vector<RankRecord>& 
     compare("the number of key/value heads", c0.kv_heads, ck.kv_heads);
     compare("Carry::initial_rank", c0.initial_rank, ck.initial_rank);
     compare("Carry::broadcast_final", c0.broadcast_final, ck.broadcast_final);
-    compare("Carry::schedule (0: automatic, 1: summaries, 2: pipeline)", c0.schedule, ck.schedule);
+    compare("Carry::schedule (0: automatic, 1: summaries, 2: pipeline, 3: hybrid)", c0.schedule,
+            ck.schedule);
   }
   return found;
 }

@@ -1,6 +1,6 @@
 #pragma once
-// The pipeline schedule of a sequence-parallel prefill (linattn/mpi.hpp), and the cost model
-// that chooses between it and the summaries schedule (mpi_prefill.hpp).
+// The pipeline and hybrid schedules of a sequence-parallel prefill (linattn/mpi.hpp); the cost
+// model that chooses between them and the summaries schedule is detail/schedule_model.hpp.
 //
 // A call with several items (an item: one state head of one sequence; a layer call has
 // B * H_kv) runs as a wavefront over the items. Rank p, for item i = 0, 1, ...:
@@ -11,6 +11,17 @@
 //     its slice is empty;
 //   - sends the state after its slice on to rank p+1 (MPI_Isend) and goes on with item i+1.
 // Time ~ (items + P - 1) slots of T/P tokens against items * P slots in one process.
+//
+// The hybrid (plan.fills = k_p > 0, only on ranks p > 0 and for the decayed rules): before
+// its first receive, while rank p would wait for item 0, it runs its last k_p items as the
+// summaries schedule does, from a zero carry with their summaries (SliceRunner::run_local);
+// then it takes the items in order as above, except that for a filled item it forms the state
+// after its slice from the carried one with one scan step (CarryScan: S = A S_c + B), sends it
+// on at once, and then reads the carry into the item's outputs (SliceRunner::apply_carry).
+// Every rank still receives and sends the items in the order 0, 1, ..., n-1 whatever its k_p
+// and its neighbours' (each message is handled when it arrives), so the receiver needs no
+// knowledge of the sender's fills and the messages match in order (MPI does not reorder
+// messages of one sender, tag and communicator).
 //
 // Errors: a rank that fails on item i (or hears of a failure upstream) still receives every
 // message from rank p-1 and sends rank p+1 one message per item, with a 'failed' status and no
@@ -25,6 +36,7 @@
 
 #include <linattn/detail/mpi_exchange.hpp>
 #include <linattn/detail/slice_runner.hpp>
+#include <linattn/detail/slice_summary.hpp>
 #include <linattn/types.hpp>
 #include <linattn/write_rules.hpp>
 
@@ -41,47 +53,9 @@
 
 namespace linattn::detail {
 
-/// How the ranks carry the state between their slices (CallConfig::schedule, as given; the
-/// values of mpi::Schedule).
-enum class ScheduleCode : std::int32_t { automatic = 0, summaries = 1, pipeline = 2 };
-
 /// Tags of the pipeline's point-to-point messages.
 inline constexpr int kCarryTag = 0x4c41;    // "LA": the state after a slice, to the next rank
 inline constexpr int kInitialTag = 0x4c42;  // the state before the call, to rank 0
-
-/// c of the cost model: what reading the carry costs a rank under the summaries schedule,
-/// relative to the prefill of its slice. Decayed rules: the read of the carried state, one
-/// [T_p, r] x [r, dv] product per query head (0.35 measured for Additive, r = dv = 128; by
-/// flops 2 r dv / (4 r dv + C (r + dv)) = 0.44). Delta rules: the zero-carry pass runs the
-/// extended state [A | B] of r + dv columns, about a second prefill, plus the read: 1.
-template <class Rule>
-constexpr double carry_cost_of() {
-  return Rule::keeps_normalizer ? 0.35 : 1.0;
-}
-
-/// The automatic choice: whether the pipeline's modelled time beats the summaries'. With L_p
-/// the slice lengths (in tokens, per item), items n and carry cost c:
-///   summaries  n * max_p L_p (1 + c [slice p reads a carry])   (all items side by side)
-///   pipeline   sum_p L_p + (n - 1) max_p L_p                    (the wavefront)
-/// For even slices of a sequence that starts empty: speed-ups P / (1 + c) and n P / (n + P - 1),
-/// so the pipeline wins when c n > P - 1. Single-item calls and calls with fewer items than
-/// ranks keep the summaries (the wavefront would leave most ranks idle most of the time).
-/// The same verdict on every rank: it reads only agreed values. O(P).
-inline bool pipeline_pays(Index items, const std::vector<Index>& lengths, bool starts_empty,
-                          double carry_cost) {
-  const auto P = static_cast<Index>(lengths.size());
-  if (items < 2 || items < P) return false;
-  double sum = 0, longest = 0, summaries_slot = 0;
-  Index offset = 0;
-  for (const Index L : lengths) {
-    const bool reads_carry = !(starts_empty && offset == 0);
-    sum += double(L);
-    longest = std::max(longest, double(L));
-    summaries_slot = std::max(summaries_slot, double(L) * (1 + (reads_carry ? carry_cost : 0.0)));
-    offset += L;
-  }
-  return sum + double(items - 1) * longest < double(items) * summaries_slot;
-}
 
 /// A pipeline call's facts every rank agreed on (from the gathered records).
 struct PipelinePlan {
@@ -90,6 +64,7 @@ struct PipelinePlan {
   bool initial_nonzero = false;      // the holder's states are not all zero with one count
   std::int64_t initial_tokens = 0;   // their token count where !initial_nonzero
   Index offset = 0;                  // this rank's first row in the call's sequence
+  Index fills = 0;                   // the hybrid's k_p: this rank's last items from zero
 };
 
 /// Buffers of the pipeline, kept by SequenceParallel from call to call (no new memory when
@@ -99,6 +74,7 @@ struct PipelineBuffers {
   std::vector<Scalar> incoming;   // one message
   std::vector<Scalar> outgoing;   // one message per item: the states after this rank's slice
   std::vector<Scalar> initial;    // the holder's: one message per item, the states before
+  std::vector<Scalar> summaries;  // the hybrid's: one summary per filled item
   std::vector<MPI_Request> requests;
 };
 
@@ -151,8 +127,8 @@ struct CarryMessage {
   }
 };
 
-/// The pipeline schedule for this rank's items (see the file comment). `states` are the
-/// callers' states (read on the holder, assigned at the end when every rank succeeded);
+/// The pipeline or hybrid schedule for this rank's items (see the file comment). `states` are
+/// the callers' states (read on the holder, assigned at the end when every rank succeeded);
 /// `counts` gets the bytes. Returns the failure every rank agreed on, or nothing.
 template <class Attention>
 std::optional<Failure> run_pipeline(MPI_Comm comm, const Attention& attention, Index dk, Index dv,
@@ -202,6 +178,26 @@ std::optional<Failure> run_pipeline(MPI_Comm comm, const Attention& attention, I
 
   RankRecord late;
   bool failed = false;
+  // The hybrid's fills: this rank's last `fills` items from a zero carry, before the first
+  // receive (rank 0 fills nothing: it never waits for a carry).
+  const Index fills = first ? 0 : std::clamp<Index>(plan.fills, 0, n), first_filled = n - fills;
+  const Index summary_size = runner.layout().scalars();
+  buffers.summaries.resize(std::size_t(fills * summary_size));
+  const auto summary_of = [&](Index i) {
+    return buffers.summaries.data() + (i - first_filled) * summary_size;
+  };
+  for (Index i = first_filled; i < n && !failed; ++i) {
+    try {
+      items[std::size_t(i)].direct = false;
+      runner.run_local(items[std::size_t(i)], summary_of(i));
+    } catch (...) {
+      record_failure(late);
+      failed = true;
+    }
+  }
+  std::optional<CarryScan<Scalar>> scan;
+  if (fills > 0) scan.emplace(runner.layout());
+
   auto state = attention.make_state(dk, dv);
   for (Index i = 0; i < n; ++i) {
     // Where item i starts: a message (from rank p-1, or the holder), the holder's own state
@@ -226,11 +222,17 @@ std::optional<Failure> run_pipeline(MPI_Comm comm, const Attention& attention, I
       start_tokens = Message::tokens(start);
     }
     Scalar* out = at(buffers.outgoing, i);
-    const SliceItem<Scalar>& item = items[std::size_t(i)];
+    SliceItem<Scalar>& item = items[std::size_t(i)];
+    const bool filled = i >= first_filled;  // then start is rank p-1's message (p > 0)
     const bool ok = upstream_ok && !failed;
     if (ok) {
       try {
-        if (item.keys.rows == 0) {
+        if (filled) {
+          // The state after the slice: one scan step from the carried state.
+          scan->start(message.S(start), message.zmap(start), false);
+          scan->advance(summary_of(i), item.keys.rows);
+          message.pack(*scan, out);
+        } else if (item.keys.rows == 0) {
           if (start != nullptr)
             std::copy(start + Message::header, start + m, out + Message::header);
           else
@@ -243,11 +245,12 @@ std::optional<Failure> run_pipeline(MPI_Comm comm, const Attention& attention, I
                          start_tokens);
           runner.run_from(item, state, plan.offset);
           message.pack(state, out);
-          if (!Eigen::Map<const ColVector<Scalar>>(out + Message::header, m - Message::header)
-                   .allFinite())
-            throw std::domain_error("linattn::mpi: the state after the slice is not finite "
-                                    "(an input held Inf or NaN, or the sums overflowed)");
         }
+        if (item.keys.rows > 0 &&
+            !Eigen::Map<const ColVector<Scalar>>(out + Message::header, m - Message::header)
+                 .allFinite())
+          throw std::domain_error("linattn::mpi: the state after the slice is not finite "
+                                  "(an input held Inf or NaN, or the sums overflowed)");
       } catch (...) {
         record_failure(late);
         failed = true;
@@ -260,6 +263,16 @@ std::optional<Failure> run_pipeline(MPI_Comm comm, const Attention& attention, I
                           &carry_sends[i]),
                 "MPI_Isend (carried state)");
       counts.state_bytes += std::size_t(message.bytes(sent_ok));
+    }
+    // A filled item's outputs read the carry once the state is on its way (the message stays
+    // in `incoming` until the next receive).
+    if (filled && sent_ok) {
+      try {
+        runner.apply_carry(item, message.S(start), message.zmap(start), plan.offset);
+      } catch (...) {
+        record_failure(late);
+        failed = true;
+      }
     }
   }
   check_mpi(MPI_Waitall(static_cast<int>(buffers.requests.size()), buffers.requests.data(),

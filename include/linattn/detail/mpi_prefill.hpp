@@ -18,11 +18,12 @@
 // Bytes a rank puts into the exchange are independent of the slice length: two records, one
 // summary per item and, on the holder of a non-zero initial state, that state.
 // That is the summaries schedule. After step 2 every rank makes the same choice of schedule
-// (Carry::schedule, or pipeline_pays() for automatic); the pipeline schedule
-// (mpi_pipeline.hpp) replaces steps 3 to 6.
+// (Carry::schedule, or the model of schedule_model.hpp for automatic); the pipeline and the
+// hybrid (mpi_pipeline.hpp) replace steps 3 to 6.
 
 #include <linattn/detail/mpi_exchange.hpp>
 #include <linattn/detail/mpi_pipeline.hpp>
+#include <linattn/detail/schedule_model.hpp>
 #include <linattn/detail/slice_runner.hpp>
 #include <linattn/detail/slice_summary.hpp>
 #include <linattn/detail/state_core.hpp>
@@ -135,10 +136,10 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
                                  std::to_string(P) + " ranks"};
     return result;
   }
-  if (config.schedule < 0 || config.schedule > 2) {
+  if (config.schedule < 0 || config.schedule > 3) {
     result.failure = Failure{FailureKind::invalid_argument,
                              "linattn::mpi: Carry::schedule is " + std::to_string(config.schedule) +
-                                 ", not automatic (0), summaries (1) or pipeline (2)"};
+                                 ", not automatic (0), summaries (1), pipeline (2) or hybrid (3)"};
     return result;
   }
   const int holder = config.initial_rank == -1 ? P - 1 : config.initial_rank;
@@ -161,13 +162,20 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
     return result;
   }
 
-  // The schedule, the same on every rank (agreed inputs only).
+  // The schedule, the same on every rank (agreed inputs only). The delta rules' hybrid is the
+  // pipeline (schedule_model.hpp: no fills).
   const bool initial_nonzero = records[std::size_t(holder)].initial_nonzero != 0;
-  const auto requested = static_cast<ScheduleCode>(config.schedule);
-  if (requested == ScheduleCode::pipeline ||
-      (requested == ScheduleCode::automatic &&
-       pipeline_pays(items, lengths, !initial_nonzero, carry_cost_of<Rule>()))) {
-    counts.schedule = static_cast<std::int32_t>(ScheduleCode::pipeline);
+  auto schedule = static_cast<ScheduleCode>(config.schedule);
+  Index fills = 0;  // the hybrid's k_p for this rank
+  if (schedule == ScheduleCode::automatic || schedule == ScheduleCode::hybrid) {
+    const ScheduleModel model = model_schedules(items, lengths, !initial_nonzero,
+                                                carry_cost_of<Rule>(), hybrid_fills<Rule>());
+    if (schedule == ScheduleCode::automatic) schedule = model.pick;
+    fills = model.fills[std::size_t(rank)];
+  }
+  if (schedule == ScheduleCode::hybrid && !hybrid_fills<Rule>()) schedule = ScheduleCode::pipeline;
+  if (schedule != ScheduleCode::summaries) {
+    counts.schedule = static_cast<std::int32_t>(schedule);
     PipelinePlan plan;
     plan.rank = rank;
     plan.ranks = P;
@@ -176,6 +184,7 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
     plan.initial_nonzero = initial_nonzero;
     plan.initial_tokens = records[std::size_t(holder)].initial_tokens;
     plan.offset = offsets[std::size_t(rank)];
+    plan.fills = schedule == ScheduleCode::hybrid ? fills : 0;
     result.failure = run_pipeline(comm, attention, dk, dv, plan, work.items, work.states,
                                   work.pipeline, counts);
     return result;

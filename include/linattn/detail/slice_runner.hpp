@@ -204,8 +204,9 @@ class SliceRunner {
 
   /// Phase 2: the carried state (S_c, z_c) added to the outputs of a slice whose first row is
   /// row `first_row` of the sequence (for DenominatorError). Nothing to do where item.direct.
-  void apply_carry(SliceItem<Scalar>& item, const RowMatrix<Scalar>& S_c,
-                   const ColVector<Scalar>& z_c, Index first_row) const {
+  /// S_c and z_c are views (the summaries' scan, or a message of the hybrid schedule).
+  void apply_carry(SliceItem<Scalar>& item, const Eigen::Ref<const RowMatrix<Scalar>>& S_c,
+                   const Eigen::Ref<const ColVector<Scalar>>& z_c, Index first_row) const {
     const Index T = item.keys.rows;
     if (T == 0 || item.direct) return;
     if constexpr (map == CarryMap::scalar || map == CarryMap::diagonal) decay_reads(item);
@@ -364,13 +365,14 @@ class SliceRunner {
   // out = (out + read S) row i times row_scale[i] (when given): the register kernel where it
   // applies (one pass over out), else Eigen's product and the scaling.
   template <class Read, class Out>
-  static void add_product(const Read& read, const RowMatrix<Scalar>& S, Out& out,
-                          const Scalar* row_scale) {
+  static void add_product(const Read& read, const Eigen::Ref<const RowMatrix<Scalar>>& S,
+                          Out& out, const Scalar* row_scale) {
     const Index T = read.rows(), r = read.cols(), dv = S.cols();
     if constexpr (has_gemm_kernel<Scalar>) {
       if (dv % GemmTile<Scalar>::lanes == 0) {
-        small_gemm<Scalar, true>(T, dv, r, read.data(), read.outerStride(), S.data(), dv,
-                                 out.data(), out.outerStride(), Triangle::none, row_scale);
+        small_gemm<Scalar, true>(T, dv, r, read.data(), read.outerStride(), S.data(),
+                                 S.outerStride(), out.data(), out.outerStride(), Triangle::none,
+                                 row_scale);
         return;
       }
     }
