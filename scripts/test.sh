@@ -25,6 +25,9 @@ if [ "${1:-}" = "--sanitize" ]; then
   flags=(-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-gline-tables-only
          -DLINATTN_SANITIZE=ON -DLINATTN_TORCH=OFF
          -DLINATTN_BUILD_EXAMPLES=OFF -DLINATTN_CHECK_PACKAGING=OFF)
+  # LINATTN_FUZZ=ON also builds the libFuzzer targets here, in the same parallel build (CI
+  # then runs them with LINATTN_FUZZ_DIR=build/asan bash scripts/fuzz.sh).
+  if [ "${LINATTN_FUZZ:-OFF}" = "ON" ]; then flags+=(-DLINATTN_FUZZ=ON); fi
 else
   dir=build/test
   # -O2, not CMake's Release default -O3: the same kernels and intrinsics run, and the build

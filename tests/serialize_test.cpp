@@ -187,6 +187,27 @@ TEST_CASE("a head state is refused by another attention, kind or shape", "[seria
   const RuleAttention<EluPlusOne, Decay> d9(EluPlusOne{}, Decay(0.9));
   auto decay9 = d9.make_state(3, 2);
   CHECK(reason_of([&] { restore_state(decay9, save_state(decay)); }) == R::rule_mismatch);
+  // A parameter of -0.0 where the rule has +0.0 (Gated records 0) compares equal but is other
+  // bits: refused, as a restored state must save back to the blob's bytes (found by fuzzing).
+  {
+    const RuleAttention<EluPlusOne, Gated> gated;
+    auto g = gated.make_state(3, 2);
+    const auto gblob = save_state(g);
+    const Layout4 at(std::string("elu_plus_one").size(), std::string("gated").size(), false);
+    const auto minus_zero = reseal(gblob, [&](auto& b) {
+      const auto bits = std::bit_cast<std::uint64_t>(-0.0);
+      for (std::size_t j = 0; j < 8; ++j) b[at.parameter + j] = static_cast<std::byte>((bits >> (8 * j)) & 0xff);
+    });
+    CHECK(reason_of([&] { restore_state(g, minus_zero); }) == R::rule_mismatch);
+    // The log-scale field, 0 for every rule state: -0.0 is refused as well.
+    const auto minus_zero_scale = reseal(gblob, [&](auto& b) {
+      const auto bits = std::bit_cast<std::uint32_t>(-0.0f);
+      for (std::size_t j = 0; j < 4; ++j) b[at.head + 24 + j] = static_cast<std::byte>((bits >> (8 * j)) & 0xff);
+    });
+    CHECK(reason_of([&] { restore_state(g, minus_zero_scale); }) == R::bad_value);
+    restore_state(g, gblob);  // the untouched blob still restores
+    CHECK(save_state(g) == gblob);
+  }
   auto wide = elu.make_state(3, 3);
   CHECK(reason_of([&] { restore_state(wide, blob); }) == R::shape_mismatch);
   auto dbl = LinearAttention<EluPlusOne, double>().make_state(3, 2);
@@ -504,6 +525,7 @@ TEST_CASE("restored values are validated: what no state can hold is refused", "[
   // A log-scale other than 0 for an ordinary map, or NaN.
   CHECK(refused(reseal(blob, [&](auto& b) { put_f32(b, at.head + 24, 3.0f); })) == R::bad_value);
   CHECK(refused(reseal(blob, [&](auto& b) { put_f32(b, at.head + 24, std::numeric_limits<float>::quiet_NaN()); })) == R::bad_value);
+  CHECK(refused(reseal(blob, [&](auto& b) { put_f32(b, at.head + 24, -0.0f); })) == R::bad_value);
   // More pending tokens than the decode block (0 here) holds; an absurd decode block.
   CHECK(refused(reseal(blob, [&](auto& b) { put_u64(b, at.head + 16, 1); })) == R::bad_value);
   CHECK(refused(reseal(blob, [&](auto& b) { put_u64(b, at.head + 8, std::uint64_t(1) << 40); })) == R::bad_value);

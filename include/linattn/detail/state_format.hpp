@@ -11,6 +11,7 @@
 #include <linattn/state.hpp>
 #include <linattn/types.hpp>
 
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -179,7 +180,9 @@ void read_identity(ByteReader& rd, const State& target) {
                                               std::to_string(fingerprint) + "), this state uses \"" +
                                               id.map_name + "\" (fingerprint " +
                                               std::to_string(id.map_fingerprint) + ")");
-  if (rule != id.rule_name || !(parameter == id.rule_parameter))
+  // Bits, not ==: -0.0 == 0.0, but a blob whose parameter is -0.0 would save back as +0.0.
+  if (rule != id.rule_name ||
+      std::bit_cast<std::uint64_t>(parameter) != std::bit_cast<std::uint64_t>(id.rule_parameter))
     format_error(R::rule_mismatch, "saved with rule \"" + rule + "\" (parameter " +
                                        std::to_string(parameter) + "), this state uses \"" +
                                        id.rule_name + "\" (parameter " +
@@ -258,7 +261,9 @@ State read_head(ByteReader& rd, const State& target, const HeadFields& fields) {
   bool log_domain = false;
   if constexpr (additive) log_domain = s.log_domain();
   const bool empty = S.isZero(0) && z.isZero(0);
-  const bool ok_scale = std::isfinite(M) ? (log_domain || M == 0)
+  // An ordinary map's log-scale is +0 exactly: -0 compares equal but would save other bytes.
+  const bool plus_zero = M == 0 && !std::signbit(M);
+  const bool ok_scale = std::isfinite(M) ? (log_domain || plus_zero)
                                          : (log_domain && empty && M < 0);
   if (!ok_scale)
     format_error(R::bad_value, "a log-scale of " + std::to_string(M) + " is not one this state holds");
@@ -274,7 +279,7 @@ State read_head(ByteReader& rd, const State& target, const HeadFields& fields) {
       read_finite(rd, p.values.row(static_cast<Index>(j)).data(), p.values.cols(), "a pending value");
     }
     p.count = static_cast<Index>(pending);
-  } else if (pending != 0 || block != 0 || M != 0) {
+  } else if (pending != 0 || block != 0 || !plus_zero) {
     format_error(R::bad_value, "a state of this rule has no decode block or log-scale");
   }
   return s;
