@@ -81,6 +81,9 @@ TEMPLATE_TEST_CASE("pipeline, one head, every rule and slicing: rows and states 
     RowMatrix<Scalar> Y(T, dv);
     attention.prefill_into(whole, qkv.Q, qkv.K, qkv.V, in..., Y);
     auto shapes = slicings(T, P);
+    // Under the sanitizers (kSanitizedBuild): the even slicing and the one where rank 1 holds
+    // nothing, with the whole-chunk slicing below; the Release build runs all of them.
+    if (kSanitizedBuild && shapes.size() > 2) shapes = {shapes[0], shapes[2]};
     {
       // Slices of whole chunks (the last takes the rest): the chunk grid of one piece.
       std::vector<Index> chunks(std::size_t(P), C);
