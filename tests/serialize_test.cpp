@@ -61,6 +61,11 @@ std::vector<std::byte> reseal(std::vector<std::byte> blob, Edit&& edit) {
 void put_u64(std::vector<std::byte>& b, std::size_t at, std::uint64_t v) {
   for (std::size_t i = 0; i < 8; ++i) b[at + i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
 }
+// A binary32 written little-endian at `at`.
+void put_f32(std::vector<std::byte>& b, std::size_t at, float f) {
+  const auto bits = std::bit_cast<std::uint32_t>(f);
+  for (std::size_t i = 0; i < 4; ++i) b[at + i] = static_cast<std::byte>((bits >> (8 * i)) & 0xff);
+}
 std::uint64_t get_u64(const std::vector<std::byte>& b, std::size_t at) {
   std::uint64_t v = 0;
   for (std::size_t i = 0; i < 8; ++i) v |= static_cast<std::uint64_t>(b[at + i]) << (8 * i);
@@ -194,16 +199,11 @@ TEST_CASE("a head state is refused by another attention, kind or shape", "[seria
     auto g = gated.make_state(3, 2);
     const auto gblob = save_state(g);
     const Layout4 at(std::string("elu_plus_one").size(), std::string("gated").size(), false);
-    const auto minus_zero = reseal(gblob, [&](auto& b) {
-      const auto bits = std::bit_cast<std::uint64_t>(-0.0);
-      for (std::size_t j = 0; j < 8; ++j) b[at.parameter + j] = static_cast<std::byte>((bits >> (8 * j)) & 0xff);
-    });
+    const auto minus_zero =
+        reseal(gblob, [&](auto& b) { put_u64(b, at.parameter, std::bit_cast<std::uint64_t>(-0.0)); });
     CHECK(reason_of([&] { restore_state(g, minus_zero); }) == R::rule_mismatch);
     // The log-scale field, 0 for every rule state: -0.0 is refused as well.
-    const auto minus_zero_scale = reseal(gblob, [&](auto& b) {
-      const auto bits = std::bit_cast<std::uint32_t>(-0.0f);
-      for (std::size_t j = 0; j < 4; ++j) b[at.head + 24 + j] = static_cast<std::byte>((bits >> (8 * j)) & 0xff);
-    });
+    const auto minus_zero_scale = reseal(gblob, [&](auto& b) { put_f32(b, at.head + 24, -0.0f); });
     CHECK(reason_of([&] { restore_state(g, minus_zero_scale); }) == R::bad_value);
     restore_state(g, gblob);  // the untouched blob still restores
     CHECK(save_state(g) == gblob);
@@ -516,10 +516,6 @@ TEST_CASE("restored values are validated: what no state can hold is refused", "[
   CHECK(refused(reseal(blob, [&](auto& b) { put_u64(b, at.head, std::uint64_t(std::numeric_limits<std::int64_t>::max())); })) == R::bad_value);
   CHECK(refused(reseal(blob, [&](auto& b) { put_u64(b, at.head, std::uint64_t(detail::kMaxTokens) + 1); })) == R::bad_value);
   // NaN and Inf in S and z.
-  const auto put_f32 = [](std::vector<std::byte>& b, std::size_t i, float f) {
-    const auto bits = std::bit_cast<std::uint32_t>(f);
-    for (std::size_t j = 0; j < 4; ++j) b[i + j] = static_cast<std::byte>((bits >> (8 * j)) & 0xff);
-  };
   CHECK(refused(reseal(blob, [&](auto& b) { put_f32(b, s_at, std::numeric_limits<float>::quiet_NaN()); })) == R::bad_value);
   CHECK(refused(reseal(blob, [&](auto& b) { put_f32(b, s_at + 4 * 4, std::numeric_limits<float>::infinity()); })) == R::bad_value);
   // A log-scale other than 0 for an ordinary map, or NaN.

@@ -80,10 +80,7 @@ TEMPLATE_TEST_CASE("pipeline, one head, every rule and slicing: rows and states 
     auto whole = attention.make_state(dk, dv);
     RowMatrix<Scalar> Y(T, dv);
     attention.prefill_into(whole, qkv.Q, qkv.K, qkv.V, in..., Y);
-    auto shapes = slicings(T, P);
-    // Under the sanitizers (kSanitizedBuild): the even slicing and the one where rank 1 holds
-    // nothing, with the whole-chunk slicing below; the Release build runs all of them.
-    if (kSanitizedBuild && shapes.size() > 2) shapes = {shapes[0], shapes[2]};
+    auto shapes = slicings_to_test(T, P);  // and the whole-chunk slicing below
     {
       // Slices of whole chunks (the last takes the rest): the chunk grid of one piece.
       std::vector<Index> chunks(std::size_t(P), C);
@@ -277,9 +274,8 @@ TEMPLATE_TEST_CASE("hybrid: every rule, 1 to 6 items (grouped heads), every slic
     const Index r = attention.feature_dim(dk), C = attention.chunk_size(r, dv), G = 2;
     const bool normalize = attention.options().normalization.divides();
     // (B, H_kv): n = B H_kv items of G query heads each; n = 1, P, 6 and P - 1.
-    // Under the sanitizers (-O0; kSanitizedBuild) n = P and n = 6 only, over the even slicing
-    // (it fills) and the one where rank 1 holds nothing: the same code paths, and the
-    // reference bounds, O(T^2 r) double loops per head and slicing, a third of the time.
+    // Under the sanitizers (-O0; kSanitizedBuild) n = P and n = 6 only, over the slicings of
+    // slicings_to_test (the even one fills): the same code paths in a third of the time.
     std::vector<std::array<Index, 2>> shapes{{1, 1}, {1, P}, {2, 3}};
     if (P > 2) shapes.push_back({1, P - 1});
     if (kSanitizedBuild) shapes = {{1, P}, {2, 3}};
@@ -313,8 +309,7 @@ TEMPLATE_TEST_CASE("hybrid: every rule, 1 to 6 items (grouped heads), every slic
       mpi::SequenceParallel<Layer> piped(layer, MPI_COMM_WORLD, kPipeline);
       mpi::SequenceParallel<Layer> hybrid(layer, MPI_COMM_WORLD, kHybrid);
       mpi::SequenceParallel<Layer> everywhere(layer, MPI_COMM_WORLD, {mpi::kLastRank, true, mpi::Schedule::hybrid});
-      auto all_slicings = slicings(T, P);
-      if (kSanitizedBuild && all_slicings.size() > 2) all_slicings = {all_slicings[0], all_slicings[2]};
+      const auto all_slicings = slicings_to_test(T, P);
       for (const auto& lengths : all_slicings) {
         const Slice my = slice_of(lengths, w.rank);
         const Index end = my.offset + my.length;
