@@ -258,8 +258,7 @@ Buffer<Scalar> every_head(const RowMatrix<Scalar>& x, Index B, Index H) {
 // the pipeline, bit for bit.
 // float only: the hybrid sends what the pipeline and the summaries send (bytes counted from
 // sizeof(Scalar), MPI datatypes from detail::mpi_type), which the one-head tests above and in
-// mpi_test.cpp run in double too; a double instantiation here added about a sixth to this
-// program's compile time (g++ 12).
+// mpi_test.cpp run in double too; a double instantiation here lengthened CI's longest compiles.
 TEMPLATE_TEST_CASE("hybrid: every rule, 1 to 6 items (grouped heads), every slicing: rows and "
                    "states equal one prefill to rounding, items pipelined through this rank the "
                    "pipeline's bits, a second call the same bits, broadcast_final",
