@@ -45,8 +45,10 @@
 /// hybrid: the summaries' cost for the k_p filled items, the pipeline's for the others.
 /// Memory: per query head T_p x r values and T_p denominators between the summaries' phases
 /// (the hybrid's filled items likewise), one state per item (pipeline, hybrid); kept by the
-/// object from call to call, so repeated calls of one shape touch no new memory. Calls on one
-/// object must not overlap; give each thread its own object and communicator.
+/// object from call to call, so repeated calls of one shape touch no new memory. A layer call
+/// over token-major buffers also keeps head-major copies of this rank's Q, K, V and out
+/// (Carry::stage_token_major). Calls on one object must not overlap; give each thread its own
+/// object and communicator.
 ///
 /// Errors: a call either returns on every rank or throws on every rank the same exception
 /// (type and message), and then no rank's state has changed (outputs may have been written).
@@ -62,6 +64,7 @@
 #include <linattn/batch_state.hpp>
 #include <linattn/detail/checks.hpp>
 #include <linattn/detail/eigen_utils.hpp>
+#include <linattn/detail/head_major_stage.hpp>
 #include <linattn/detail/mpi_exchange.hpp>
 #include <linattn/detail/mpi_prefill.hpp>
 #include <linattn/detail/multihead_views.hpp>
@@ -128,6 +131,13 @@ struct Carry {
   bool broadcast_final = false;
   /// The schedule; every rank must pass the same.
   Schedule schedule = Schedule::automatic;
+  /// Multi-head calls over token-major buffers ([B, T_p, H, d]: one head's rows H d apart):
+  /// copy this rank's Q, K and V head-major before the items run, and the outputs back after
+  /// (detail/head_major_stage.hpp), so each item reads contiguous rows instead of one page per
+  /// row. 1.4 x faster items for 4 KiB token rows on the Zen 5 VM of docs/distributed.md; costs
+  /// memory the size of this rank's slices of Q, K, V and out, kept by the object. The same
+  /// bits either way, so ranks may differ in it.
+  bool stage_token_major = true;
 };
 
 /// What one call put into the exchange and took out of it, for this rank, in bytes.
@@ -386,11 +396,14 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
           work.states.push_back(&state.sequence(position).head(h));
         }
       work.tokens = T;
+      if (carry_.stage_token_major) stage_.stage(work.items);
     };
+    stage_.active = false;
     const auto result = linattn::detail::run_sequence_parallel(
         comm_, layer_.attention(), heads.key_dim, heads.value_dim, config, layer_.executor(),
         work_, prepare);
     if (result.failure) detail::raise(*result.failure);
+    stage_.finish();
     return detail::stats_of(result.counts);
   }
 
@@ -399,6 +412,7 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
   MPI_Comm comm_;
   Carry carry_;
   linattn::detail::RankWork<HeadAttention> work_;
+  linattn::detail::HeadMajorStage<Scalar> stage_;
 };
 
 }  // namespace linattn::mpi

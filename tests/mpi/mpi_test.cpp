@@ -256,6 +256,33 @@ void check_layer(const char* name, const Attention& attention, const std::array<
                          out.out_rows(my.offset, my.length), std::span<const Index>(slots));
     }(std::make_index_sequence<N>{});
     CHECK(stats.schedule == schedule);
+    // Only this rank's rows of the output are written (batch-first buffers are staged
+    // head-major and copied back: Carry::stage_token_major).
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < Hq; ++h) {
+        const RowMatrix<Scalar> all_rows = out.cut(b, h, 0, T);
+        CHECK(all_rows.topRows(my.offset).isZero(0));
+        CHECK(all_rows.bottomRows(T - my.offset - my.length).isZero(0));
+      }
+    if (layout == Layout::batch_first && !threads) {
+      // Staged or read in place: the same bits, outputs and states.
+      Buffer<Scalar> out_in_place(layout, B, T, Hq, dv, RowMatrix<Scalar>::Zero(1, B * T * Hq * dv));
+      auto state_in_place = layer.make_state(2);
+      mpi::Carry in_place = carry;
+      in_place.stage_token_major = false;
+      mpi::SequenceParallel<MultiHeadAttention<Attention>> unstaged(layer, MPI_COMM_WORLD, in_place);
+      [&]<std::size_t... I>(std::index_sequence<I...>) {
+        unstaged.prefill_into(state_in_place, q.rows(my.offset, my.length),
+                              k.rows(my.offset, my.length), v.rows(my.offset, my.length),
+                              in[I].rows(my.offset, my.length)...,
+                              out_in_place.out_rows(my.offset, my.length),
+                              std::span<const Index>(slots));
+      }(std::make_index_sequence<N>{});
+      CHECK(std::memcmp(out_in_place.data.data(), out.data.data(), out.data.size() * sizeof(Scalar)) == 0);
+      for (Index b = 0; b < B; ++b)
+        for (Index g = 0; g < Hkv; ++g)
+          CHECK(same_bits(state_in_place.sequence(b).head(g).S(), state.sequence(b).head(g).S()));
+    }
     mpi::SequenceParallel<Attention> one(attention, MPI_COMM_WORLD, carry);
     for (Index b = 0; b < B; ++b)
       for (Index h = 0; h < Hq; ++h) {
@@ -278,7 +305,7 @@ void check_layer(const char* name, const Attention& attention, const std::array<
 }  // namespace
 
 TEST_CASE("multi-head layer, both schedules, every rule, both layouts, grouped heads, slots, "
-          "threads: each head equals the one-head split call bit for bit",
+          "threads: each head equals the one-head split call bit for bit, staged or not",
           "[mpi][multihead]") {
   for (mpi::Schedule s : {mpi::Schedule::summaries, mpi::Schedule::pipeline})
     for (Layout layout : {Layout::batch_first, Layout::head_first})
