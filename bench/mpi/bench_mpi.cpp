@@ -5,7 +5,7 @@
 //
 //   mpirun -np 2 bench_mpi [--tokens 65536] [--heads 8] [--dim 128] [--rule additive]
 //                          [--split even|balanced] [--carry-cost 0.35] [--repeat 3]
-//                          [--schedule automatic|summaries|pipeline|hybrid]
+//                          [--schedule automatic|summaries|pipeline|hybrid] [--stage 1|0]
 //
 // Rules: additive, decay, gated, delta, gated_delta. Every rank holds only its slice of the
 // [1, T, H, d] buffers (distinct random data per head and token). A timed call is the slowest
@@ -37,6 +37,7 @@ struct Config {
   std::string rule = "additive", split = "even", schedule = "automatic";
   double carry_cost = 0.35;
   int repeat = 3;
+  bool stage = true;  // Carry::stage_token_major
 };
 
 Config parse(int argc, char** argv) {
@@ -51,6 +52,7 @@ Config parse(int argc, char** argv) {
     else if (key == "--carry-cost") c.carry_cost = std::atof(value.c_str());
     else if (key == "--repeat") c.repeat = std::atoi(value.c_str());
     else if (key == "--schedule") c.schedule = value;
+    else if (key == "--stage") c.stage = value != "0";
     else throw std::invalid_argument("bench_mpi: unknown option " + key);
   }
   return c;
@@ -123,6 +125,7 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
   else if (c.schedule == "pipeline") carry.schedule = mpi::Schedule::pipeline;
   else if (c.schedule == "hybrid") carry.schedule = mpi::Schedule::hybrid;
   else if (c.schedule != "automatic") throw std::invalid_argument("bench_mpi: unknown schedule " + c.schedule);
+  carry.stage_token_major = c.stage;
   mpi::SequenceParallel<Layer> split(layer, MPI_COMM_WORLD, carry);
   auto state = layer.make_state(1);
   const auto call_split = [&] {
@@ -146,10 +149,10 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
     const auto model =
         linattn::detail::model_schedules(H, lengths, true, linattn::detail::carry_cost_of<Rule>(),
                                          linattn::detail::hybrid_fills<Rule>());
-    std::printf("bench_mpi rule=%s ranks=%d split=%s T=%ld H=%ld d=%ld call=%s schedule=%s "
+    std::printf("bench_mpi rule=%s ranks=%d split=%s stage=%d T=%ld H=%ld d=%ld call=%s schedule=%s "
                 "automatic=%s seconds=%.4f tokens_per_second=%.0f summary_bytes=%zu "
                 "state_bytes=%zu sent_bytes=%zu received_bytes=%zu rank_seconds=",
-                c.rule.c_str(), ranks, c.split.c_str(), long(c.tokens), long(H), long(d), what,
+                c.rule.c_str(), ranks, c.split.c_str(), int(c.stage), long(c.tokens), long(H), long(d), what,
                 ranks == 1 && std::string(what) == "single_process" ? "none"
                                                                      : name(int(t.stats.schedule)),
                 name(int(model.pick)), t.seconds,

@@ -69,23 +69,26 @@ struct HeadMajorStage {
     if (static_cast<Index>(inputs.size()) < in_size) inputs.resize(static_cast<std::size_t>(in_size));
     if (static_cast<Index>(outputs.size()) < out_size)
       outputs.resize(static_cast<std::size_t>(out_size));
-    std::vector<RowsSpec<const Scalar>> copies;
+    // Each input's copy: its rows back to back, in the order of `sources`.
+    std::vector<Scalar*> copies;
     copies.reserve(sources.size());
     Scalar* at = inputs.data();
     for (const auto* s : sources) {
-      copies.push_back({at, s->rows, s->cols, s->cols});
+      copies.push_back(at);
       at += s->rows * s->cols;
     }
+    // Blocks of tokens outer, heads inner: each page of the token-major buffers is read once.
     for (Index t = 0; t < T; t += kStageBlock) {
       const Index n = std::min(kStageBlock, T - t);
       for (std::size_t i = 0; i < sources.size(); ++i) {
         const RowsSpec<const Scalar>& from = *sources[i];
-        Scalar* to = const_cast<Scalar*>(copies[i].data) + t * from.cols;
+        Scalar* to = copies[i] + t * from.cols;
         for (Index row = t; row < t + n; ++row, to += from.cols)
           std::copy_n(from.data + row * from.stride, from.cols, to);
       }
     }
-    for (std::size_t i = 0; i < sources.size(); ++i) *sources[i] = copies[i];
+    for (std::size_t i = 0; i < sources.size(); ++i)
+      *sources[i] = {copies[i], sources[i]->rows, sources[i]->cols, sources[i]->cols};
     Scalar* out = outputs.data();
     for (auto& item : items)
       for (auto& o : item.outputs) {
