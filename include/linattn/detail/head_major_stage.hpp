@@ -78,6 +78,8 @@ struct HeadMajorStage {
       at += s->rows * s->cols;
     }
     // Blocks of tokens outer, heads inner: each page of the token-major buffers is read once.
+    // Row by row with std::copy_n: an Eigen assignment between the strided maps (RowsSpec::
+    // view()) took 0.060 s for this copy against 0.034 s (T = 32768, H = 8, d = 128, one core).
     for (Index t = 0; t < T; t += kStageBlock) {
       const Index n = std::min(kStageBlock, T - t);
       for (std::size_t i = 0; i < sources.size(); ++i) {
