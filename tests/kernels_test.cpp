@@ -1,6 +1,7 @@
 // The detail kernels behind attention.hpp's additive paths: the chunked form
 // (detail/chunked.hpp) over chunk sizes that do and do not divide T, T < C, T = 1, carried
-// state and errors mid-sequence; its register kernel (detail/small_gemm.hpp); the fused
+// state and errors mid-sequence; its register kernel (detail/small_gemm.hpp) and the walk of
+// the next chunk's rows that the kernel's tiles prefetch along (detail/prefetch.hpp); the fused
 // recurrent sweep (detail/recurrent_sweep.hpp) over value widths that exercise its full and
 // remainder column blocks in both sweep directions; the deferred decode (detail/deferred.hpp)
 // and the shared reads absorb()/read_into(); and a length whose T x T matrix could not be
@@ -8,6 +9,7 @@
 // recurrent path.
 
 #include <linattn/attention.hpp>
+#include <linattn/detail/prefetch.hpp>
 #include <linattn/detail/recurrent_sweep.hpp>
 #include <linattn/detail/small_gemm.hpp>
 #include <linattn/reference.hpp>
@@ -343,6 +345,56 @@ TEMPLATE_TEST_CASE("transpose_into copies exactly across packet blocks and edges
       CHECK((dst.rightCols(ldd - rows).array() == TestType(-7)).all());  // padding untouched
     }
   }
+}
+
+TEST_CASE("SpreadPrefetch walks every line of the queued rows once, in order, within each budget",
+          "[chunked][kernel]") {
+  // Rows of 40 floats (160 bytes: lines at +0, +64, +128) lying 48 floats apart.
+  constexpr Index kCols = 40, kStride = 48, kRows = 10;
+  std::vector<float> a(std::size_t(kRows * kStride)), b(a.size());
+  using Strided = Eigen::Map<const linattn::RowMatrix<float>, 0, Eigen::OuterStride<>>;
+  const Strided A(a.data(), kRows, kCols, Eigen::OuterStride<>(kStride));
+  const Strided B(b.data(), kRows, kCols, Eigen::OuterStride<>(kStride));
+  const Eigen::MatrixXf column_major(kRows, kCols);
+  // What the walk must touch: each queued row's three lines, ranges in the order queued.
+  std::vector<const char*> expected;
+  const auto lines_of = [&](const std::vector<float>& m, Index first, Index last) {
+    for (Index i = first; i < last; ++i)
+      for (Index byte : {0, 64, 128})
+        expected.push_back(reinterpret_cast<const char*>(m.data() + i * kStride) + byte);
+  };
+  lines_of(a, 2, 7);
+  lines_of(b, 8, kRows);  // rows [8, 20) clipped to the matrix
+  for (Index budget : {1, 2, 3, 5, 16}) {
+    CAPTURE(budget);
+    detail::SpreadPrefetch plan;
+    plan.add(A, 2, 5);
+    plan.add(column_major, 0, 4);  // not row-major: skipped
+    plan.add(A, kRows, 4);         // past the end: nothing
+    plan.add(B, 8, 12);
+    std::vector<const char*> seen;
+    while (!plan.empty()) {
+      const std::size_t before = seen.size();
+      plan.visit(budget, [&](const char* line) { seen.push_back(line); });
+      const auto used = Index(seen.size() - before);
+      // The whole budget while lines remain, never more.
+      if (plan.empty()) CHECK(used <= budget);
+      else CHECK(used == budget);
+      REQUIRE(used > 0);
+    }
+    CHECK(seen == expected);
+  }
+  // Past the queue's capacity a range is prefetched at once instead of queued; finish() empties
+  // the plan for the next chunk.
+  detail::SpreadPrefetch full;
+  for (int i = 0; i < 17; ++i) full.add(A, Index(i % kRows), 1);
+  Index queued = 0;
+  while (!full.empty()) full.visit(1, [&](const char*) { ++queued; });
+  CHECK(queued == 16 * 3);
+  full.add(B, 0, 2);
+  CHECK_FALSE(full.empty());
+  full.finish();
+  CHECK(full.empty());
 }
 
 TEMPLATE_TEST_CASE("the register-kernel chunked path agrees with a double loop",

@@ -183,25 +183,27 @@ void causal_chunked(const Phi& phi, Index group, const QueryAt& query, const DK&
     // Row scales of the read: 1 / divisor, or 1 where that reciprocal overflows (a subnormal
     // divisor); those rows are divided after the product instead (late_divisor, 0 elsewhere).
     ColVector<Scalar> inverse(C), late_divisor(C);
+    SpreadPrefetch next_rows;
     for (Index first = 0; first < T; first += C) {
       const Index n = std::min(C, T - first);
       const Index n_padded = (n + lanes - 1) / lanes * lanes;
       before_chunk(first, S, z);
+      // The next chunk's inputs stream in while this one's products run, a few lines per
+      // register tile (see SpreadPrefetch), in the order the next chunk reads them.
+      next_rows.add(K, first + C, C);
+      next_rows.add(V, first + C, C);
+      for (Index g = 0; g < group; ++g) next_rows.add(query(g), first + C, C);
       {
         Eigen::Ref<RowMatrix<Scalar>> kf_view(kf.topRows(n));
         phi.apply(K.middleRows(first, n), kf_view);
       }
-      // The next chunk's inputs stream in while this one computes (see prefetch_rows).
-      prefetch_rows(K, first + C, C);
       transpose_into(n, r, kf.data(), r, kf_t.data(), padded);
       const auto [v_chunk, ld_v] = row_major_rows(V, first, n, v_buffer);
-      prefetch_rows(V, first + C, C);
       for (Index g = 0; g < group; ++g) {
         {
           Eigen::Ref<RowMatrix<Scalar>> qf_view(qf.topRows(n));
           phi.apply(query(g).middleRows(first, n), qf_view);
         }
-        prefetch_rows(query(g), first + C, C);
         // Each query head runs the same sum (a few r adds per row), so every head's
         // denominators have the bits of a single-head call.
         running_z = z.transpose();
@@ -212,7 +214,8 @@ void causal_chunked(const Phi& phi, Index group, const QueryAt& query, const DK&
                                             late_divisor(i));
         }
         small_gemm<Scalar, false>(n, n_padded, r, qf.data(), r, kf_t.data(), padded,
-                                  scores.data(), padded, Triangle::lower_result);
+                                  scores.data(), padded, Triangle::lower_result, nullptr,
+                                  &next_rows);
         // The read below walks P up to each row tile's diagonal: the entries right of the
         // diagonal inside that range must be zero (they hold q_i . k_j for j > i).
         for (Index i = 0; i + 1 < n; ++i) scores.row(i).segment(i + 1, n - i - 1).setZero();
@@ -220,12 +223,16 @@ void causal_chunked(const Phi& phi, Index group, const QueryAt& query, const DK&
         Eigen::Ref<RowMatrix<Scalar>> out = output(g);
         const Index ld_out = out.outerStride();
         Scalar* o = out.data() + first * ld_out;
-        small_gemm<Scalar, false>(n, dv, r, qf.data(), r, S.data(), dv, o, ld_out);
+        small_gemm<Scalar, false>(n, dv, r, qf.data(), r, S.data(), dv, o, ld_out,
+                                  Triangle::none, nullptr, &next_rows);
         small_gemm<Scalar, true>(n, dv, n, scores.data(), padded, v_chunk, ld_v, o, ld_out,
-                                 Triangle::lower_lhs, norm.divides() ? inverse.data() : nullptr);
+                                 Triangle::lower_lhs, norm.divides() ? inverse.data() : nullptr,
+                                 &next_rows);
         if (norm.divides()) divide_late_rows(o, ld_out, n, dv, late_divisor.data());
       }
-      small_gemm<Scalar, true>(r, dv, n, kf_t.data(), padded, v_chunk, ld_v, S.data(), dv);
+      small_gemm<Scalar, true>(r, dv, n, kf_t.data(), padded, v_chunk, ld_v, S.data(), dv,
+                               Triangle::none, nullptr, &next_rows);
+      next_rows.finish();
       z = running_z.transpose();
       tokens += n;
     }

@@ -262,6 +262,9 @@ class DeltaRecurrence {
 template <class Scalar>
 class DeltaChunk {
  public:
+  /// The next chunk's rows, advanced by the chunk's products (null: none; see SpreadPrefetch).
+  SpreadPrefetch* prefetch = nullptr;
+
   DeltaChunk(Index C, Index r, Index dv)
       : r_(r), dv_(dv), ld_(padded_columns<Scalar>(C)),
         kf_t_(RowMatrix<Scalar>::Zero(r, ld_)), kw_t_(r, ld_),
@@ -293,7 +296,7 @@ class DeltaChunk {
     transpose_into(n, r, kf, ld_kf, kf_t_.data(), ld_);
     // The system's strictly lower part, negated: system(i, j) = -beta_i D(i, j) (kf_i . kf_j).
     rule_gemm<Scalar, false>(n, n_padded, r, kf, ld_kf, kf_t_.data(), ld_, system_.data(), ld_,
-                             Triangle::lower_result);
+                             Triangle::lower_result, nullptr, prefetch);
     for (Index i = 1; i < n; ++i) {
       auto row = system_.row(i).head(i).array();
       if (gated_) row *= decay_.row(i).head(i).array();
@@ -302,7 +305,7 @@ class DeltaChunk {
     // Right-hand side beta_i (v_i - g_i) with the decayed state reads g_i = D(i, -1) kf_i S (a
     // row-scaled product, kept: the backward reads them, see DeltaSavedStates).
     rule_gemm<Scalar, false>(n, dv, r, kf, ld_kf, S.data(), dv, reads_.data(), dv,
-                             Triangle::none, gated_ ? decay_in_.data() : nullptr);
+                             Triangle::none, gated_ ? decay_in_.data() : nullptr, prefetch);
     using Row = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
     for (Index i = 0; i < n; ++i)
       corrected_.row(i).array() = beta[i] * (Row(v + i * ld_v, dv) - reads_.row(i).array());
@@ -311,7 +314,8 @@ class DeltaChunk {
       const Index end = std::min(n, b0 + delta_solve_block);
       if (b0 > 0)
         rule_gemm<Scalar, true>(end - b0, dv, b0, system_.data() + b0 * ld_, ld_,
-                                corrected_.data(), dv, corrected_.data() + b0 * dv, dv);
+                                corrected_.data(), dv, corrected_.data() + b0 * dv, dv,
+                                Triangle::none, nullptr, prefetch);
       for (Index i = b0 + 1; i < end; ++i)
         for (Index j = b0; j < i; ++j) corrected_.row(i) += system_(i, j) * corrected_.row(j);
     }
@@ -327,15 +331,15 @@ class DeltaChunk {
     const Index n = n_;
     if (n == 0) return;
     rule_gemm<Scalar, false>(n, padded_columns<Scalar>(n), r_, qf, ld_qf, kf_t_.data(), ld_,
-                             scores_.data(), ld_, Triangle::lower_result);
+                             scores_.data(), ld_, Triangle::lower_result, nullptr, prefetch);
     for (Index i = 0; i < n; ++i) {
       if (gated_) scores_.row(i).head(i + 1).array() *= decay_.row(i).head(i + 1).array();
       scores_.row(i).segment(i + 1, n - i - 1).setZero();
     }
     rule_gemm<Scalar, false>(n, dv_, r_, qf, ld_qf, S.data(), dv_, out, ld_out, Triangle::none,
-                             gated_ ? decay_in_.data() : nullptr);
+                             gated_ ? decay_in_.data() : nullptr, prefetch);
     rule_gemm<Scalar, true>(n, dv_, n, scores_.data(), ld_, corrected_.data(), dv_, out, ld_out,
-                            Triangle::lower_lhs);
+                            Triangle::lower_lhs, nullptr, prefetch);
   }
 
   /// The prepared chunk's rows, its corrected values u_i (rows() x dv, row-major, contiguous)
@@ -350,7 +354,8 @@ class DeltaChunk {
     if (n == 0) return;
     if (gated_) S *= decay_in_(n - 1);
     rule_gemm<Scalar, true>(r_, dv_, n, gated_ ? kw_t_.data() : kf_t_.data(), ld_,
-                            corrected_.data(), dv_, S.data(), dv_);
+                            corrected_.data(), dv_, S.data(), dv_, Triangle::none, nullptr,
+                            prefetch);
   }
 
  private:

@@ -493,6 +493,9 @@ void gated_denominators(Index n, const Scalar* qf, Index ld_qf, const Scalar* kf
 template <class Scalar>
 class ScalarGatedChunk {
  public:
+  /// The next chunk's rows, advanced by the chunk's products (null: none; see SpreadPrefetch).
+  SpreadPrefetch* prefetch = nullptr;
+
   ScalarGatedChunk(Index C, Index r, Index dv)
       : r_(r), dv_(dv), ld_(padded_columns<Scalar>(C)),
         kf_t_(RowMatrix<Scalar>::Zero(r, ld_)), kw_t_(r, ld_),
@@ -549,15 +552,15 @@ class ScalarGatedChunk {
           first_row);
     const Index n_padded = padded_columns<Scalar>(n);
     rule_gemm<Scalar, false>(n, n_padded, r_, qf, ld_qf, kf_t_.data(), ld_, scores_.data(), ld_,
-                             Triangle::lower_result);
+                             Triangle::lower_result, nullptr, prefetch);
     for (Index i = 0; i < n; ++i) {
       scores_.row(i).head(i + 1).array() *= decay_.row(i).head(i + 1).array();
       scores_.row(i).segment(i + 1, n - i - 1).setZero();
     }
     rule_gemm<Scalar, false>(n, dv_, r_, qf, ld_qf, S.data(), dv_, out, ld_out, Triangle::none,
-                             decay_in_.data());
+                             decay_in_.data(), prefetch);
     rule_gemm<Scalar, true>(n, dv_, n, scores_.data(), ld_, v_, ld_v_, out, ld_out,
-                            Triangle::lower_lhs, divides ? inverse_.data() : nullptr);
+                            Triangle::lower_lhs, divides ? inverse_.data() : nullptr, prefetch);
     if (divides) divide_late_rows(out, ld_out, n, dv_, late_.data());
   }
 
@@ -567,7 +570,8 @@ class ScalarGatedChunk {
     const Index n = n_;
     if (n == 0) return;
     S *= decay_in_(n - 1);
-    rule_gemm<Scalar, true>(r_, dv_, n, kw_t_.data(), ld_, v_, ld_v_, S.data(), dv_);
+    rule_gemm<Scalar, true>(r_, dv_, n, kw_t_.data(), ld_, v_, ld_v_, S.data(), dv_,
+                            Triangle::none, nullptr, prefetch);
     using Vec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
     if (z.size() == r_)
       for (Index i = 0; i < n; ++i) z.array() = gate_(i) * z.array() + Vec(kf_ + i * ld_kf_, r_);
@@ -598,6 +602,9 @@ class ScalarGatedChunk {
 template <class Scalar>
 class ChannelGatedChunk {
  public:
+  /// The next chunk's rows, advanced by the chunk's products (null: none; see SpreadPrefetch).
+  SpreadPrefetch* prefetch = nullptr;
+
   ChannelGatedChunk(Index C, Index r, Index dv)
       : r_(r), dv_(dv), ld_(padded_columns<Scalar>(std::max<Index>(C, gate_subchunk<Scalar>))),
         blocks_((C + gate_subchunk<Scalar> - 1) / gate_subchunk<Scalar>),
@@ -681,7 +688,7 @@ class ChannelGatedChunk {
       const Index i0 = I * c, end = std::min(n, i0 + c);
       if (I > 0)
         rule_gemm<Scalar, false>(end - i0, i0, r, qt_.data() + i0 * r, r, w_block(I), ld_,
-                                 scores_.data() + i0 * ld_, ld_);
+                                 scores_.data() + i0 * ld_, ld_, Triangle::none, nullptr, prefetch);
       for (Index i = i0; i < end; ++i) {
         const Scalar* q = qf + i * ld_qf;
         scores_(i, i) = ordered_dot(q, kf_ + i * ld_kf_, r);
@@ -691,9 +698,10 @@ class ChannelGatedChunk {
         scores_.row(i).segment(i + 1, n - i - 1).setZero();
       }
     }
-    rule_gemm<Scalar, false>(n, dv_, r, qs_.data(), r, S.data(), dv_, out, ld_out);
+    rule_gemm<Scalar, false>(n, dv_, r, qs_.data(), r, S.data(), dv_, out, ld_out, Triangle::none,
+                             nullptr, prefetch);
     rule_gemm<Scalar, true>(n, dv_, n, scores_.data(), ld_, v_, ld_v_, out, ld_out,
-                            Triangle::lower_lhs, divides ? inverse_.data() : nullptr);
+                            Triangle::lower_lhs, divides ? inverse_.data() : nullptr, prefetch);
     if (divides) divide_late_rows(out, ld_out, n, dv_, late_.data());
   }
 
@@ -703,7 +711,8 @@ class ChannelGatedChunk {
     const Index n = n_;
     if (n == 0) return;
     for (Index m = 0; m < r_; ++m) S.row(m) *= chunk_total_(m);
-    rule_gemm<Scalar, true>(r_, dv_, n, kw_t_.data(), ld_, v_, ld_v_, S.data(), dv_);
+    rule_gemm<Scalar, true>(r_, dv_, n, kw_t_.data(), ld_, v_, ld_v_, S.data(), dv_,
+                            Triangle::none, nullptr, prefetch);
     using Vec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
     if (z.size() == r_)
       for (Index i = 0; i < n; ++i)

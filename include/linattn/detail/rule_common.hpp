@@ -127,14 +127,16 @@ constexpr Index padded_columns(Index n) noexcept {
 /// row tile; with Triangle::lower_result only C(i, j), j <= i, is wanted (small_gemm.hpp).
 /// On the register kernel when n is a whole number of packets, otherwise by rows of axpys in
 /// the same k order (value widths that are not a multiple of the packet width). No
-/// allocation. 2 m n depth flops (about half with a triangle).
+/// allocation. `prefetch` as small_gemm's (the plain fallback does not advance it).
+/// 2 m n depth flops (about half with a triangle).
 template <class Scalar, bool Accumulate>
 void rule_gemm(Index m, Index n, Index depth, const Scalar* A, Index lda, const Scalar* B,
                Index ldb, Scalar* C, Index ldc, Triangle triangle = Triangle::none,
-               const Scalar* row_scale = nullptr) noexcept {
+               const Scalar* row_scale = nullptr, SpreadPrefetch* prefetch = nullptr) noexcept {
   if constexpr (has_gemm_kernel<Scalar>) {
     if (n % GemmTile<Scalar>::lanes == 0) {
-      small_gemm<Scalar, Accumulate>(m, n, depth, A, lda, B, ldb, C, ldc, triangle, row_scale);
+      small_gemm<Scalar, Accumulate>(m, n, depth, A, lda, B, ldb, C, ldc, triangle, row_scale,
+                                     prefetch);
       return;
     }
   }

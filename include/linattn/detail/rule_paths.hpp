@@ -56,10 +56,16 @@ void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, I
   auto& z = StateAccess::z(state);
   const Index C = std::min(chunk_size, T);
   RowMatrix<Scalar> qf(C, r), kf(C, r), v_buffer(has_row_major_storage<DV>() ? 0 : C, dv);
+  SpreadPrefetch next_rows;
   const auto chunks = [&](auto& kernel, const auto& prepare) {
+    kernel.prefetch = &next_rows;
     for (Index first = 0; first < T; first += C) {
       const Index n = std::min(C, T - first);
       if constexpr (!is_delta_rule<Rule>) observe(first, S, z);  // (delta: after prepare)
+      // The next chunk's inputs stream in behind this one's products (see SpreadPrefetch).
+      next_rows.add(K, first + C, C);
+      next_rows.add(V, first + C, C);
+      for (Index g = 0; g < group; ++g) next_rows.add(query(g), first + C, C);
       map_rows<Scalar>(phi, K, first, n, kf);
       const auto [v, ld_v] = row_major_rows(V, first, n, v_buffer);
       prepare(kernel, n, v, ld_v, first);
@@ -76,6 +82,7 @@ void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, I
         kernel.absorb(S);
       else
         kernel.absorb(S, z);
+      next_rows.finish();
       StateAccess::tokens(state) += n;
     }
   };

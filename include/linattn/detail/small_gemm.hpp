@@ -9,6 +9,7 @@
 // Vectorised through Eigen's packet layer, so the same code uses SSE, AVX or AVX-512 registers
 // as the build allows.
 
+#include <linattn/detail/prefetch.hpp>
 #include <linattn/types.hpp>
 
 #include <Eigen/Core>
@@ -102,11 +103,12 @@ enum class Triangle {
 /// row_scale[i] when row_scale is not null. A, B, C row-major with leading dimensions lda, ldb,
 /// ldc; n must be a multiple of GemmTile<Scalar>::lanes. Panels of `width` columns outside,
 /// row tiles inside, so a panel of B (depth x width) stays in L1 while the rows of A stream.
+/// When `prefetch` is given, each tile advances it by SpreadPrefetch::kLinesPerTile lines.
 /// Cost: 2 m n depth flops (about half that with a triangle), no allocation.
 template <class Scalar, bool Accumulate>
 void small_gemm(Index m, Index n, Index depth, const Scalar* A, Index lda, const Scalar* B,
                 Index ldb, Scalar* C, Index ldc, Triangle triangle = Triangle::none,
-                const Scalar* row_scale = nullptr) noexcept {
+                const Scalar* row_scale = nullptr, SpreadPrefetch* prefetch = nullptr) noexcept {
   using Tile = GemmTile<Scalar>;
   static constexpr auto table =
       gemm_tile_table<Scalar, Accumulate>(std::make_integer_sequence<int, Tile::rows * Tile::packets>{});
@@ -126,6 +128,7 @@ void small_gemm(Index m, Index n, Index depth, const Scalar* A, Index lda, const
       const auto tile = table[static_cast<std::size_t>((mr - 1) * Tile::packets + cols / Tile::lanes - 1)];
       tile(inner, A + i0 * lda, lda, B + c0, ldb, C + i0 * ldc + c0, ldc,
            row_scale != nullptr ? row_scale + i0 : nullptr);
+      if (prefetch != nullptr) prefetch->advance(SpreadPrefetch::kLinesPerTile);
     }
   }
 }
