@@ -12,6 +12,13 @@
 
 namespace linattn::detail {
 
+/// Whether M's rows lie contiguous in memory at a fixed stride (row-major, direct access, unit
+/// inner stride): the matrices and views whose rows the prefetches below can address.
+template <class M>
+inline constexpr bool has_addressable_rows =
+    bool(M::IsRowMajor) && (int(Eigen::internal::traits<M>::Flags) & Eigen::DirectAccessBit) &&
+    M::InnerStrideAtCompileTime == 1;
+
 /// Asks for rows [first, first + n) of a row-major matrix or view (clipped to its rows) to be
 /// brought towards the core (into L2), for reading. One head's rows in a model's [T, H d]
 /// buffer lie H d apart, a stride the hardware prefetchers follow poorly across pages, so
@@ -20,8 +27,7 @@ namespace linattn::detail {
 template <class M>
 void prefetch_rows(const M& m, Index first, Index n) noexcept {
 #if defined(__GNUC__) || defined(__clang__)
-  if constexpr (bool(M::IsRowMajor) && (int(Eigen::internal::traits<M>::Flags) & Eigen::DirectAccessBit) &&
-                M::InnerStrideAtCompileTime == 1) {
+  if constexpr (has_addressable_rows<M>) {
     constexpr Index kLine = 64;
     const Index last = std::min(first + n, Index(m.rows()));
     const Index bytes = Index(m.cols()) * Index(sizeof(typename M::Scalar));
@@ -65,9 +71,7 @@ class SpreadPrefetch {
   /// storage orders are skipped. Past kMaxRanges ranges, the rows are prefetched at once.
   template <class M>
   void add(const M& m, Index first, Index n) noexcept {
-    if constexpr (bool(M::IsRowMajor) &&
-                  (int(Eigen::internal::traits<M>::Flags) & Eigen::DirectAccessBit) &&
-                  M::InnerStrideAtCompileTime == 1) {
+    if constexpr (has_addressable_rows<M>) {
       const Index last = std::min(first + n, Index(m.rows()));
       if (last <= first) return;
       if (empty()) count_ = current_ = 0;  // every earlier range visited: reuse the slots
@@ -119,11 +123,9 @@ class SpreadPrefetch {
   /// Whether every queued line has been visited.
   [[nodiscard]] bool empty() const noexcept { return current_ == count_; }
 
-  /// Prefetches what is still queued and empties the plan.
+  /// Prefetches what is still queued (the next add() then starts an empty queue).
   void finish() noexcept {
     while (!empty()) advance(kLinesPerTile);
-    count_ = current_ = 0;
-    row_ = byte_ = 0;
   }
 
  private:
