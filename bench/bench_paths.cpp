@@ -547,6 +547,8 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("default_decode_block_d64", std::to_string(Attention().decode_block(64, 64)));
   benchmark::AddCustomContext("default_decode_block_d128", std::to_string(Attention().decode_block(128, 128)));
   benchmark::AddCustomContext("l1d_bytes", std::to_string(linattn::detail::cache_sizes().l1d));
+  benchmark::AddCustomContext("cpu_vendor",
+                              linattn::detail::vendor_name(linattn::detail::cpu_vendor()));
   benchmark::AddCustomContext("sweep", full_sweep() ? "full" : "default");
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -1,5 +1,5 @@
 // options.hpp: the machine-dependent defaults (chunk size and decode block from the L1 data
-// cache of the machine that runs) and the options no call could use.
+// cache and CPU vendor of the machine that runs) and the options no call could use.
 
 #include <linattn/attention.hpp>
 #include <linattn/options.hpp>
@@ -29,7 +29,8 @@ TEST_CASE("kAuto resolves the chunk size and decode block from the size of S aga
   const Index big = 1024;  // 4 MiB: no L1
   CHECK(detail::resolve_chunk_size(automatic, big, big, 4) == 16);
   CHECK(detail::resolve_decode_block(automatic, fits, fits, 4) == 0);
-  CHECK(detail::resolve_decode_block(automatic, big, big, 4) == (l1 >= 48 * 1024 ? 16 : 0));
+  const bool defers = l1 >= 48 * 1024 && detail::cpu_vendor() == detail::CpuVendor::intel;
+  CHECK(detail::resolve_decode_block(automatic, big, big, 4) == (defers ? 16 : 0));
   // Explicit values pass through; the attention resolves them the same way.
   Options explicit_options;
   explicit_options.chunk_size = 7;
@@ -42,6 +43,31 @@ TEST_CASE("kAuto resolves the chunk size and decode block from the size of S aga
   // No overflow for absurd dimensions: the comparison divides.
   const Index huge = std::numeric_limits<Index>::max() / 2;
   CHECK(detail::resolve_chunk_size(automatic, huge, huge, 8) == 16);
+}
+
+TEST_CASE("kAuto defers decode steps only on the cores where that measured faster", "[options]") {
+  // Intel with a 48 KiB L1 (Sapphire Rapids) defers once S outgrows L1; AMD cores with the same
+  // L1 (Zen 5) and every core with 32 KiB (Zen 3, Zen 4) run fused steps.
+  using detail::auto_decode_block;
+  using detail::CpuVendor;
+  constexpr Index kib = 1024;
+  // 128 x 128 floats are 64 KiB: larger than 48 KiB; 64 x 64 floats (16 KiB) fit it.
+  CHECK(auto_decode_block(128, 128, 4, 48 * kib, CpuVendor::intel) == 16);
+  CHECK(auto_decode_block(64, 64, 4, 48 * kib, CpuVendor::intel) == 0);
+  CHECK(auto_decode_block(128, 128, 4, 48 * kib, CpuVendor::amd) == 0);
+  CHECK(auto_decode_block(128, 128, 4, 32 * kib, CpuVendor::intel) == 0);
+  CHECK(auto_decode_block(128, 128, 4, 48 * kib, CpuVendor::other) == 0);
+  // The boundary is the L1's size in scalars: 96 x 128 floats are exactly 48 KiB (fits).
+  CHECK(auto_decode_block(96, 128, 4, 48 * kib, CpuVendor::intel) == 0);
+  CHECK(auto_decode_block(97, 128, 4, 48 * kib, CpuVendor::intel) == 16);
+  CHECK(auto_decode_block(64, 128, 8, 48 * kib, CpuVendor::intel) == 16);  // 64 KiB of doubles
+  // The machine that runs reports one of the three, once.
+  const CpuVendor v = detail::cpu_vendor();
+  INFO("vendor " << detail::vendor_name(v));
+  CHECK((v == CpuVendor::intel || v == CpuVendor::amd || v == CpuVendor::other));
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  CHECK(v != CpuVendor::other);  // every x86 machine this project runs on is Intel or AMD
+#endif
 }
 
 TEST_CASE("options no call could use are refused when the attention is made", "[options]") {

@@ -12,7 +12,7 @@
 namespace linattn {
 
 /// The default of Options::chunk_size and Options::decode_block: chosen for the machine that
-/// runs, from its L1 data cache (see there).
+/// runs, from its L1 data cache (and for the decode block its CPU's vendor; see there).
 inline constexpr Index kAuto = -1;
 
 /// Run-time options of an attention.
@@ -30,10 +30,11 @@ struct Options {
   /// (0 or 1 folds every token in one fused pass over S; additive rule only). With B > 1 each
   /// step reads S instead of rewriting it, and one rank-B product per B tokens updates it:
   /// same flops, half the state traffic, plus about 2 B (r + dv) flops per token. It can pay
-  /// only when S does not fit L1; measured, it did on a core with a 48 KiB L1 (Sapphire
-  /// Rapids, 1.2 x with heads taking turns at r = dv = 128) and did not on cores with 32 KiB
-  /// (AMD Zen 3 and Zen 4, 0.7 to 0.8 x). kAuto takes B = 16 where S is larger than the L1
-  /// data cache and the L1 holds at least 48 KiB, and 0 otherwise; the main command
+  /// only when S does not fit L1, and the size of L1 does not decide it: measured with heads
+  /// taking turns at r = dv = 128, it ran 1.2 x the fused step on an Intel Sapphire Rapids core
+  /// (48 KiB L1), 0.7 to 0.8 x on AMD Zen 3 and Zen 4 (32 KiB) and 0.8 x on Zen 5 (48 KiB). kAuto
+  /// takes B = 16 where S is larger than the L1 data cache on an Intel core whose L1 holds at
+  /// least 48 KiB, and 0 otherwise (detail::auto_decode_block); the main command
   /// (scripts/bench.sh) prints both choices side by side. Costs B (2 r + dv + 1) scalars per
   /// state.
   Index decode_block = kAuto;
@@ -52,12 +53,20 @@ inline Index resolve_chunk_size(const Options& options, Index r, Index dv, Index
   return state_fits(r, dv, cache_sizes().l1d / scalar_bytes) ? 32 : 16;
 }
 
-/// Options::decode_block resolved for feature dim r and value dim dv.
+/// The decode block kAuto takes for an r x dv state of `scalar_bytes`-byte scalars on a core
+/// with an L1 data cache of `l1d` bytes made by `vendor` (Options::decode_block has the
+/// measurements): 16 on Intel cores with at least 48 KiB of L1 when S does not fit it, else 0.
+inline Index auto_decode_block(Index r, Index dv, Index scalar_bytes, Index l1d, CpuVendor vendor) {
+  constexpr Index large_l1 = 48 * 1024;
+  return vendor == CpuVendor::intel && l1d >= large_l1 && !state_fits(r, dv, l1d / scalar_bytes)
+             ? 16
+             : 0;
+}
+
+/// Options::decode_block resolved for feature dim r and value dim dv on the machine that runs.
 inline Index resolve_decode_block(const Options& options, Index r, Index dv, Index scalar_bytes) {
   if (options.decode_block != kAuto) return options.decode_block;
-  constexpr Index large_l1 = 48 * 1024;
-  const Index l1 = cache_sizes().l1d;
-  return !state_fits(r, dv, l1 / scalar_bytes) && l1 >= large_l1 ? 16 : 0;
+  return auto_decode_block(r, dv, scalar_bytes, cache_sizes().l1d, cpu_vendor());
 }
 
 /// Throws std::invalid_argument for option values no call could use.

@@ -1,15 +1,22 @@
 #pragma once
-// The data-cache sizes of the machine that runs, read once at run time, for the defaults that
-// depend on them (Options' chunk size and decode block). Linux reports them through sysconf
-// (glibc) or sysfs; elsewhere, or when neither answers, the fallback is a typical x86 core
-// (32 KiB L1d, 1 MiB L2).
+// What the machine that runs is, read once at run time, for the defaults that depend on it
+// (Options' chunk size and decode block): its data-cache sizes and its CPU's vendor. Linux
+// reports the sizes through sysconf (glibc) or sysfs; elsewhere, or when neither answers, the
+// fallback is a typical x86 core (32 KiB L1d, 1 MiB L2). The vendor comes from CPUID on x86
+// (GCC and clang); elsewhere it is CpuVendor::other.
 
 #include <linattn/types.hpp>
 
 #include <cstdio>
 
+#include <cstring>
+
 #if defined(__linux__)
 #include <unistd.h>
+#endif
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#define LINATTN_HAS_CPUID 1
 #endif
 
 namespace linattn::detail {
@@ -53,6 +60,38 @@ inline const CacheSizes& cache_sizes() {
     return s;
   }();
   return sizes;
+}
+
+/// Who made the CPU: the cores measured so far differ by vendor where cache sizes do not
+/// (Options::decode_block).
+enum class CpuVendor { other, intel, amd };
+
+/// The vendor of the CPU that runs (CPUID leaf 0); computed once.
+inline CpuVendor cpu_vendor() {
+  static const CpuVendor vendor = [] {
+#if defined(LINATTN_HAS_CPUID)
+    unsigned int max_leaf = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(0, &max_leaf, &ebx, &ecx, &edx) != 0) {
+      char name[13] = {};
+      std::memcpy(name, &ebx, 4);
+      std::memcpy(name + 4, &edx, 4);
+      std::memcpy(name + 8, &ecx, 4);
+      if (std::strcmp(name, "GenuineIntel") == 0) return CpuVendor::intel;
+      if (std::strcmp(name, "AuthenticAMD") == 0) return CpuVendor::amd;
+    }
+#endif
+    return CpuVendor::other;
+  }();
+  return vendor;
+}
+
+/// "Intel", "AMD" or "other": for reports.
+inline const char* vendor_name(CpuVendor vendor) noexcept {
+  switch (vendor) {
+    case CpuVendor::intel: return "Intel";
+    case CpuVendor::amd: return "AMD";
+    default: return "other";
+  }
 }
 
 }  // namespace linattn::detail
