@@ -126,10 +126,24 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
   auto& tokens = StateAccess::tokens(state);
   const Index block = std::min<Index>(T, 32);
   RowMatrix<Scalar> qf(block, r), kf(block, r), v_buffer(has_row_major_storage<DV>() ? 0 : block, dv);
+  // Per-channel log-gates as rows (T x r through their row stride), to prefetch them as the
+  // inputs are; only when their channels are contiguous.
+  using GateRows = Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
+  const bool gate_rows = in.log_gate.cols > 1 && in.log_gate.col_stride == 1;
+  const GateRows log_gates(gate_rows ? in.log_gate.data : nullptr, gate_rows ? T : 0,
+                           gate_rows ? in.log_gate.cols : 0,
+                           Eigen::OuterStride<>(gate_rows ? in.log_gate.row_stride : 0));
   const auto prefetch_next = [&](Index t) {
-    // Output rows of the next sweep, requested now so that they arrive during this one.
+    // Output rows of the next sweep, requested now so that they arrive during this one, and
+    // the inputs of the block of features after this one, a pair of rows per pair of tokens
+    // (as the additive recurrent pass does): one head's rows of a model's token-major buffers
+    // lie on different pages, which the hardware prefetchers do not follow.
     for (Index ahead = t + 2; ahead < std::min(t + 4, T); ++ahead)
       prefetch_for_write(out.row(ahead).data(), dv);
+    prefetch_rows(Q, t + block, 2);
+    prefetch_rows(K, t + block, 2);
+    prefetch_rows(V, t + block, 2);
+    if (gate_rows) prefetch_rows(log_gates, t + block, 2);
   };
   if constexpr (is_delta_rule<Rule>) {
     DeltaRecurrence<Scalar> recurrence(r, dv);
