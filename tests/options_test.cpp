@@ -6,9 +6,28 @@
 
 #include <catch2/catch.hpp>
 
+#include <fstream>
 #include <limits>
+#include <string>
 
 using namespace linattn;
+
+namespace {
+struct CpuVendorReport {
+  std::string vendor_id;  // empty when there is no /proc/cpuinfo or no vendor_id line
+};
+CpuVendorReport read_proc_vendor() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line);) {
+    if (line.rfind("vendor_id", 0) != 0) continue;
+    const auto colon = line.find(':');
+    if (colon == std::string::npos) break;
+    const auto start = line.find_first_not_of(" \t", colon + 1);
+    return {start == std::string::npos ? std::string() : line.substr(start)};
+  }
+  return {};
+}
+}  // namespace
 
 TEST_CASE("the cache sizes are read from the machine, with a plausible fallback", "[options]") {
   const auto& c = detail::cache_sizes();
@@ -61,12 +80,22 @@ TEST_CASE("kAuto defers decode steps only on the cores where that measured faste
   CHECK(auto_decode_block(96, 128, 4, 48 * kib, CpuVendor::intel) == 0);
   CHECK(auto_decode_block(97, 128, 4, 48 * kib, CpuVendor::intel) == 16);
   CHECK(auto_decode_block(64, 128, 8, 48 * kib, CpuVendor::intel) == 16);  // 64 KiB of doubles
-  // The machine that runs reports one of the three, once.
-  const CpuVendor v = detail::cpu_vendor();
-  INFO("vendor " << detail::vendor_name(v));
-  CHECK((v == CpuVendor::intel || v == CpuVendor::amd || v == CpuVendor::other));
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  CHECK(v != CpuVendor::other);  // every x86 machine this project runs on is Intel or AMD
+}
+
+TEST_CASE("the CPU vendor read by CPUID is the one Linux reports", "[options]") {
+  // An independent reading: /proc/cpuinfo's vendor_id on x86 Linux. Off x86 there is no CPUID
+  // and cpu_vendor() says other.
+  const CpuVendorReport report = read_proc_vendor();
+  const detail::CpuVendor v = detail::cpu_vendor();
+  INFO("CPUID: " << detail::vendor_name(v) << "; /proc/cpuinfo: " << report.vendor_id);
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__linux__)
+  REQUIRE_FALSE(report.vendor_id.empty());
+  const detail::CpuVendor expected = report.vendor_id == "GenuineIntel"   ? detail::CpuVendor::intel
+                                     : report.vendor_id == "AuthenticAMD" ? detail::CpuVendor::amd
+                                                                          : detail::CpuVendor::other;
+  CHECK(v == expected);
+#elif !defined(__x86_64__) && !defined(__i386__)
+  CHECK(v == detail::CpuVendor::other);  // no CPUID to read
 #endif
 }
 

@@ -31,10 +31,10 @@ struct Options {
   /// step reads S instead of rewriting it, and one rank-B product per B tokens updates it:
   /// same flops, half the state traffic, plus about 2 B (r + dv) flops per token. It can pay
   /// only when S does not fit L1, and the size of L1 does not decide it: measured with heads
-  /// taking turns at r = dv = 128, it ran 1.2 x the fused step on an Intel Sapphire Rapids core
-  /// (48 KiB L1), 0.7 to 0.8 x on AMD Zen 3 and Zen 4 (32 KiB) and 0.8 x on Zen 5 (48 KiB). kAuto
-  /// takes B = 16 where S is larger than the L1 data cache on an Intel core whose L1 holds at
-  /// least 48 KiB, and 0 otherwise (detail::auto_decode_block); the main command
+  /// taking turns at r = dv = 128, it ran 1.2 x the fused step on an Intel Sapphire Rapids
+  /// core (48 KiB L1), 0.7 to 0.8 x on AMD Zen 3 and Zen 4 (32 KiB) and 0.8 x on Zen 5
+  /// (48 KiB). kAuto takes B = 16 where S is larger than the L1 data cache on an Intel core
+  /// whose L1 holds at least 48 KiB, and 0 otherwise (detail::auto_decode_block); the main command
   /// (scripts/bench.sh) prints both choices side by side. Costs B (2 r + dv + 1) scalars per
   /// state.
   Index decode_block = kAuto;
@@ -56,7 +56,8 @@ inline Index resolve_chunk_size(const Options& options, Index r, Index dv, Index
 /// The decode block kAuto takes for an r x dv state of `scalar_bytes`-byte scalars on a core
 /// with an L1 data cache of `l1d` bytes made by `vendor` (Options::decode_block has the
 /// measurements): 16 on Intel cores with at least 48 KiB of L1 when S does not fit it, else 0.
-inline Index auto_decode_block(Index r, Index dv, Index scalar_bytes, Index l1d, CpuVendor vendor) {
+inline Index auto_decode_block(Index r, Index dv, Index scalar_bytes, Index l1d,
+                               CpuVendor vendor) {
   constexpr Index large_l1 = 48 * 1024;
   return vendor == CpuVendor::intel && l1d >= large_l1 && !state_fits(r, dv, l1d / scalar_bytes)
              ? 16

@@ -8,7 +8,6 @@
 #include <linattn/types.hpp>
 
 #include <cstdio>
-
 #include <cstring>
 
 #if defined(__linux__)
@@ -16,7 +15,6 @@
 #endif
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
-#define LINATTN_HAS_CPUID 1
 #endif
 
 namespace linattn::detail {
@@ -69,7 +67,7 @@ enum class CpuVendor { other, intel, amd };
 /// The vendor of the CPU that runs (CPUID leaf 0); computed once.
 inline CpuVendor cpu_vendor() {
   static const CpuVendor vendor = [] {
-#if defined(LINATTN_HAS_CPUID)
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
     unsigned int max_leaf = 0, ebx = 0, ecx = 0, edx = 0;
     if (__get_cpuid(0, &max_leaf, &ebx, &ecx, &edx) != 0) {
       char name[13] = {};
