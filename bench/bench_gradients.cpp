@@ -93,19 +93,27 @@ void BM_train(benchmark::State& state) {
   const Attention attn;
   Layer layer(T, d, heads);
   double fwd = 0, bwd = 0, checksum = 0;
-  for (auto _ : state) {
-    const double t0 = clock_seconds(threads);
+  const auto forward = [&] {
     over_heads(heads, threads, [&](Index h) {
       attn.parallel_into(layer.head(layer.Q, h), layer.head(layer.K, h), layer.head(layer.V, h),
                          Mask::causal, layer.head_of(layer.out, h));
     });
-    const double t1 = clock_seconds(threads);
+  };
+  const auto backward = [&] {
     over_heads(heads, threads, [&](Index h) {
       linattn::parallel_backward_into(
           attn, layer.head(layer.Q, h), layer.head(layer.K, h), layer.head(layer.V, h),
           Mask::causal, layer.head(layer.dY, h),
           {layer.head_of(layer.dQ, h), layer.head_of(layer.dK, h), layer.head_of(layer.dV, h)});
     });
+  };
+  forward();  // untimed (bench_support.hpp, "Warm-up")
+  backward();
+  for (auto _ : state) {
+    const double t0 = clock_seconds(threads);
+    forward();
+    const double t1 = clock_seconds(threads);
+    backward();
     const double t2 = clock_seconds(threads);
     checksum += double(layer.dQ(T - 1, 0) + layer.dK(0, 0) + layer.dV(0, 0));
     benchmark::DoNotOptimize(layer.out.data());
@@ -249,6 +257,8 @@ void BM_scaling(benchmark::State& state) {
     benchmark::DoNotOptimize(layer.dQ.data());
     benchmark::ClobberMemory();
   };
+  backward(small);  // untimed (bench_support.hpp, "Warm-up")
+  backward(big);
   for (auto _ : state) {
     const double t0 = clock_seconds(1);
     backward(small);

@@ -54,6 +54,7 @@ std::map<Key, double>& single_thread_times() {
 
 template <class Body>
 void timed_loop(benchmark::State& state, const Key& key, int threads, Body&& body) {
+  body();  // untimed (bench_support.hpp, "Warm-up")
   const auto start = std::chrono::steady_clock::now();
   for (auto _ : state) body();
   const double per_iter =

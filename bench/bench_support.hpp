@@ -1,6 +1,15 @@
 #pragma once
 // What the benchmark programs share: reproducible inputs, the clocks they time with, and the
 // split of heads over threads.
+//
+// Warm-up. Every timed loop is preceded by one untimed call on the same buffers. On the VMs we
+// measure on (a PVM hypervisor, which shadows the guest's page tables), freeing a large block
+// (munmap: the temporaries that build a benchmark's inputs) makes the next access to every
+// page of the process cost about 5 us, with no page fault the guest sees: one read per 4 KiB
+// page of 128 MiB of inputs took 166 to 170 ms after such a free and 1 ms without it. A row
+// that runs one or two iterations (T = 16384 and up, the long_T rows) timed that instead of
+// the library: 8 heads at T = 16384, d = 64 took 222 ms in a first iteration and 38 ms in the
+// next ones. The call that follows setup pays it once, untimed.
 
 #include <linattn/types.hpp>
 
