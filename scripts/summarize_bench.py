@@ -226,8 +226,8 @@ def main():
         if plain and elu:
             print(f"  decode without the exponentials (Identity map), d = {d}: "
                   f"{plain['frac']:.2f} x GEMM; ELU+1's share of a decode token: "
-                  f"{100 * (1 - plain['ms'] / elu['ms']):.0f}% (a share this small is within "
-                  "run-to-run noise on a shared machine; docs/performance.md has an A/B)")
+                  f"{100 * (1 - plain['ms'] / elu['ms']):.0f}% (two rows timed apart: the "
+                  "share moves with the machine's speed between them)")
     for path in ("chunked", "recurrent", "decode"):
         for d in dims:
             a = one(main_rows, path=path, d=d, threads=1, T=2048)
