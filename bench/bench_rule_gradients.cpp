@@ -81,17 +81,22 @@ void BM_rule_bwd(benchmark::State& state) {
   const linattn::RuleAttention<linattn::L2Normalize, linattn::GatedDelta, float> gated_delta;
   double fwd = 0, bwd = 0, add_fwd = 0, add_bwd = 0;
   std::size_t scratch = 0;
+  const auto iteration = [&](double& f, double& b, double& af, double& ab) {
+    switch (rule) {
+      case 0: time_rule(additive, x, f, b); break;
+      case 1: time_rule(decay, x, f, b); break;
+      case 2: time_rule(gated, x, f, b, x.scalar_gates); break;
+      case 3: time_rule(gated, x, f, b, x.channel_gates); break;
+      case 4: time_rule(delta, x, f, b, x.beta); break;
+      default: time_rule(gated_delta, x, f, b, x.beta, x.log_alpha); break;
+    }
+    time_rule(additive, x, af, ab);
+  };
+  double untimed[4] = {};
+  iteration(untimed[0], untimed[1], untimed[2], untimed[3]);  // bench_support.hpp, "Warm-up"
   for (auto _ : state) {
     const double t0 = bench::thread_seconds();
-    switch (rule) {
-      case 0: time_rule(additive, x, fwd, bwd); break;
-      case 1: time_rule(decay, x, fwd, bwd); break;
-      case 2: time_rule(gated, x, fwd, bwd, x.scalar_gates); break;
-      case 3: time_rule(gated, x, fwd, bwd, x.channel_gates); break;
-      case 4: time_rule(delta, x, fwd, bwd, x.beta); break;
-      default: time_rule(gated_delta, x, fwd, bwd, x.beta, x.log_alpha); break;
-    }
-    time_rule(additive, x, add_fwd, add_bwd);
+    iteration(fwd, bwd, add_fwd, add_bwd);
     state.SetIterationTime(bench::thread_seconds() - t0);
   }
   switch (rule) {
@@ -155,15 +160,20 @@ void BM_rule_saved_bwd(benchmark::State& state) {
   const linattn::RuleAttention<linattn::L2Normalize, linattn::GatedDelta, float> gated_delta;
   linattn::SavedForward<float> saved;
   double fwd = 0, saving = 0, bwd = 0;
+  const auto iteration = [&](double& f, double& s, double& b) {
+    switch (rule) {
+      case 1: time_saved(decay, x, saved, f, s, b); break;
+      case 2: time_saved(gated, x, saved, f, s, b, x.scalar_gates); break;
+      case 3: time_saved(gated, x, saved, f, s, b, x.channel_gates); break;
+      case 4: time_saved(delta, x, saved, f, s, b, x.beta); break;
+      default: time_saved(gated_delta, x, saved, f, s, b, x.beta, x.log_alpha); break;
+    }
+  };
+  double untimed[3] = {};
+  iteration(untimed[0], untimed[1], untimed[2]);  // bench_support.hpp, "Warm-up"
   for (auto _ : state) {
     const double t0 = bench::thread_seconds();
-    switch (rule) {
-      case 1: time_saved(decay, x, saved, fwd, saving, bwd); break;
-      case 2: time_saved(gated, x, saved, fwd, saving, bwd, x.scalar_gates); break;
-      case 3: time_saved(gated, x, saved, fwd, saving, bwd, x.channel_gates); break;
-      case 4: time_saved(delta, x, saved, fwd, saving, bwd, x.beta); break;
-      default: time_saved(gated_delta, x, saved, fwd, saving, bwd, x.beta, x.log_alpha); break;
-    }
+    iteration(fwd, saving, bwd);
     state.SetIterationTime(bench::thread_seconds() - t0);
   }
   std::size_t saved_bytes = 0;
