@@ -3,8 +3,8 @@
 # JSON, print a summary table and render docs/img/bench_paths.png; then the write rules'
 # section (bench_write_rules) and the gradients' section (bench_gradients, a subset).
 #
-#   bash scripts/bench.sh            default sweep, about eight minutes on a 2-core machine
-#   bash scripts/bench.sh --paths-only   bench_paths only (about three minutes)
+#   bash scripts/bench.sh            default sweep, about fifteen minutes on a 2-core machine
+#   bash scripts/bench.sh --paths-only   bench_paths only (about ten minutes)
 #   bash scripts/bench.sh --full     T = 256 ... 16384 in powers of two, 5 repetitions each
 #   bash scripts/bench.sh --build-only   build every benchmark program, run nothing (CI)
 #   bash scripts/bench.sh --avx2     build for AVX2+FMA instead of the host's own instruction set
