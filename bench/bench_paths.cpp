@@ -289,30 +289,26 @@ void BM_long_T(benchmark::State& state) {
   auto s = attn.make_state(d, d);
   constexpr std::size_t n = std::size(kLongLengths);
   double seconds[n] = {};
+  // The first T rows of the head, from an empty state, through the row's path; in seconds.
+  const auto pass = [&](Index T) {
+    const ConstHeadMap q(Q.data(), T, d, stride), k(K.data(), T, d, stride),
+        v(V.data(), T, d, stride);
+    HeadMap y(out.data(), T, d, stride);
+    s.reset();
+    const double start = clock_seconds(1);
+    if constexpr (Recurrent)
+      attn.recurrent_into(s, q, k, v, y);
+    else
+      attn.prefill_into(s, q, k, v, y);
+    return clock_seconds(1) - start;
+  };
   // One untimed pass over the longest length first (bench_support.hpp, "Warm-up"): these rows
   // run one or two iterations, which would otherwise time the hypervisor mapping the buffers
   // (up to 1 GiB) again. Each timed length still starts with its inputs out of cache.
-  {
-    const Index T = kLongLengths[n - 1];
-    HeadMap y(out.data(), T, d, stride);
-    s.reset();
-    const ConstHeadMap q(Q.data(), T, d, stride), k(K.data(), T, d, stride),
-        v(V.data(), T, d, stride);
-    attn.prefill_into(s, q, k, v, y);
-  }
+  pass(kLongLengths[n - 1]);
   for (auto _ : state) {
     for (std::size_t i = 0; i < n; ++i) {
-      const Index T = kLongLengths[i];
-      const ConstHeadMap q(Q.data(), T, d, stride), k(K.data(), T, d, stride),
-          v(V.data(), T, d, stride);
-      HeadMap y(out.data(), T, d, stride);
-      s.reset();
-      const double start = clock_seconds(1);
-      if constexpr (Recurrent)
-        attn.recurrent_into(s, q, k, v, y);
-      else
-        attn.prefill_into(s, q, k, v, y);
-      seconds[i] += clock_seconds(1) - start;
+      seconds[i] += pass(kLongLengths[i]);
       benchmark::ClobberMemory();
     }
   }

@@ -13,17 +13,15 @@
 using namespace linattn;
 
 namespace {
-struct CpuVendorReport {
-  std::string vendor_id;  // empty when there is no /proc/cpuinfo or no vendor_id line
-};
-CpuVendorReport read_proc_vendor() {
+// /proc/cpuinfo's vendor_id; empty when there is no such file or line.
+std::string proc_vendor_id() {
   std::ifstream cpuinfo("/proc/cpuinfo");
   for (std::string line; std::getline(cpuinfo, line);) {
     if (line.rfind("vendor_id", 0) != 0) continue;
     const auto colon = line.find(':');
     if (colon == std::string::npos) break;
     const auto start = line.find_first_not_of(" \t", colon + 1);
-    return {start == std::string::npos ? std::string() : line.substr(start)};
+    return start == std::string::npos ? std::string() : line.substr(start);
   }
   return {};
 }
@@ -85,14 +83,14 @@ TEST_CASE("kAuto defers decode steps only on the cores where that measured faste
 TEST_CASE("the CPU vendor read by CPUID is the one Linux reports", "[options]") {
   // An independent reading: /proc/cpuinfo's vendor_id on x86 Linux. Off x86 there is no CPUID
   // and cpu_vendor() says other.
-  const CpuVendorReport report = read_proc_vendor();
+  const std::string id = proc_vendor_id();
   const detail::CpuVendor v = detail::cpu_vendor();
-  INFO("CPUID: " << detail::vendor_name(v) << "; /proc/cpuinfo: " << report.vendor_id);
+  INFO("CPUID: " << detail::vendor_name(v) << "; /proc/cpuinfo: " << id);
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__linux__)
-  REQUIRE_FALSE(report.vendor_id.empty());
-  const detail::CpuVendor expected = report.vendor_id == "GenuineIntel"   ? detail::CpuVendor::intel
-                                     : report.vendor_id == "AuthenticAMD" ? detail::CpuVendor::amd
-                                                                          : detail::CpuVendor::other;
+  REQUIRE_FALSE(id.empty());
+  const detail::CpuVendor expected = id == "GenuineIntel"   ? detail::CpuVendor::intel
+                                     : id == "AuthenticAMD" ? detail::CpuVendor::amd
+                                                            : detail::CpuVendor::other;
   CHECK(v == expected);
 #elif !defined(__x86_64__) && !defined(__i386__)
   CHECK(v == detail::CpuVendor::other);  // no CPUID to read
