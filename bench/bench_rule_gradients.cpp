@@ -7,9 +7,12 @@
 //   rule_bwd/rule:R/d:D/T:T  (R: 0 additive, 1 decay, 2 gated, 3 gated per channel, 4 delta,
 //                              5 gated delta)
 // runs, in every iteration, the rule's forward (parallel_into, Mask::causal), its backward
-// (parallel_backward_into) and Additive's backward on the same Q, K, V, dY, each timed in thread
-// CPU time. Counters: fwd_ms, bwd_ms, additive_bwd_ms, bwd_over_fwd (target <= 3),
-// bwd_over_additive_bwd, scratch_B/token (rule_backward_bytes / T).
+// (parallel_backward_into, with a BackwardWorkspace kept across iterations as a training loop
+// keeps one) and Additive's backward on the same Q, K, V, dY, each timed in thread CPU time;
+// Delta and GatedDelta also run their backward without a workspace (allocating their rebuilt
+// forward data per call). Counters: fwd_ms, bwd_ms, additive_bwd_ms, bwd_over_fwd (target <= 3),
+// bwd_over_additive_bwd, scratch_B/token (rule_backward_bytes / T); delta rules: fresh_bwd_ms,
+// fresh_over_fwd (the backward without a workspace over the forward).
 //
 // The saved design (linattn/rule_saved_forward.hpp), rows
 //   rule_saved_bwd/rule:R/d:D/T:T  (R: 1 decay, 2 gated, 3 gated per channel, 4 delta,
@@ -48,25 +51,40 @@ struct Inputs {
         log_alpha(random(T, 1, 8, -0.1f, 0.0f)) {}
 };
 
-// Times the forward and backward of `attn` with per-token inputs `in...` on x.
+struct Times {
+  double fwd = 0, bwd = 0, fresh_bwd = 0;
+};
+
+// Times the forward and backward (with `workspace`) of `attn` with per-token inputs `in...` on
+// x, and for the delta rules also the backward without a workspace.
 template <class Attn, class... In>
-void time_rule(const Attn& attn, Inputs& x, double& fwd, double& bwd, const In&... in) {
+void time_rule(const Attn& attn, Inputs& x, linattn::BackwardWorkspace<float>& workspace,
+               Times& t, const In&... in) {
   linattn::RuleInputGradients<float> d_in;
   const double t0 = bench::thread_seconds();
   attn.parallel_into(x.Q, x.K, x.V, in..., Mask::causal, x.out);
   const double t1 = bench::thread_seconds();
-  if constexpr (Attn::rule_type::kind == linattn::WriteKind::additive)
+  constexpr auto kind = Attn::rule_type::kind;
+  if constexpr (kind == linattn::WriteKind::additive)
     linattn::parallel_backward_into(attn, x.Q, x.K, x.V, Mask::causal, x.dY,
                                     {x.dQ, x.dK, x.dV});
   else
     linattn::parallel_backward_into(attn, x.Q, x.K, x.V, in..., Mask::causal, x.dY,
-                                    linattn::GradientsRef<float>{x.dQ, x.dK, x.dV}, d_in);
+                                    linattn::GradientsRef<float>{x.dQ, x.dK, x.dV}, d_in,
+                                    nullptr, &workspace);
   const double t2 = bench::thread_seconds();
+  double t3 = t2;
+  if constexpr (kind == linattn::WriteKind::delta || kind == linattn::WriteKind::gated_delta) {
+    linattn::parallel_backward_into(attn, x.Q, x.K, x.V, in..., Mask::causal, x.dY,
+                                    linattn::GradientsRef<float>{x.dQ, x.dK, x.dV}, d_in);
+    t3 = bench::thread_seconds();
+  }
   benchmark::DoNotOptimize(x.out.data());
   benchmark::DoNotOptimize(x.dQ.data());
   benchmark::ClobberMemory();
-  fwd += t1 - t0;
-  bwd += t2 - t1;
+  t.fwd += t1 - t0;
+  t.bwd += t2 - t1;
+  t.fresh_bwd += t3 - t2;
 }
 
 void BM_rule_bwd(benchmark::State& state) {
@@ -79,26 +97,28 @@ void BM_rule_bwd(benchmark::State& state) {
   const linattn::RuleAttention<linattn::EluPlusOne, linattn::Gated, float> gated;
   const linattn::RuleAttention<linattn::L2Normalize, linattn::Delta, float> delta;
   const linattn::RuleAttention<linattn::L2Normalize, linattn::GatedDelta, float> gated_delta;
-  double fwd = 0, bwd = 0, add_fwd = 0, add_bwd = 0;
+  linattn::BackwardWorkspace<float> workspace;
+  Times times, additive_times;
   std::size_t scratch = 0;
-  const auto iteration = [&](double& f, double& b, double& af, double& ab) {
+  const auto iteration = [&](Times& t, Times& at) {
     switch (rule) {
-      case 0: time_rule(additive, x, f, b); break;
-      case 1: time_rule(decay, x, f, b); break;
-      case 2: time_rule(gated, x, f, b, x.scalar_gates); break;
-      case 3: time_rule(gated, x, f, b, x.channel_gates); break;
-      case 4: time_rule(delta, x, f, b, x.beta); break;
-      default: time_rule(gated_delta, x, f, b, x.beta, x.log_alpha); break;
+      case 0: time_rule(additive, x, workspace, t); break;
+      case 1: time_rule(decay, x, workspace, t); break;
+      case 2: time_rule(gated, x, workspace, t, x.scalar_gates); break;
+      case 3: time_rule(gated, x, workspace, t, x.channel_gates); break;
+      case 4: time_rule(delta, x, workspace, t, x.beta); break;
+      default: time_rule(gated_delta, x, workspace, t, x.beta, x.log_alpha); break;
     }
-    time_rule(additive, x, af, ab);
+    time_rule(additive, x, workspace, at);
   };
-  double untimed[4] = {};
-  iteration(untimed[0], untimed[1], untimed[2], untimed[3]);  // bench_support.hpp, "Warm-up"
+  Times untimed[2];
+  iteration(untimed[0], untimed[1]);  // bench_support.hpp, "Warm-up"
   for (auto _ : state) {
     const double t0 = bench::thread_seconds();
-    iteration(fwd, bwd, add_fwd, add_bwd);
+    iteration(times, additive_times);
     state.SetIterationTime(bench::thread_seconds() - t0);
   }
+  const double fwd = times.fwd, bwd = times.bwd, add_bwd = additive_times.bwd;
   switch (rule) {
     case 0: scratch = linattn::causal_backward_bytes(additive, T, d, d); break;
     case 1: scratch = linattn::rule_backward_bytes(decay, T, d, d); break;
@@ -113,6 +133,10 @@ void BM_rule_bwd(benchmark::State& state) {
   state.counters["additive_bwd_ms"] = 1e3 * add_bwd / iters;
   state.counters["bwd_over_fwd"] = bwd / fwd;
   state.counters["bwd_over_additive_bwd"] = bwd / add_bwd;
+  if (rule >= 4) {
+    state.counters["fresh_bwd_ms"] = 1e3 * times.fresh_bwd / iters;
+    state.counters["fresh_over_fwd"] = times.fresh_bwd / fwd;
+  }
   state.counters["scratch_B/token"] = static_cast<double>(scratch) / static_cast<double>(T);
   state.counters["rule"] = rule;
   state.counters["T"] = static_cast<double>(T);

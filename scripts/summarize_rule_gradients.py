@@ -5,7 +5,8 @@ own forward and to Additive's backward (measured in the same iterations).
 Usage: summarize_rule_gradients.py RESULTS.json
 
 Prints a table (rule, d, T: backward ms, backward / forward, backward / Additive's backward,
-scratch bytes per token; medians over repetitions), the saved design's table (rule_saved_bwd
+scratch bytes per token, and for Delta and GatedDelta the backward without a workspace over the
+forward; medians over repetitions), the saved design's table (rule_saved_bwd
 rows: the backward from saved states over the plain forward, the saving forward over the plain
 one, saved bytes per token) and one line for the main command:
   rules backward: bwd/fwd <rule> <worst over d, T> [saved <worst>] ... (target <= 3)
@@ -41,8 +42,9 @@ def main():
         print("summarize_rule_gradients: no rule_bwd rows", file=sys.stderr)
         return 1
     med = lambda rs, key: statistics.median(r[key] for r in rs)  # noqa: E731
+    print("recomputing design (a BackwardWorkspace kept across calls; 'no ws': without one):")
     print(f"{'rule':>14} {'d':>4} {'T':>6} {'bwd ms':>9} {'bwd/fwd':>8} {'bwd/add.bwd':>12} "
-          f"{'scratch B/tok':>14}")
+          f"{'scratch B/tok':>14} {'no ws/fwd':>10}")
     worst = defaultdict(float)
     for key in sorted(rows):
         rule, d, T = key
@@ -51,7 +53,9 @@ def main():
         worst[rule] = max(worst[rule], ratio)
         print(f"{RULES.get(rule, rule):>14} {d:>4} {T:>6} {med(rs, 'bwd_ms'):>9.2f} "
               f"{ratio:>8.2f} {med(rs, 'bwd_over_additive_bwd'):>12.2f} "
-              f"{med(rs, 'scratch_B/token'):>14.0f}")
+              f"{med(rs, 'scratch_B/token'):>14.0f} "
+              + (f"{med(rs, 'fresh_over_fwd'):>10.2f}" if "fresh_over_fwd" in rs[0]
+                 else f"{'-':>10}"))
     worst_saved = defaultdict(float)
     if saved_rows:
         print(f"saved design (bwd from saved states / plain fwd):")

@@ -793,6 +793,72 @@ TEST_CASE("prefill_backward_into writes prefill_backward's bits into reused buff
   }
 }
 
+TEST_CASE("a BackwardWorkspace kept across calls and lengths gives the bits of calls without") {
+  // Delta and GatedDelta rebuild their forward data into the workspace; each call, whatever the
+  // length before it, must return exactly what a call without a workspace returns. Lengths 9,
+  // 14, 9 in chunks of 4: short last chunks, a resize up and back down.
+  constexpr Index dk = 3, dv = 2, chunk = 4;
+  BackwardWorkspace<double> workspace;
+  CHECK(workspace.bytes() == 0);
+  std::uint64_t seed = 251;
+  for (const Index T : {Index{9}, Index{14}, Index{9}}) {
+    INFO("T = " << T);
+    const auto gd = make_harness<L2Normalize, GatedDelta, double>(
+        L2Normalize{}, GatedDelta{}, Normalization::unnormalized(), T, dk, dv, chunk, false, seed);
+    const auto st = gd.initial_state();
+    const StateGradient<double> final_gradient{gd.WS, VectorXd()};
+    const auto g = prefill_backward(gd.attn, st, gd.Q, gd.K, gd.V, gd.beta, gd.log_alpha, gd.WY,
+                                    &final_gradient);
+    MatrixXdR dQ(T, dk), dK(T, dk), dV(T, dv);
+    RuleInputGradients<double> d_in;
+    StateGradient<double> initial;
+    prefill_backward_into(gd.attn, st, gd.Q, gd.K, gd.V, gd.beta, gd.log_alpha, gd.WY,
+                          &final_gradient, GradientsRef<double>{dQ, dK, dV}, d_in, initial,
+                          &workspace);
+    CHECK(dQ == g.Q);
+    CHECK(dK == g.K);
+    CHECK(dV == g.V);
+    CHECK(d_in.beta == g.inputs.beta);
+    CHECK(d_in.log_alpha == g.inputs.log_alpha);
+    CHECK(initial.S == g.initial.S);
+    // What it holds: the forward data of this call's length (ceil(T / C) r dv + 2 T dv).
+    const Index r = dk;  // L2Normalize keeps the key dim
+    CHECK(workspace.bytes() == detail::DeltaSavedStates<double>::bytes_for(T, chunk, r, dv));
+
+    const auto d = make_harness<L2Normalize, Delta, double>(
+        L2Normalize{}, Delta{}, Normalization::unnormalized(), T, dk, dv, chunk, false, seed + 7);
+    const auto p = parallel_backward(d.attn, d.Q, d.K, d.V, d.beta, Mask::causal, d.WY);
+    parallel_backward_into(d.attn, d.Q, d.K, d.V, d.beta, Mask::causal, d.WY,
+                           GradientsRef<double>{dQ, dK, dV}, d_in, &initial, &workspace);
+    CHECK(dQ == p.Q);
+    CHECK(dK == p.K);
+    CHECK(dV == p.V);
+    CHECK(d_in.beta == p.inputs.beta);
+    CHECK(initial.S == p.initial.S);
+    seed += 10;
+  }
+  workspace.release();
+  CHECK(workspace.bytes() == 0);
+
+  // Decay and Gated take a workspace and leave it empty (their scratch is per call); a null
+  // workspace is a call without one.
+  const auto h = make_harness<EluPlusOne, Gated, double>(EluPlusOne{}, Gated{},
+                                                         Normalization::strict(), 10, dk, dv,
+                                                         chunk, true, 291);
+  const auto g = parallel_backward(h.attn, h.Q, h.K, h.V, h.log_gate, Mask::causal, h.WY);
+  MatrixXdR dQ(10, dk), dK(10, dk), dV(10, dv);
+  RuleInputGradients<double> d_in;
+  BackwardWorkspace<double>* none = nullptr;
+  for (BackwardWorkspace<double>* w : {&workspace, none}) {
+    dQ.setZero();
+    parallel_backward_into(h.attn, h.Q, h.K, h.V, h.log_gate, Mask::causal, h.WY,
+                           GradientsRef<double>{dQ, dK, dV}, d_in, nullptr, w);
+    CHECK(dQ == g.Q);
+    CHECK(d_in.log_gate == g.inputs.log_gate);
+  }
+  CHECK(workspace.bytes() == 0);
+}
+
 TEST_CASE("delta backward on the register kernel's widths against the naive loop") {
   // dk = dv = 16 and 24 fill whole packets (the register kernel's products; the cases above, at
   // dk = 4, dv = 3, run its row-by-row fallback); chunk 16 is a whole number of packets, 12 is
@@ -879,8 +945,10 @@ void check_saved_delta(Index T, Index dk, Index dv, Index chunk, std::uint64_t s
                                d_beta.data(), gated ? d_log_alpha.data() : no_alpha, dS0);
   M eQ(T, dk), eK(T, dk), eV(T, dv), eS0;
   ColVector<Scalar> e_beta(T), e_log_alpha(T);
+  detail::DeltaSavedStates<Scalar> rebuilt_again;
   detail::delta_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, &dS_T, C, eQ, eK, eV,
-                         e_beta.data(), gated ? e_log_alpha.data() : no_alpha, eS0);
+                         e_beta.data(), gated ? e_log_alpha.data() : no_alpha, eS0,
+                         rebuilt_again);
   CHECK(dQ == eQ);
   CHECK(dK == eK);
   CHECK(dV == eV);

@@ -209,7 +209,8 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
           : double(Q.times());
   // About three forward reads per query head (the read, dV and dS, dQ and dK).
   const double flops = 12.0 * double(r) * double(heads.value_dim) * rows_per_sequence * double(G);
-  parallel_for(sequences * Hkv, layer.executor(), flops, [&](Index item) {
+  using Scalar = typename Attention::scalar_type;
+  const auto run = [&](Index item, BackwardWorkspace<Scalar>& workspace) {
     const Index s = item / Hkv, g = item % Hkv;
     const Index entry = layout.batch_entry(s), first = layout.first_row(s);
     const Index q_len = full_rows ? Q.times() : layout.length(s, Q.times());
@@ -234,8 +235,25 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
       return initial != nullptr ? &initial->head(position, state_head(j)) : nullptr;
     };
     backward_item(layer.attention(), G, g, entry, first, q_len, k_len, Q, K, V, inputs, mask, dY,
-                  grads.Q, grads.K, grads.V, d_inputs, shared, state_of, final_of, initial_of);
-  });
+                  grads.Q, grads.K, grads.V, d_inputs, shared, state_of, final_of, initial_of,
+                  workspace);
+  };
+  // Each thread's items share one workspace: the delta rules then allocate their rebuilt
+  // forward data once per thread and call, not once per item (same bits either way).
+  const Index items = sequences * Hkv;
+  FirstItemError errors(items);
+  auto range = [&](Index begin, Index end) {
+    BackwardWorkspace<Scalar> workspace;
+    for (Index item = begin; item < end; ++item) {
+      try {
+        run(item, workspace);
+      } catch (...) {
+        errors.record(item);
+      }
+    }
+  };
+  parallel_ranges(items, layer.executor(), flops, range);
+  errors.rethrow();
 }
 
 }  // namespace detail

@@ -75,6 +75,46 @@ struct RuleGradients {
 };
 
 namespace detail {
+struct BackwardWorkspaceAccess;
+}
+
+/// Buffers a rule's backward keeps from one call to the next: pass one to
+/// parallel_backward_into / prefill_backward_into to reuse them.
+///
+/// Delta and GatedDelta rebuild the forward's chunk data in every backward call (the state before
+/// each chunk and each token's corrected values and state reads: r dv / C + 2 dv scalars per
+/// token, 5 KiB per token at r = dv = 128 in float, C = 16). Without a workspace that block is
+/// allocated and freed per call; with one it is allocated when the size (T, r, dv, C) changes
+/// and reused otherwise, so a training loop over heads, layers or steps of one length allocates
+/// it once. The memory is the recomputing design's: a SavedForward instead holds the same data
+/// per layer from its forward to its backward, and skips the rebuild.
+/// Decay and Gated allocate only a few chunks' scratch per call and leave the workspace as it is.
+/// Not shared between threads: two calls at once need two workspaces.
+template <class Scalar>
+class BackwardWorkspace {
+ public:
+  /// Bytes held now (0 until a delta-rule backward has used it).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    return static_cast<std::size_t>(delta_.states.size() + delta_.corrected.size() +
+                                    delta_.reads.size()) *
+           sizeof(Scalar);
+  }
+  /// Frees what it holds.
+  void release() noexcept { delta_ = detail::DeltaSavedStates<Scalar>{}; }
+
+ private:
+  friend struct detail::BackwardWorkspaceAccess;
+  detail::DeltaSavedStates<Scalar> delta_;
+};
+
+namespace detail {
+
+struct BackwardWorkspaceAccess {
+  template <class Scalar>
+  static DeltaSavedStates<Scalar>& delta(BackwardWorkspace<Scalar>& w) noexcept {
+    return w.delta_;
+  }
+};
 
 template <class Rule>
 concept GradientRule = Rule::kind != WriteKind::additive;
@@ -86,7 +126,7 @@ void rule_backward_bound(const RuleAttention<Phi, Rule, Scalar>& attn,
                          const ColVector<Scalar>& z0, const DQ& Q, const DK& K, const DV& V,
                          const DY& dY, const StateGradient<Scalar>* final_gradient,
                          GradientsRef<Scalar> out, RuleInputGradients<Scalar>& d_in,
-                         StateGradient<Scalar>& initial) {
+                         StateGradient<Scalar>& initial, BackwardWorkspace<Scalar>* workspace) {
   const Index T = Q.rows(), r = S0.rows(), dv = S0.cols();
   check_final_gradient(final_gradient, r, dv, Rule::keeps_normalizer);
   const Index C = attn.chunk_size(r, dv);
@@ -98,8 +138,11 @@ void rule_backward_bound(const RuleAttention<Phi, Rule, Scalar>& attn,
       d_in.log_alpha.resize(T);
       d_alpha = d_in.log_alpha.data();
     }
+    DeltaSavedStates<Scalar> call_only;
     delta_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, dS_T, C, out.Q, out.K,
-                           out.V, d_in.beta.data(), d_alpha, initial.S);
+                           out.V, d_in.beta.data(), d_alpha, initial.S,
+                           workspace != nullptr ? BackwardWorkspaceAccess::delta(*workspace)
+                                                : call_only);
     initial.z.resize(0);
   } else {
     Scalar* d_gate = nullptr;
@@ -124,6 +167,7 @@ void rule_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
                         const std::type_identity_t<StateGradient<Scalar>>* final_gradient,
                         std::type_identity_t<GradientsRef<Scalar>> out,
                         RuleInputGradients<Scalar>& d_in, StateGradient<Scalar>& initial,
+                        std::type_identity_t<BackwardWorkspace<Scalar>>* workspace,
                         const In&... in) {
   require_differentiable<Phi, Scalar>();
   check_backward_shapes(Q, K, V, dY, Mask::causal);
@@ -142,12 +186,12 @@ void rule_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
     const ColVector<Scalar>* z0 = &no_z;
     if constexpr (Rule::keeps_normalizer) z0 = &state->z();
     rule_backward_bound(attn, bound, state->S(), *z0, Qm, Km, Vm, dYm, final_gradient, out, d_in,
-                        initial);
+                        initial, workspace);
   } else {
     const RowMatrix<Scalar> S0 = RowMatrix<Scalar>::Zero(r, dv);
     const ColVector<Scalar> z0 = ColVector<Scalar>::Zero(r);
     rule_backward_bound(attn, bound, S0, z0, Qm, Km, Vm, dYm, final_gradient, out, d_in,
-                        initial);
+                        initial, workspace);
   }
 }
 
@@ -170,6 +214,15 @@ RuleGradients<Scalar> sized_rule_gradients(Index T, Index dk, Index dv) {
   g.K.resize(T, dk);
   g.V.resize(T, dv);
   return g;
+}
+
+// The optional workspace argument of the *_into overloads.
+template <class Scalar, class W>
+BackwardWorkspace<Scalar>* workspace_argument(W workspace) {
+  static_assert(std::is_convertible_v<W, BackwardWorkspace<Scalar>*>,
+                "the argument after the initial state's gradient must be a "
+                "BackwardWorkspace<Scalar>* (or nullptr)");
+  return workspace;
 }
 
 }  // namespace detail
@@ -197,21 +250,23 @@ template <class Phi, detail::GradientRule Rule, class Scalar, class DQ, class DK
   auto g = detail::sized_rule_gradients<Scalar>(Q.rows(), K.cols(), V.cols());
   detail::with_first<n>(all, [&](const auto&... in) {
     detail::rule_backward_into(attn, nullptr, Q, K, V, dY, nullptr, {g.Q, g.K, g.V}, g.inputs,
-                               g.initial, in...);
+                               g.initial, nullptr, in...);
   });
   return g;
 }
 
-/// parallel_backward_into(attn, Q, K, V, inputs..., Mask::causal, dY, out, d_inputs[, initial]):
-/// parallel_backward() writing dQ, dK, dV into `out` (a GradientsRef: views into a model's
-/// buffers, not overlapping the inputs), the inputs' gradients into `d_inputs` (a
+/// parallel_backward_into(attn, Q, K, V, inputs..., Mask::causal, dY, out, d_inputs[, initial
+/// [, workspace]]): parallel_backward() writing dQ, dK, dV into `out` (a GradientsRef: views
+/// into a model's buffers, not overlapping the inputs), the inputs' gradients into `d_inputs` (a
 /// RuleInputGradients, resized as needed) and, when `initial` (a StateGradient*) is given and
-/// not null, the empty initial state's gradient there. Allocates only its scratch
-/// (rule_backward_bytes) and what d_inputs needs the first time.
+/// not null, the empty initial state's gradient there. Allocates its scratch
+/// (rule_backward_bytes) and what d_inputs needs the first time; with `workspace` (a
+/// BackwardWorkspace*, may be null) the delta rules keep their rebuilt forward data there
+/// instead of allocating it per call. Same results with and without a workspace, bit for bit.
 template <class Phi, detail::GradientRule Rule, class Scalar, class DQ, class DK, class DV,
           class... Args>
-  requires(sizeof...(Args) == Rule::token_inputs + 4 ||
-           sizeof...(Args) == Rule::token_inputs + 5)
+  requires(sizeof...(Args) >= Rule::token_inputs + 4 &&
+           sizeof...(Args) <= Rule::token_inputs + 6)
 void parallel_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
                             const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                             const Eigen::MatrixBase<DV>& V, Args&&... args) {
@@ -225,24 +280,29 @@ void parallel_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   RuleInputGradients<Scalar>& d_inputs = std::get<n + 3>(all);
   StateGradient<Scalar> discarded;
   StateGradient<Scalar>* initial = &discarded;
-  if constexpr (sizeof...(Args) == n + 5)
+  if constexpr (sizeof...(Args) >= n + 5)
     if (std::get<n + 4>(all) != nullptr) initial = std::get<n + 4>(all);
+  BackwardWorkspace<Scalar>* workspace = nullptr;
+  if constexpr (sizeof...(Args) == n + 6)
+    workspace = detail::workspace_argument<Scalar>(std::get<n + 5>(all));
   detail::with_first<n>(all, [&](const auto&... in) {
     detail::rule_backward_into(attn, nullptr, Q, K, V, dY, nullptr, out, d_inputs, *initial,
-                               in...);
+                               workspace, in...);
   });
 }
 
 /// prefill_backward_into(attn, initial_state, Q, K, V, inputs..., dY, final_gradient, out,
-/// d_inputs, initial): the backward of attn.prefill(state, Q, K, V, inputs...) with state equal
-/// to `initial_state` before the call (read, not changed), writing dQ, dK, dV into `out` (views;
-/// must not overlap the inputs), the inputs' gradients into `d_inputs` (a RuleInputGradients)
-/// and (dS0, dz0) into `initial` (a StateGradient), resized as needed (no allocation when
-/// already sized). `final_gradient` (a const StateGradient*) null means the loss does not
-/// depend on the final state; otherwise its S is r x dv and (Decay, Gated) its z has length r.
+/// d_inputs, initial[, workspace]): the backward of attn.prefill(state, Q, K, V, inputs...) with
+/// state equal to `initial_state` before the call (read, not changed), writing dQ, dK, dV into
+/// `out` (views; must not overlap the inputs), the inputs' gradients into `d_inputs` (a
+/// RuleInputGradients) and (dS0, dz0) into `initial` (a StateGradient), resized as needed (no
+/// allocation when already sized). `final_gradient` (a const StateGradient*) null means the loss
+/// does not depend on the final state; otherwise its S is r x dv and (Decay, Gated) its z has
+/// length r. `workspace` (a BackwardWorkspace*, may be null): as in parallel_backward_into.
 template <class Phi, detail::GradientRule Rule, class Scalar, class DQ, class DK, class DV,
           class... Args>
-  requires(sizeof...(Args) == Rule::token_inputs + 5)
+  requires(sizeof...(Args) == Rule::token_inputs + 5 ||
+           sizeof...(Args) == Rule::token_inputs + 6)
 void prefill_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
                            const RuleState<Rule, Scalar>& initial_state,
                            const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -254,9 +314,12 @@ void prefill_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   GradientsRef<Scalar> out = std::get<n + 2>(all);
   RuleInputGradients<Scalar>& d_inputs = std::get<n + 3>(all);
   StateGradient<Scalar>& initial = std::get<n + 4>(all);
+  BackwardWorkspace<Scalar>* workspace = nullptr;
+  if constexpr (sizeof...(Args) == n + 6)
+    workspace = detail::workspace_argument<Scalar>(std::get<n + 5>(all));
   detail::with_first<n>(all, [&](const auto&... in) {
     detail::rule_backward_into(attn, &initial_state, Q, K, V, dY, final_gradient, out, d_inputs,
-                               initial, in...);
+                               initial, workspace, in...);
   });
 }
 
@@ -285,13 +348,15 @@ template <class Phi, detail::GradientRule Rule, class Scalar, class DQ, class DK
   auto g = detail::sized_rule_gradients<Scalar>(Q.rows(), K.cols(), V.cols());
   detail::with_first<n>(all, [&](const auto&... in) {
     detail::rule_backward_into(attn, &initial_state, Q, K, V, dY, final_gradient,
-                               {g.Q, g.K, g.V}, g.inputs, g.initial, in...);
+                               {g.Q, g.K, g.V}, g.inputs, g.initial, nullptr, in...);
   });
   return g;
 }
 
 /// Bytes a rule's backward allocates for itself for T tokens of key dim dk, value dim dv (one
-/// gate per token, or `per_channel_gates`), beyond the inputs and the returned gradients.
+/// gate per token, or `per_channel_gates`), beyond the inputs and the returned gradients. For
+/// Delta and GatedDelta most of it is the rebuilt forward data, which a BackwardWorkspace holds
+/// instead when one is passed (its bytes() after the call).
 template <class Phi, detail::GradientRule Rule, class Scalar>
 [[nodiscard]] std::size_t rule_backward_bytes(const RuleAttention<Phi, Rule, Scalar>& attn,
                                               Index T, Index dk, Index dv,

@@ -102,15 +102,9 @@ struct SavedForwardAccess {
   template <class Scalar>
   static void prepare(SavedForward<Scalar>& s, Index T, Index C, Index r, Index dk, Index dv,
                       bool log_scaled, const StateIdentity& identity) {
-    const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
-    s.tokens_ = 0;
-    s.data_.states.resize(chunks * r, dv);
-    s.data_.sums.resize(chunks, r);
-    s.data_.log_scales.resize(log_scaled ? chunks : 0);
+    mark_empty(s, C, dk, identity);
+    size_chunk_states(s, T == 0 ? 0 : (T + C - 1) / C, r, dv, log_scaled);
     s.delta_.resize(0, C, r, dv);
-    s.chunk_size_ = C;
-    s.key_dim_ = dk;
-    s.identity_ = identity;
   }
   template <class Scalar>
   static detail::DeltaSavedStates<Scalar>& delta(SavedForward<Scalar>& s) noexcept {
@@ -122,15 +116,35 @@ struct SavedForwardAccess {
   }
   /// As prepare, for the delta rules' data (chunks of C rows, per-token rows); the chunk-state
   /// matrices keep only their widths (feature_dim(), value_dim()).
+  /// The delta data is resized in place (not emptied first): a saved forward reused for inputs
+  /// of the same size allocates nothing.
   template <class Scalar>
   static void prepare_delta(SavedForward<Scalar>& s, Index T, Index C, Index r, Index dk, Index dv,
                             const StateIdentity& identity) {
-    prepare(s, 0, C, r, dk, dv, false, identity);
+    mark_empty(s, C, dk, identity);
+    size_chunk_states(s, 0, r, dv, false);
     s.delta_.resize(T, C, r, dv);
   }
   template <class Scalar>
   static void finish(SavedForward<Scalar>& s, Index T) noexcept {
     s.tokens_ = T;
+  }
+
+ private:
+  template <class Scalar>
+  static void size_chunk_states(SavedForward<Scalar>& s, Index chunks, Index r, Index dv,
+                                bool log_scaled) {
+    s.data_.states.resize(chunks * r, dv);
+    s.data_.sums.resize(chunks, r);
+    s.data_.log_scales.resize(log_scaled ? chunks : 0);
+  }
+  template <class Scalar>
+  static void mark_empty(SavedForward<Scalar>& s, Index C, Index dk,
+                         const StateIdentity& identity) {
+    s.tokens_ = 0;
+    s.chunk_size_ = C;
+    s.key_dim_ = dk;
+    s.identity_ = identity;
   }
 };
 

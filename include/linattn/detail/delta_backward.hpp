@@ -382,7 +382,8 @@ void delta_save_chunks(const Phi& phi, const DK& K, const DV& V, const TokenInpu
 }
 
 /// The chunked delta-rule backward on the WY / UT form (see the file comment): pass 1
-/// (delta_save_chunks) from S0, then the reverse sweep (delta_backward_saved). `in`: bound beta
+/// (delta_save_chunks) from S0 into `saved` (resized; a caller that keeps it between calls of
+/// one size allocates it once), then the reverse sweep (delta_backward_saved). `in`: bound beta
 /// and (GatedDelta) log_alpha. Writes dQ, dK, dV, d_beta (length T), d_log_alpha (length T;
 /// null for Delta) and dS0 (resized). dS_T null: 0. Memory: DeltaBackwardScratch::bytes_for.
 template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
@@ -391,8 +392,7 @@ void delta_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const
                     const RowMatrix<Scalar>* dS_T, Index chunk_size,
                     Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
                     Eigen::Ref<RowMatrix<Scalar>> dV, Scalar* d_beta, Scalar* d_log_alpha,
-                    RowMatrix<Scalar>& dS0) {
-  DeltaSavedStates<Scalar> saved;
+                    RowMatrix<Scalar>& dS0, DeltaSavedStates<Scalar>& saved) {
   delta_save_chunks(phi, K, V, in, S0, chunk_size, saved);
   delta_backward_saved(phi, Q, K, V, dY, in, saved, dS_T, dQ, dK, dV, d_beta, d_log_alpha, dS0);
 }

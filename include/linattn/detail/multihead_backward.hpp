@@ -46,7 +46,8 @@ Eigen::Map<const RowMatrix<Scalar>> input_gradient(const RuleInputGradients<Scal
 /// head state query head j of the group read (null: stateless), `final_of(j)` the final-state
 /// gradient it carries back (null: none; given for one head of a shared state only) and
 /// `initial_of(j)` where its initial-state gradient goes (null: stateless); `shared` says the
-/// group's heads share one state, whose gradient is then summed in head order.
+/// group's heads share one state, whose gradient is then summed in head order. `workspace`: the
+/// delta rules' rebuilt forward data, kept by the caller across the items one thread runs.
 template <class Attention, class MaskArg, class Inputs, class DInputs, class StateOf, class FinalOf,
           class InitialOf>
 void backward_item(const Attention& attn, Index G, Index g, Index entry, Index first, Index q_len,
@@ -58,7 +59,8 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
                    const TensorView<typename Attention::scalar_type>& dK,
                    const TensorView<typename Attention::scalar_type>& dV, const DInputs& d_inputs,
                    bool shared, const StateOf& state_of, const FinalOf& final_of,
-                   const InitialOf& initial_of) {
+                   const InitialOf& initial_of,
+                   BackwardWorkspace<typename Attention::scalar_type>& workspace) {
   using Scalar = typename Attention::scalar_type;
   using Rule = typename Attention::rule_type;
   constexpr std::size_t N = Rule::token_inputs;
@@ -114,10 +116,11 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
               prefill_backward_into(attn, *state, q, k, v, dy, final_of(j), out, d0);
           } else {
             if (state == nullptr)
-              parallel_backward_into(attn, q, k, v, x..., linattn::Mask::causal, dy, out, d_in_head);
+              parallel_backward_into(attn, q, k, v, x..., linattn::Mask::causal, dy, out, d_in_head,
+                                     nullptr, &workspace);
             else
               prefill_backward_into(attn, *state, q, k, v, x..., dy, final_of(j), out, d_in_head,
-                                    d0);
+                                    d0, &workspace);
           }
         },
         in);

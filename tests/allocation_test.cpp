@@ -1,0 +1,133 @@
+// What the library promises not to allocate: a decode step (every write rule; the additive
+// rule's fused and deferred steps), and a saved forward that is filled again for inputs of the
+// same size (its saved data stays where it is). Eigen's run-time allocation check
+// (EIGEN_RUNTIME_NO_MALLOC) reports through eigen_assert, which this file turns into an
+// exception so that the check also runs in Release builds (where Eigen's own assert is off).
+
+#include <stdexcept>
+
+#define EIGEN_RUNTIME_NO_MALLOC
+#define eigen_assert(x)                                                    \
+  do {                                                                     \
+    if (!(x)) throw std::logic_error("eigen_assert failed: " #x);          \
+  } while (false)
+
+#include <linattn/attention.hpp>
+#include <linattn/rule_saved_forward.hpp>
+#include <linattn/saved_forward.hpp>
+
+#include <catch2/catch.hpp>
+
+#include "test_support.hpp"
+
+using namespace linattn;
+using linattn_test::random_matrix;
+using linattn_test::uniform_matrix;
+
+namespace {
+
+// Runs f() with Eigen's heap allocation forbidden; an allocation inside throws logic_error.
+template <class F>
+void without_allocation(F&& f) {
+  Eigen::internal::set_is_malloc_allowed(false);
+  try {
+    f();
+  } catch (...) {
+    Eigen::internal::set_is_malloc_allowed(true);
+    throw;
+  }
+  Eigen::internal::set_is_malloc_allowed(true);
+}
+
+}  // namespace
+
+TEST_CASE("the check itself: an Eigen allocation inside without_allocation throws") {
+  // Without this, every test below would pass if the check were off.
+  CHECK_THROWS_AS(without_allocation([] { RowMatrix<float> m(64, 64); (void)m; }),
+                  std::logic_error);
+  RowMatrix<float> sized(64, 64);
+  CHECK_NOTHROW(without_allocation([&] { sized.resize(64, 64); }));
+}
+
+TEMPLATE_TEST_CASE("a decode step allocates nothing, every rule", "", float, double) {
+  using Scalar = TestType;
+  constexpr Index T = 40, d = 16, dv = 8;
+  const RowMatrix<Scalar> Q = random_matrix<Scalar>(T, d, 11), K = random_matrix<Scalar>(T, d, 12);
+  const RowMatrix<Scalar> V = random_matrix<Scalar>(T, dv, 13);
+  const RowMatrix<Scalar> beta = uniform_matrix<Scalar>(T, 1, 14, 0.0, 1.0);
+  const RowMatrix<Scalar> log_gate = uniform_matrix<Scalar>(T, 1, 15, -0.2, 0.0);
+  RowVector<Scalar> y(dv);
+  for (const Index block : {Index{0}, Index{16}}) {
+    INFO("additive, decode block " << block);
+    Options options;
+    options.decode_block = block;  // 0: the fused step; 16: deferred (T = 40 folds twice)
+    const LinearAttention<EluPlusOne, Scalar> attn(EluPlusOne{}, options);
+    auto state = attn.make_state(d, dv);
+    without_allocation([&] {
+      for (Index t = 0; t < T; ++t) attn.step_into(state, Q.row(t), K.row(t), V.row(t), y);
+    });
+    CHECK(y.allFinite());
+  }
+  const auto run = [&](const auto& attn, const auto&... per_token) {
+    auto state = attn.make_state(d, dv);
+    without_allocation([&] {
+      for (Index t = 0; t < T; ++t)
+        attn.step_into(state, Q.row(t), K.row(t), V.row(t), per_token(t, 0)..., y);
+    });
+    CHECK(y.allFinite());
+    CHECK(state.tokens() == T);
+  };
+  {
+    INFO("decay");
+    run(RuleAttention<EluPlusOne, Decay, Scalar>(EluPlusOne{}, Decay(0.9)));
+  }
+  {
+    INFO("gated, one gate per token");
+    run(RuleAttention<EluPlusOne, Gated, Scalar>(), log_gate);
+  }
+  {
+    INFO("delta");
+    run(RuleAttention<L2Normalize, Delta, Scalar>(), beta);
+  }
+  {
+    INFO("gated delta");
+    run(RuleAttention<L2Normalize, GatedDelta, Scalar>(), beta, log_gate);
+  }
+}
+
+TEST_CASE("a saved forward filled again for the same size keeps its saved data in place") {
+  // The saving forward sizes its SavedForward first (SavedForwardAccess::prepare /
+  // prepare_delta), then fills it. Sizing for the size it already has must not allocate: the
+  // delta rules' data is 5 KiB per token at r = dv = 128, and re-allocating it per call cost
+  // several times the forward on virtual machines where a large free makes the next touches
+  // slow (docs/performance.md, "Timing on a virtual machine").
+  using Access = detail::SavedForwardAccess;
+  constexpr Index T = 50, C = 16, r = 8, dk = 8, dv = 4;
+  const RuleAttention<L2Normalize, Delta, float> delta;
+  const RuleAttention<EluPlusOne, Decay, float> decay(EluPlusOne{}, Decay(0.9));
+  SavedForward<float> saved;
+  Access::prepare_delta(saved, T, C, r, dk, dv, delta.state_identity());
+  const std::size_t bytes = saved.bytes();
+  CHECK(bytes == detail::DeltaSavedStates<float>::bytes_for(T, C, r, dv));
+  CHECK_NOTHROW(without_allocation(
+      [&] { Access::prepare_delta(saved, T, C, r, dk, dv, delta.state_identity()); }));
+  CHECK(saved.bytes() == bytes);
+  CHECK(saved.tokens() == 0);  // marked empty until a forward fills it
+
+  Access::prepare(saved, T, C, r, dk, dv, false, decay.state_identity());
+  CHECK_NOTHROW(without_allocation(
+      [&] { Access::prepare(saved, T, C, r, dk, dv, false, decay.state_identity()); }));
+  CHECK(saved.chunks() == (T + C - 1) / C);
+
+  // Through the public call: filling it again gives the same outputs.
+  const RowMatrix<float> Q = random_matrix<float>(T, dk, 21), K = random_matrix<float>(T, dk, 22);
+  const RowMatrix<float> V = random_matrix<float>(T, dv, 23);
+  const ColVector<float> beta = uniform_matrix<float>(T, 1, 24, 0.0, 1.0);
+  RowMatrix<float> Y(T, dv), Y2(T, dv);
+  parallel_saving_into(delta, Q, K, V, beta, Mask::causal, Y, saved);
+  const std::size_t filled = saved.bytes();
+  parallel_saving_into(delta, Q, K, V, beta, Mask::causal, Y2, saved);
+  CHECK(saved.bytes() == filled);
+  CHECK(saved.tokens() == T);
+  CHECK(Y == Y2);
+}
