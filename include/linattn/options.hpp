@@ -33,8 +33,10 @@ struct Options {
   /// only when S does not fit L1, and the size of L1 does not decide it: measured with heads
   /// taking turns at r = dv = 128, it ran 1.2 x the fused step on an Intel Sapphire Rapids
   /// core (48 KiB L1), 0.7 to 0.8 x on AMD Zen 3 and Zen 4 (32 KiB) and 0.8 x on Zen 5
-  /// (48 KiB). kAuto takes B = 16 where S is larger than the L1 data cache on an Intel core
-  /// whose L1 holds at least 48 KiB, and 0 otherwise (detail::auto_decode_block); the main command
+  /// (48 KiB), but 1.05 to 1.18 x on another Zen 3 VM on another day (docs/performance.md, "The
+  /// decode block on AMD cores"). kAuto takes B = 16 where S is larger than the L1 data cache on
+  /// an Intel core whose L1 holds at least 48 KiB, and 0 otherwise, where a wrong choice costs
+  /// less (detail::auto_decode_block); the main command
   /// (scripts/bench.sh) prints both choices side by side. Costs B (2 r + dv + 1) scalars per
   /// state.
   Index decode_block = kAuto;
