@@ -31,7 +31,9 @@
 ///
 /// Complexity: 3 to 4 times the forward's flops; per item, the single-head backward's scratch
 /// (causal_backward_bytes / rule_backward_bytes) plus, for G > 1, T x (dk + dv + inputs) and one
-/// state's gradient for the group's sums. The gradient views must not overlap the inputs.
+/// state's gradient for the group's sums. The delta rules' rebuilt forward data (the bulk of
+/// their rule_backward_bytes) lives in one BackwardWorkspace per thread and call, reused by the
+/// items that thread runs. The gradient views must not overlap the inputs.
 
 #include <linattn/batch_state.hpp>
 #include <linattn/detail/multihead_backward.hpp>
