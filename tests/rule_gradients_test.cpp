@@ -769,6 +769,19 @@ TEST_CASE("parallel_backward_into writes strided views with parallel_backward's 
   CHECK(dQ.leftCols(dk).cwiseAbs().maxCoeff() == 0.0);  // the other head's columns untouched
 }
 
+// The _into outputs of a delta-rule backward against the returning call's gradients, bit for
+// bit (log_alpha where the rule has one).
+static void check_delta_into(const MatrixXdR& dQ, const MatrixXdR& dK, const MatrixXdR& dV,
+                             const RuleInputGradients<double>& d_in,
+                             const StateGradient<double>& initial, const RuleGradients<double>& g) {
+  CHECK(dQ == g.Q);
+  CHECK(dK == g.K);
+  CHECK(dV == g.V);
+  CHECK(d_in.beta == g.inputs.beta);
+  if (g.inputs.log_alpha.size() > 0) CHECK(d_in.log_alpha == g.inputs.log_alpha);
+  CHECK(initial.S == g.initial.S);
+}
+
 TEST_CASE("prefill_backward_into writes prefill_backward's bits into reused buffers") {
   constexpr Index T = 9, dk = 3, dv = 2;
   const auto h = make_harness<L2Normalize, GatedDelta, double>(
@@ -783,12 +796,7 @@ TEST_CASE("prefill_backward_into writes prefill_backward's bits into reused buff
   for (int call = 0; call < 2; ++call) {  // the second call reuses the sized buffers
     prefill_backward_into(h.attn, st, h.Q, h.K, h.V, h.beta, h.log_alpha, h.WY, &final_gradient,
                           GradientsRef<double>{dQ, dK, dV}, d_in, initial);
-    CHECK(dQ == g.Q);
-    CHECK(dK == g.K);
-    CHECK(dV == g.V);
-    CHECK(d_in.beta == g.inputs.beta);
-    CHECK(d_in.log_alpha == g.inputs.log_alpha);
-    CHECK(initial.S == g.initial.S);
+    check_delta_into(dQ, dK, dV, d_in, initial, g);
     CHECK(initial.z.size() == 0);  // delta rules keep no z
   }
 }
@@ -815,12 +823,7 @@ TEST_CASE("a BackwardWorkspace kept across calls and lengths gives the bits of c
     prefill_backward_into(gd.attn, st, gd.Q, gd.K, gd.V, gd.beta, gd.log_alpha, gd.WY,
                           &final_gradient, GradientsRef<double>{dQ, dK, dV}, d_in, initial,
                           &workspace);
-    CHECK(dQ == g.Q);
-    CHECK(dK == g.K);
-    CHECK(dV == g.V);
-    CHECK(d_in.beta == g.inputs.beta);
-    CHECK(d_in.log_alpha == g.inputs.log_alpha);
-    CHECK(initial.S == g.initial.S);
+    check_delta_into(dQ, dK, dV, d_in, initial, g);
     // What it holds: the forward data of this call's length (ceil(T / C) r dv + 2 T dv).
     const Index r = dk;  // L2Normalize keeps the key dim
     CHECK(workspace.bytes() == detail::DeltaSavedStates<double>::bytes_for(T, chunk, r, dv));
@@ -830,11 +833,7 @@ TEST_CASE("a BackwardWorkspace kept across calls and lengths gives the bits of c
     const auto p = parallel_backward(d.attn, d.Q, d.K, d.V, d.beta, Mask::causal, d.WY);
     parallel_backward_into(d.attn, d.Q, d.K, d.V, d.beta, Mask::causal, d.WY,
                            GradientsRef<double>{dQ, dK, dV}, d_in, &initial, &workspace);
-    CHECK(dQ == p.Q);
-    CHECK(dK == p.K);
-    CHECK(dV == p.V);
-    CHECK(d_in.beta == p.inputs.beta);
-    CHECK(initial.S == p.initial.S);
+    check_delta_into(dQ, dK, dV, d_in, initial, p);
     seed += 10;
   }
   workspace.release();
