@@ -20,6 +20,8 @@
 
 #include "test_support.hpp"
 
+namespace allocation_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using linattn_test::random_matrix;
 using linattn_test::uniform_matrix;
@@ -131,3 +133,5 @@ TEST_CASE("a saved forward filled again for the same size keeps its saved data i
   CHECK(saved.tokens() == T);
   CHECK(Y == Y2);
 }
+
+}  // namespace allocation_test

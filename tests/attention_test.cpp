@@ -18,6 +18,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace attention_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using linattn_test::naive_attention;
 using linattn_test::random_matrix;
@@ -1219,3 +1221,5 @@ TEMPLATE_TEST_CASE(
   CHECK(linear.prefill(state, Q, K, V) == causal);
   CHECK(state.tokens() == T);
 }
+
+}  // namespace attention_test

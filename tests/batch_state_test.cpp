@@ -9,6 +9,8 @@
 
 #include <stdexcept>
 
+namespace batch_state_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 TEST_CASE("state size against a K/V cache", "[batch_state]") {
@@ -81,3 +83,5 @@ TEST_CASE("a sequence of another shape or attention cannot join a batch", "[batc
   CHECK(batch.size() == 0);
   CHECK_THROWS_AS((BatchState<AttentionState<float>>(-1, elu.make_state(3, 2))), ShapeError);
 }
+
+}  // namespace batch_state_test

@@ -10,6 +10,8 @@
 #include <string>
 #include <type_traits>
 
+namespace errors_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 TEST_CASE("each error derives from the standard exception of its channel", "[errors]") {
@@ -46,3 +48,5 @@ TEST_CASE("checked products and sums refuse what does not fit an Index", "[error
     CHECK(std::string(e.what()).find("the state") != std::string::npos);
   }
 }
+
+}  // namespace errors_test

@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <vector>
 
+namespace executor_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 namespace {
@@ -59,3 +61,5 @@ TEST_CASE("the lowest failing item's exception is rethrown after every item ran"
   }
   CHECK(ran == 9);
 }
+
+}  // namespace executor_test

@@ -13,6 +13,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace feature_maps_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 namespace {
@@ -137,3 +139,5 @@ TEMPLATE_TEST_CASE("EluPlusOne is exact above 0, underflows like std::exp and ke
     }
   }
 }
+
+}  // namespace feature_maps_test

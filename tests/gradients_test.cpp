@@ -20,6 +20,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace gradients_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using linattn_test::MatrixXdR;
 using linattn_test::random_matrix;
@@ -1353,3 +1355,5 @@ TEST_CASE("the _into calls write strided head views and equal the allocating cal
       Catch::Message("linattn: gradient outputs are dQ 28x8, dK 29x8 and dV 29x8, expected "
                      "29x8, 29x8 and 29x8"));
 }
+
+}  // namespace gradients_test

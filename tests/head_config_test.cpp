@@ -7,6 +7,8 @@
 
 #include <string>
 
+namespace head_config_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 TEST_CASE("a layer takes H_q a multiple of H_kv and positive dimensions", "[head_config]") {
@@ -31,3 +33,5 @@ TEST_CASE("a layer takes H_q a multiple of H_kv and positive dimensions", "[head
   refused({0, 1, 4, 4}, "positive");
   refused(HeadConfig{}, "positive");  // the defaults name no dimensions
 }
+
+}  // namespace head_config_test

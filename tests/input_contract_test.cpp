@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+namespace input_contract_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 namespace {
@@ -198,3 +200,5 @@ TEST_CASE("invalid per-token inputs are named and change nothing", "[contract][r
   throws_naming<std::invalid_argument>([&] { static_cast<void>(gdelta.step(gstate, X.row(0), X.row(0), X.row(0), 0.5, 0.1)); }, "log_alpha");
   CHECK(gstate.tokens() == 0);
 }
+
+}  // namespace input_contract_test

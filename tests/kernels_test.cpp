@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+namespace kernels_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using linattn_test::naive_attention;
 using linattn_test::random_matrix;
@@ -796,3 +798,5 @@ TEMPLATE_TEST_CASE("a rejected denominator inside a token pair absorbs exactly t
   // Even carry: rows 0 and 1 pair, rows 2 and 3 pair; the second pair's second token fails.
   run({1, 1, 1, -7, 1}, 4, 3, 3);
 }
+
+}  // namespace kernels_test

@@ -20,6 +20,8 @@
 #include <limits>
 #include <vector>
 
+namespace multihead_gradients_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using linattn_test::cut;
 using linattn_test::flat;
@@ -850,3 +852,5 @@ TEST_CASE("the layer's rule backward names what does not fit", "[multihead][grad
                       Catch::Contains("r=4"));
   }
 }
+
+}  // namespace multihead_gradients_test

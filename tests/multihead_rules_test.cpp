@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+namespace multihead_rules_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 namespace {
@@ -318,3 +320,5 @@ TEST_CASE("per-token input views are checked and named", "[multihead][rules][err
   CHECK_THROWS_AS(layer.parallel_into(Q, K, V, TensorView<const float>::batch_first(beta.data(), B, Tn, Hkv, 1), Mask::causal, out),
                   std::invalid_argument);
 }
+
+}  // namespace multihead_rules_test

@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+namespace multihead_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using linattn_test::bound_units;
 using linattn_test::cut;
@@ -768,3 +770,5 @@ TEST_CASE("a state made by another layer's attention is refused", "[multihead][e
     CHECK(std::string(e.what()).find("elu_plus_one") != std::string::npos);
   }
 }
+
+}  // namespace multihead_test

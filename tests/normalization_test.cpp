@@ -7,6 +7,8 @@
 #include <limits>
 #include <string>
 
+namespace normalization_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using Catch::Matchers::Contains;
 
@@ -41,3 +43,5 @@ TEST_CASE("an epsilon must be positive and finite", "[normalization]") {
   CHECK(Normalization::clamped(1e-6).epsilon() == 1e-6);
   CHECK(Normalization::shifted(1e-6).kind() == Normalization::Kind::shifted);
 }
+
+}  // namespace normalization_test

@@ -10,6 +10,8 @@
 #include <limits>
 #include <string>
 
+namespace options_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 namespace {
@@ -119,3 +121,5 @@ TEST_CASE("options no call could use are refused when the attention is made", "[
   // A dividing normalization for a rule without a normalizer.
   CHECK_THROWS_AS((RuleAttention<L2Normalize, Delta>(L2Normalize{}, Options{})), std::invalid_argument);
 }
+
+}  // namespace options_test

@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace random_features_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using linattn_test::random_matrix;
 using linattn_test::unit_roundoff;
@@ -748,3 +750,5 @@ TEST_CASE("a state made for an ordinary map or another draw is refused", "[rando
   auto same_draw = LinearAttention<PositiveRandomFeatures<double>, double>(phi).make_state(4, 2);
   CHECK_NOTHROW(attn.step(same_draw, Q.row(0), Q.row(0), V.row(0)));
 }
+
+}  // namespace random_features_test

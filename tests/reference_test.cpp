@@ -8,6 +8,8 @@
 
 #include <cmath>
 
+namespace reference_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 TEST_CASE("softmax_attention is the softmax-weighted average, causal or full", "[reference]") {
@@ -39,3 +41,5 @@ TEST_CASE("quadratic_attention equals the double loop of the definition", "[refe
   CHECK_THROWS_AS(quadratic_attention(EluPlusOne{}, Q, K.leftCols(3), V, Mask::none), ShapeError);
   CHECK_THROWS_AS(softmax_attention(Q.topRows(2), K, V, Mask::causal), ShapeError);
 }
+
+}  // namespace reference_test

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+namespace rule_gradients_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using linattn_test::MatrixXdR;
 using linattn_test::random_matrix;
@@ -986,3 +988,5 @@ TEST_CASE("delta backward from the forward's saved chunks (detail level)") {
     check_saved_delta<GatedDelta, double>(c.T, c.dk, c.dv, c.chunk, 431);
   }
 }
+
+}  // namespace rule_gradients_test

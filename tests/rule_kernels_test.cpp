@@ -22,6 +22,8 @@
 #include <random>
 #include <vector>
 
+namespace rule_kernels_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using linattn_test::naive_delta;
 using linattn_test::naive_gated;
@@ -524,3 +526,5 @@ TEMPLATE_TEST_CASE("rule_gemm: the register kernel and the fallback agree with a
     }
   }
 }
+
+}  // namespace rule_kernels_test

@@ -17,6 +17,8 @@
 #include <limits>
 #include <stdexcept>
 
+namespace rule_saved_forward_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using linattn_test::MatrixXdR;
 using linattn_test::random_matrix;
@@ -460,3 +462,5 @@ TEST_CASE("rule saved forward: memory figures") {
         static_cast<std::size_t>((8192 + C - 1) / C * 128 * 128 + 2 * 8192 * 128) * sizeof(float));
   CHECK(saved_backward_bytes(delta, 8192, 64, 64) == saved_backward_bytes(delta, 65536, 64, 64));
 }
+
+}  // namespace rule_saved_forward_test

@@ -9,6 +9,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace rule_state_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 TEST_CASE("state_t picks AttentionState for Additive and RuleState otherwise", "[rule_state]") {
@@ -60,3 +62,5 @@ TEST_CASE("assign() for rule states, with and without z", "[rule_state]") {
   CHECK(g.z() == ColVector<double>::Ones(2));
   CHECK_THROWS_AS(g.assign(S, ColVector<double>::Ones(3)), ShapeError);
 }
+
+}  // namespace rule_state_test

@@ -17,6 +17,8 @@
 
 #include "test_support.hpp"
 
+namespace saved_forward_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using linattn_test::MatrixXdR;
 using linattn_test::random_matrix;
@@ -442,3 +444,5 @@ TEST_CASE("the saved forward's memory", "[saved_forward][memory]") {
       PositiveRandomFeatures<float>(8, 16, 3), chunked<float>(4));
   CHECK(saved_forward_bytes(prf, 10, 8, 16) == 3 * (16 * 16 + 16 + 1) * sizeof(float));
 }
+
+}  // namespace saved_forward_test

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+namespace sequence_layout_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 TEST_CASE("batch, packed and padded layouts name their sequences' rows", "[sequence_layout]") {
@@ -48,3 +50,5 @@ TEST_CASE("a layout that does not fit the view is a shape error naming why", "[s
   fails(SequenceLayout::padded(lengths), 2, 4, "outside [0, T=4]");
   fails(SequenceLayout::padded(lengths), 3, 9, "2 lengths for batch size B=3");
 }
+
+}  // namespace sequence_layout_test

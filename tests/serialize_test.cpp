@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+namespace serialize_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using R = StateFormatError::Reason;
 
@@ -584,3 +586,5 @@ TEMPLATE_TEST_CASE("log-scaled random-feature states round-trip, and the draw is
   restore_state(empty_restored, save_state(empty));
   CHECK(empty_restored.log_scale() == -std::numeric_limits<TestType>::infinity());
 }
+
+}  // namespace serialize_test

@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+namespace slice_runner_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using namespace linattn_test;
 
@@ -391,3 +393,5 @@ TEST_CASE("schedule model: the three schedules' times on the actual slices, the 
     CHECK(m.pick == ScheduleCode::summaries);
   }
 }
+
+}  // namespace slice_runner_test

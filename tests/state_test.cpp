@@ -13,6 +13,8 @@
 #include <limits>
 #include <vector>
 
+namespace state_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 TEST_CASE("a state holds r dv + r scalars, as the article counts", "[state]") {
@@ -126,3 +128,5 @@ TEST_CASE("assign() sets a carried or learned state, checked", "[state]") {
   CHECK_THROWS_AS(state.assign(S, z), std::invalid_argument);
   CHECK(state.tokens() == 6);  // unchanged by the refusals
 }
+
+}  // namespace state_test

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+namespace tensor_view_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 TEST_CASE("TensorView addresses both layouts", "[tensor_view]") {
@@ -72,3 +74,5 @@ TEST_CASE("bad views are shape errors naming the view", "[tensor_view][errors]")
   CHECK(empty.size() == 0);
   CHECK(empty.head_matrix(1, 2).rows() == 0);
 }
+
+}  // namespace tensor_view_test

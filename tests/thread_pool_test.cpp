@@ -12,6 +12,8 @@
 #include <thread>
 #include <vector>
 
+namespace thread_pool_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 TEST_CASE("a pool runs every part once and uses its threads", "[thread_pool]") {
@@ -49,3 +51,5 @@ TEST_CASE("pools are destroyed cleanly, idle or used, and one thread means no wo
   detail::parallel_for(64, &pool, 1e6, [&](Index i) { ++hits[static_cast<std::size_t>(i)]; });
   for (int h : hits) CHECK(h == 1);
 }
+
+}  // namespace thread_pool_test

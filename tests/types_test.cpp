@@ -7,6 +7,8 @@
 
 #include <type_traits>
 
+namespace types_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 
 namespace {
@@ -44,3 +46,5 @@ TEST_CASE("outputs and states are row-major; row views keep a contiguous feature
   CHECK(buf(1, 3) == 2);
   CHECK(kStateAlignment % 64 == 0);
 }
+
+}  // namespace types_test

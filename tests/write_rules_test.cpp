@@ -20,6 +20,8 @@
 #include "rule_reference.hpp"
 #include "test_support.hpp"
 
+namespace write_rules_test {  // this file's own names: tests/CMakeLists.txt compiles test files together
+
 using namespace linattn;
 using linattn_test::naive_delta;
 using linattn_test::naive_gated;
@@ -995,3 +997,5 @@ TEST_CASE("one log-gate per token may be a column or a row", "[gated][inputs]") 
   CHECK(gated.parallel(X, X, X, col, Mask::causal) == gated.parallel(X, X, X, row, Mask::causal));
   CHECK_THROWS_AS(gated.parallel(X, X, X, RowMatrix<float>::Constant(2, 3, -0.3f), Mask::causal), ShapeError);
 }
+
+}  // namespace write_rules_test

@@ -5,12 +5,12 @@
 // a bound derived below; single-process linattn::prefill_backward is held to the same bound;
 // a second call gives the same bits; bad input makes every rank throw the same exception.
 
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include <linattn/mpi_gradients.hpp>
 #include <linattn/multihead_gradients.hpp>
 
+#include "mpi_support.hpp"  // same_on_every_rank
 #include "slice_reference.hpp"
 #include "test_support.hpp"
 
@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+
+namespace mpi_gradients_test {  // this file's own names: the three files build as one program
 
 using namespace linattn;
 using namespace linattn_test;
@@ -35,15 +37,6 @@ int ranks_of() {
   int p = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &p);
   return p;
-}
-bool same_on_every_rank(const std::string& text) {
-  std::uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : text) h = (h ^ c) * 1099511628211ULL;
-  std::vector<std::uint64_t> all(static_cast<std::size_t>(ranks_of()));
-  MPI_Allgather(&h, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD);
-  for (auto x : all)
-    if (x != h) return false;
-  return true;
 }
 
 // Gradients of the causal read continuing (S0, z0), in double, from gradients.hpp's formulas
@@ -203,15 +196,6 @@ void check_against_reference(bool elu, bool normalized) {
 }
 
 }  // namespace
-
-int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  const int rc = Catch::Session().run(argc, argv);
-  int worst_rc = 0;  // one verdict for the job: fail on every rank when any rank failed
-  MPI_Allreduce(&rc, &worst_rc, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return worst_rc;
-}
 
 TEMPLATE_TEST_CASE("sequence-parallel backward equals the formulas to rounding on every slicing, "
                    "the same bits when repeated",
@@ -560,3 +544,5 @@ TEST_CASE("the rules' and the layer's sequence-parallel backward: bad input on o
   CHECK_THAT(message, Catch::Contains("rank 1") && Catch::Contains("dQ"));
   CHECK(same_on_every_rank(message));
 }
+
+}  // namespace mpi_gradients_test

@@ -8,7 +8,6 @@
 // the same exception and changes no state (nothing hangs: ctest's timeout would fail the test).
 // The multi-head layer under the pipeline equals one-head calls bit for bit: mpi_test.cpp.
 
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include <linattn/mpi.hpp>
@@ -25,12 +24,10 @@
 #include <utility>
 #include <vector>
 
+namespace mpi_pipeline_test {  // this file's own names: the three files build as one program
+
 using namespace linattn;
 using namespace linattn_test;
-
-int main(int argc, char** argv) {
-  return run_mpi_tests(argc, argv, nullptr, [] { return 0; });
-}
 
 namespace {
 
@@ -583,3 +580,5 @@ TEST_CASE("pipeline and hybrid: a state that overflows on rank 0 or the last ran
     CHECK_NOTHROW(run(mpi::Schedule::hybrid));
   }
 }
+
+}  // namespace mpi_pipeline_test

@@ -1,7 +1,7 @@
 #pragma once
-// Helpers shared by the MPI test programs (mpi_test.cpp, mpi_pipeline_test.cpp): this rank and
-// its slice, digests and bit comparisons across ranks, [B, T, H, d] buffers in either layout,
-// and the check that every rank threw the same exception.
+// Helpers shared by the MPI test files (mpi_test.cpp, mpi_pipeline_test.cpp,
+// mpi_gradients_test.cpp): this rank and its slice, digests and bit comparisons across ranks,
+// [B, T, H, d] buffers in either layout, and the check that every rank threw the same exception.
 
 #include <catch2/catch.hpp>
 
@@ -9,6 +9,8 @@
 #include <linattn/tensor_view.hpp>
 
 #include <mpi.h>
+
+#include "mpi_main.hpp"
 
 #include <cstdint>
 #include <string>
@@ -133,22 +135,6 @@ std::string every_rank_throws(F&& call) {
   CHECK(caught);
   CHECK(same_on_every_rank(message));
   return message;
-}
-
-// Runs the Catch2 session between MPI_Init and MPI_Finalize (or `other` when the first argument
-// is `flag`); one verdict for the whole job: fail on every rank when any rank failed.
-template <class Other>
-int run_mpi_tests(int argc, char** argv, const char* flag, Other&& other) {
-  MPI_Init(&argc, &argv);
-  int rc = 0;
-  if (argc > 1 && flag != nullptr && std::string(argv[1]) == flag)
-    rc = other();
-  else
-    rc = Catch::Session().run(argc, argv);
-  int worst = 0;
-  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return worst;
 }
 
 }  // namespace linattn_test

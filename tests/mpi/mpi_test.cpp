@@ -6,10 +6,9 @@
 // one-head calls of each head bit for bit (both layouts, grouped heads, slots, a thread pool);
 // bytes exchanged do not depend on T; bad input makes every rank throw the same exception and
 // the next call still works (nothing hangs: ctest's timeout would fail the test).
-// `mpi_test --digest` prints one hash of a fixed workload's outputs and states, which
+// `mpi_tests --digest` prints one hash of a fixed workload's outputs and states, which
 // digest_check.cmake compares between runs and MPI allgather algorithms.
 
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include <linattn/mpi.hpp>
@@ -26,12 +25,10 @@
 #include <string>
 #include <vector>
 
+namespace mpi_test {  // this file's own names: the three files build as one program
+
 using namespace linattn;
 using namespace linattn_test;
-
-int print_digest();
-
-int main(int argc, char** argv) { return run_mpi_tests(argc, argv, "--digest", print_digest); }
 
 // ---- one head ------------------------------------------------------------------------------
 
@@ -630,3 +627,8 @@ int print_digest() {
   if (w.rank == 0) std::printf("linattn-mpi-digest ranks=%d %016llx\n", w.size, static_cast<unsigned long long>(all));
   return 0;
 }
+
+}  // namespace mpi_test
+
+// The program's --digest mode (mpi_main.cpp).
+int linattn_test::print_digest() { return mpi_test::print_digest(); }
