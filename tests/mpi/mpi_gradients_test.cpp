@@ -10,7 +10,7 @@
 #include <linattn/mpi_gradients.hpp>
 #include <linattn/multihead_gradients.hpp>
 
-#include "mpi_support.hpp"  // same_on_every_rank
+#include "mpi_support.hpp"  // world, same_on_every_rank
 #include "slice_reference.hpp"
 #include "test_support.hpp"
 
@@ -27,17 +27,6 @@ using namespace linattn;
 using namespace linattn_test;
 
 namespace {
-
-int rank_of() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int ranks_of() {
-  int p = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &p);
-  return p;
-}
 
 // Gradients of the causal read continuing (S0, z0), in double, from gradients.hpp's formulas
 // (w_ij = qf_i . kf_j, v'_j = [v_j, 1], G_i = [dy_i / den_i, -(dy_i . y_i) / den_i], or
@@ -124,7 +113,7 @@ double worst(const M& got, const MatrixXdR& want, const MatrixXdR& magnitude, do
 
 template <class Scalar>
 void check_against_reference(bool elu, bool normalized) {
-  const int rank = rank_of(), P = ranks_of();
+  const int rank = world().rank, P = world().size;
   const Index T = 61, d = 6, dv = 5, prefix = 5;
   Options options;
   if (!normalized) options.normalization = Normalization::unnormalized();
@@ -206,7 +195,7 @@ TEMPLATE_TEST_CASE("sequence-parallel backward equals the formulas to rounding o
 
 TEST_CASE("sequence-parallel backward: bad input on one rank throws the same on every rank",
           "[mpi][gradients]") {
-  const int rank = rank_of(), P = ranks_of();
+  const int rank = world().rank, P = world().size;
   const Index T = 24, d = 4, dv = 3, n = T / P;
   const LinearAttention<EluPlusOne> attn;
   const auto qkv = random_qkv<float>(T, d, dv, 4200);
@@ -245,7 +234,7 @@ TEMPLATE_TEST_CASE("the rules' sequence-parallel backward equals the single-proc
                    "every slicing, the same bits when repeated",
                    "[mpi][gradients][rules]", float) {
   using Scalar = TestType;
-  const int rank = rank_of(), P = ranks_of();
+  const int rank = world().rank, P = world().size;
   const Index T = 29, dk = 4, dv = 3;
   for_each_rule<Scalar>(T, dk, 5100, [&](const char* name, const auto& attn, auto, const MatrixXdR&,
                                          const MatrixXdR&, const MatrixXdR&, const auto&... in) {
@@ -339,7 +328,7 @@ View token_rows(const View& full, Index t0, Index n) {
 template <class Attention, std::size_t N>
 void check_layer(const Attention& attn, const std::array<std::array<double, 3>, N>& specs) {
   using Scalar = typename Attention::scalar_type;
-  const int rank = rank_of(), P = ranks_of();
+  const int rank = world().rank, P = world().size;
   const Index B = 2, T = 17, Hq = 4, Hkv = 2, dk = 4, dv = 3;
   const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, attn);
   const auto buffer = [](Index n, std::uint64_t seed) {
@@ -495,7 +484,7 @@ TEST_CASE("the layer's sequence-parallel backward equals the single-process laye
 TEST_CASE("the rules' and the layer's sequence-parallel backward: bad input on one rank throws "
           "the same on every rank",
           "[mpi][gradients][rules]") {
-  const int rank = rank_of(), P = ranks_of();
+  const int rank = world().rank, P = world().size;
   const Index T = 24, d = 4, dv = 3, n = T / P;
   Options options;
   options.normalization = Normalization::unnormalized();

@@ -10,8 +10,6 @@
 
 #include <mpi.h>
 
-#include "mpi_main.hpp"
-
 #include <cstdint>
 #include <string>
 #include <tuple>

@@ -14,6 +14,7 @@
 #include <linattn/mpi.hpp>
 #include <linattn/thread_pool.hpp>
 
+#include "mpi_main.hpp"  // print_digest
 #include "mpi_support.hpp"
 #include "slice_reference.hpp"
 #include "test_support.hpp"
