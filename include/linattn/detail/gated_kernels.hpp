@@ -485,7 +485,10 @@ void gated_denominators(Index n, const Scalar* qf, Index ld_qf, const Scalar* kf
 /// The scores qf kf^T come from the register kernel up to each row tile's diagonal and are
 /// masked by D in one pass; D(i, -1) is the row scale of the state read. Per token: the
 /// additive chunk's flops plus about 3 C / 2 (D and the mask) and r dv / C (S scaled once per
-/// chunk); one exp. D is built once per call for a fixed decay.
+/// chunk); one exp. D is built once per call for a fixed decay; with per-token gates each read
+/// forms its rows one after the other in a row buffer as it masks (C / 2 more flops per token
+/// and head, no C x C matrix written and read back), and each row's running normalizer and
+/// denominator take one pass over r (gate_add_dot).
 ///
 /// Use: construct once per call for chunk size C; per chunk prepare(), then read() per query
 /// head (each head gets a single-head call's bits), then absorb(). Pointers given to prepare()
@@ -500,7 +503,8 @@ class ScalarGatedChunk {
       : r_(r), dv_(dv), ld_(padded_columns<Scalar>(C)),
         kf_t_(RowMatrix<Scalar>::Zero(r, ld_)), kw_t_(r, ld_),
         decay_(RowMatrix<Scalar>::Zero(C, ld_)), scores_(RowMatrix<Scalar>::Zero(C, ld_)),
-        gate_(C), decay_in_(C), weight_out_(C), inverse_(C), late_(C), z_run_(r) {}
+        decay_row_(RowVector<Scalar>::Zero(ld_)), gate_(C), decay_in_(C), weight_out_(C),
+        inverse_(C), late_(C), z_run_(r) {}
 
   /// The key side of n tokens: kf (n x r, row stride ld_kf), v (n x dv, row stride ld_v) and
   /// the chunk's log-gates (log_gate[t] for t < n; stride 0 for a fixed decay).
@@ -522,14 +526,15 @@ class ScalarGatedChunk {
     weight_out_(n - 1) = 1;
     for (Index j = n - 2; j >= 0; --j) weight_out_(j) = weight_out_(j + 1) * gate_(j + 1);
     // D row by row: D(i, j) = D(i - 1, j) g_i. A fixed decay gives the same top-left block in
-    // every chunk, so it is built once.
-    if (!(fixed && built_rows_ >= n && built_gate_ == gate_(0))) {
+    // every chunk, so it is built once; per-token gates get each row as read() masks with it.
+    fixed_ = fixed;
+    if (fixed && !(built_rows_ >= n && built_gate_ == gate_(0))) {
       decay_(0, 0) = 1;
       for (Index i = 1; i < n; ++i) {
         decay_.row(i).head(i) = decay_.row(i - 1).head(i) * gate_(i);
         decay_(i, i) = 1;
       }
-      built_rows_ = fixed ? n : 0;
+      built_rows_ = n;
       built_gate_ = gate_(0);
     }
     transpose_into(n, r_, kf, ld_kf, kf_t_.data(), ld_);
@@ -545,17 +550,29 @@ class ScalarGatedChunk {
     const Index n = n_;
     if (n == 0) return;
     const bool divides = norm.divides();
-    if (divides)
-      gated_denominators(
-          n, qf, ld_qf, kf_, ld_kf_, z,
-          [&](Index i, auto&& zr) { zr *= gate_(i); }, z_run_, inverse_.data(), late_.data(), norm,
-          first_row);
+    if (divides) {
+      // z_i = g_i z_{i-1} + kf_i and qf_i . z_i in one pass per row (gate_add_dot).
+      z_run_ = z;
+      for (Index i = 0; i < n; ++i) {
+        const Scalar den = gate_add_dot(z_run_.data(), gate_(i), kf_ + i * ld_kf_, qf + i * ld_qf, r_);
+        inverse_[i] = reciprocal_or_late(norm.divisor(den, first_row + i), late_[i]);
+      }
+    }
     const Index n_padded = padded_columns<Scalar>(n);
     rule_gemm<Scalar, false>(n, n_padded, r_, qf, ld_qf, kf_t_.data(), ld_, scores_.data(), ld_,
                              Triangle::lower_result, nullptr, prefetch);
+    // Scores times D(i, .) up to the diagonal, zero after it. Per-token gates: row i of D from
+    // row i - 1 (decay_row_, the products D(i, j) = D(i - 1, j) g_i as prepare() forms them for
+    // a fixed decay), one row at a time in L1 instead of a C x C matrix.
     for (Index i = 0; i < n; ++i) {
-      scores_.row(i).head(i + 1).array() *= decay_.row(i).head(i + 1).array();
-      scores_.row(i).segment(i + 1, n - i - 1).setZero();
+      const Scalar* decay_row = decay_.row(i).data();
+      if (!fixed_) {
+        Scalar* d = decay_row_.data();
+        for (Index j = 0; j < i; ++j) d[j] *= gate_(i);
+        d[i] = 1;
+        decay_row = d;
+      }
+      scale_then_clear(scores_.row(i).data(), decay_row, i + 1, n);
     }
     rule_gemm<Scalar, false>(n, dv_, r_, qf, ld_qf, S.data(), dv_, out, ld_out, Triangle::none,
                              decay_in_.data(), prefetch);
@@ -580,9 +597,11 @@ class ScalarGatedChunk {
  private:
   Index r_, dv_, ld_;
   RowMatrix<Scalar> kf_t_, kw_t_, decay_, scores_;
+  RowVector<Scalar> decay_row_;
   ColVector<Scalar> gate_, decay_in_, weight_out_, inverse_, late_, z_run_;
   Index n_ = 0, ld_kf_ = 0, ld_v_ = 0, built_rows_ = 0;
   Scalar built_gate_ = 0;
+  bool fixed_ = false;
   const Scalar* kf_ = nullptr;
   const Scalar* v_ = nullptr;
 };

@@ -183,6 +183,53 @@ Scalar scale_then_dot(Scalar* x, const Scalar* g, const Scalar* k, Index n) noex
   return sum;
 }
 
+/// z = g z + kf (each element multiplied, then added: two roundings, as z .*= g; z += kf),
+/// then returns q . z in ordered_dot's order (recurrent_sweep.hpp), in one pass over the n
+/// elements: the running normalizer of a scalar-gated chunk and its row's denominator.
+template <class Scalar>
+Scalar gate_add_dot(Scalar* z, Scalar g, const Scalar* kf, const Scalar* q, Index n) noexcept {
+  namespace ei = Eigen::internal;
+  using Packet = SweepPacket<Scalar>;
+  constexpr int N = sweep_packet_size<Scalar>;
+  const Packet gate = ei::pset1<Packet>(g);
+  const auto step = [&](Index i) {
+    const Packet scaled = ei::pmul(ei::ploadu<Packet>(z + i), gate);
+    const Packet next = ei::padd(scaled, ei::ploadu<Packet>(kf + i));
+    ei::pstoreu(z + i, next);
+    return next;
+  };
+  Packet acc0 = ei::pset1<Packet>(Scalar(0)), acc1 = acc0;
+  Index i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    acc0 = ei::pmadd(ei::ploadu<Packet>(q + i), step(i), acc0);
+    acc1 = ei::pmadd(ei::ploadu<Packet>(q + i + N), step(i + N), acc1);
+  }
+  if (i + N <= n) {
+    acc0 = ei::pmadd(ei::ploadu<Packet>(q + i), step(i), acc0);
+    i += N;
+  }
+  Scalar sum = ei::predux(ei::padd(acc0, acc1));
+  for (; i < n; ++i) {
+    const Scalar scaled = z[i] * g;
+    z[i] = scaled + kf[i];
+    sum = ei::pmadd(q[i], z[i], sum);
+  }
+  return sum;
+}
+
+/// row[0, m) .*= scale[0, m) over whole packets (up to m rounded up to a packet; the caller's
+/// buffers hold that many), then row[m, end) = 0: a causal mask applied to one score row, m =
+/// i + 1 weighted entries, the rest of the row up to `end` cleared.
+template <class Scalar>
+void scale_then_clear(Scalar* row, const Scalar* scale, Index m, Index end) noexcept {
+  namespace ei = Eigen::internal;
+  using Packet = SweepPacket<Scalar>;
+  constexpr int N = sweep_packet_size<Scalar>;
+  for (Index j = 0; j < m; j += N)
+    ei::pstoreu(row + j, ei::pmul(ei::ploadu<Packet>(row + j), ei::ploadu<Packet>(scale + j)));
+  std::fill(row + m, row + std::max(m, end), Scalar(0));
+}
+
 /// The size in scalars of Packet (1 for a scalar).
 template <class Packet>
 inline constexpr int packet_size = Eigen::internal::unpacket_traits<Packet>::size;
