@@ -47,6 +47,17 @@ void prefetch_rows(const M& m, Index first, Index n) noexcept {
 #endif
 }
 
+/// Asks for the line holding *p (one token's scalar input of a strided [T, H] buffer, the next
+/// block's) to be brought towards the core, as prefetch_rows does for rows.
+template <class Scalar>
+void prefetch_value(const Scalar* p) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 2);
+#else
+  static_cast<void>(p);
+#endif
+}
+
 /// Rows to prefetch a few cache lines at a time while other work runs: the next chunk's input
 /// rows, spread over this chunk's register tiles (small_gemm advances it after each tile).
 /// Issued all at once (prefetch_rows), a chunk's rows (3 C d floats: 1536 lines at C = 64,

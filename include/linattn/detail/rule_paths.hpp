@@ -130,6 +130,7 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
   // inputs are; only when their channels are contiguous.
   using GateRows = Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
   const bool gate_rows = in.log_gate.cols > 1 && in.log_gate.col_stride == 1;
+  const bool scalar_gates = in.log_gate.cols == 1 && !in.log_gate.empty();
   const GateRows log_gates(gate_rows ? in.log_gate.data : nullptr, gate_rows ? T : 0,
                            gate_rows ? in.log_gate.cols : 0,
                            Eigen::OuterStride<>(gate_rows ? in.log_gate.row_stride : 0));
@@ -144,6 +145,15 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
     prefetch_rows(K, t + block, 2);
     prefetch_rows(V, t + block, 2);
     if (gate_rows) prefetch_rows(log_gates, t + block, 2);
+    // One value per token (scalar gates, beta, log-alpha) at a stride of H values in a model's
+    // [B, T, H, 1] buffers: the line of the pair's values a block ahead, whose load otherwise
+    // stalls the pair's first use of it.
+    if (t + block < T) {
+      if (scalar_gates) prefetch_value(&in.log_gate.data[(t + block) * in.log_gate.row_stride]);
+      if (!in.beta.empty()) prefetch_value(&in.beta.data[(t + block) * in.beta.row_stride]);
+      if (!in.log_alpha.empty())
+        prefetch_value(&in.log_alpha.data[(t + block) * in.log_alpha.row_stride]);
+    }
   };
   if constexpr (is_delta_rule<Rule>) {
     DeltaRecurrence<Scalar> recurrence(r, dv);
