@@ -591,6 +591,9 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
     ColVector<Scalar> q_norms, k_norms;
     StateGradient<Scalar> final_gradient, initial;
     RuleInputGradients<Scalar> d_in;
+    // The delta rules' rebuilt forward data (r dv / C + 2 dv scalars per token), kept for the
+    // items this thread runs instead of allocated and first touched per item (same bits).
+    BackwardWorkspace<Scalar> workspace;
     for (int64_t task = begin; task < end; ++task) {
       const Index n = task / p.H, h = task % p.H;
       const Index b = p.batch_of(n), first = p.first_of(n), len = p.length_of(n);
@@ -618,12 +621,12 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
           write_rows<Scalar>(dg, b, h, first, d_in.log_gate, Scalar(1));
         } else if constexpr (Rule::kind == WriteKind::delta) {
           prefill_backward_into(attn, state, Q, Kr, Vr, read_token_rows<Scalar>(p.beta, b, h, first, len, bb),
-                                yb, carried, out, d_in, initial);
+                                yb, carried, out, d_in, initial, &workspace);
           write_rows<Scalar>(dbeta, b, h, first, d_in.beta, Scalar(1));
         } else {  // linattn takes beta then log_alpha; fla's g is log_alpha
           prefill_backward_into(attn, state, Q, Kr, Vr, read_token_rows<Scalar>(p.beta, b, h, first, len, bb),
                                 read_token_rows<Scalar>(p.g, b, h, first, len, gb), yb, carried, out,
-                                d_in, initial);
+                                d_in, initial, &workspace);
           write_rows<Scalar>(dbeta, b, h, first, d_in.beta, Scalar(1));
           write_rows<Scalar>(dg, b, h, first, d_in.log_alpha, Scalar(1));
         }
