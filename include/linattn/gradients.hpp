@@ -38,6 +38,7 @@
 
 #include <linattn/attention.hpp>
 #include <linattn/detail/backward_chunked.hpp>
+#include <linattn/detail/checks.hpp>
 #include <linattn/detail/eigen_utils.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/feature_maps.hpp>
@@ -104,15 +105,7 @@ template <class DQ, class DK, class DV, class DY>
 void check_backward_shapes(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                            const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DY>& dY,
                            Mask mask) {
-  if (Q.cols() != K.cols())
-    throw_shape_error("Q and K need the same key dimension, got Q ", shape_of(Q), " and K ",
-                      shape_of(K));
-  if (K.rows() != V.rows())
-    throw_shape_error("K and V need one row per token, got K ", shape_of(K), " and V ",
-                      shape_of(V));
-  if (mask == Mask::causal && Q.rows() != K.rows())
-    throw_shape_error("causal attention needs as many queries as keys, got Q ", shape_of(Q),
-                      " and K ", shape_of(K));
+  check_qkv_pairing(Q, K, V, mask == Mask::causal);
   if (dY.rows() != Q.rows() || dY.cols() != V.cols())
     throw_shape_error("output gradient dY is ", shape_of(dY), ", expected ", Q.rows(), "x",
                       V.cols(), " (Q rows x V cols)");

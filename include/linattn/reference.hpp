@@ -3,6 +3,7 @@
 /// Quadratic reference implementations, for tests and comparisons only: they form the full
 /// Tq x Tk score matrix (O(Tq Tk (dk + dv)) time and O(Tq Tk) memory).
 
+#include <linattn/detail/checks.hpp>
 #include <linattn/detail/eigen_utils.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/feature_maps.hpp>
@@ -16,22 +17,6 @@
 
 namespace linattn {
 
-namespace detail {
-template <class DQ, class DK, class DV>
-void check_reference_shapes(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-                            const Eigen::MatrixBase<DV>& V, Mask mask) {
-  if (Q.cols() != K.cols())
-    throw_shape_error("Q and K need the same key dimension, got Q ", shape_of(Q), " and K ",
-                      shape_of(K));
-  if (K.rows() != V.rows())
-    throw_shape_error("K and V need one row per token, got K ", shape_of(K), " and V ",
-                      shape_of(V));
-  if (mask == Mask::causal && Q.rows() != K.rows())
-    throw_shape_error("causal attention needs as many queries as keys, got Q ", shape_of(Q),
-                      " and K ", shape_of(K));
-}
-}  // namespace detail
-
 /// Softmax attention, the comparison baseline: y_i = sum_j softmax_j(scale q_i^T k_j) v_j over
 /// all keys (Mask::none) or keys j <= i (Mask::causal). Numerically stable: the row maximum is
 /// subtracted before exp. `scale` defaults to 1/sqrt(dk); pass 1 for raw dot-product scores.
@@ -42,7 +27,7 @@ template <class DQ, class DK, class DV>
     const Eigen::MatrixBase<DV>& V, Mask mask,
     double scale = std::numeric_limits<double>::quiet_NaN()) {
   using Scalar = typename DQ::Scalar;
-  detail::check_reference_shapes(Q, K, V, mask);
+  detail::check_qkv_pairing(Q, K, V, mask == Mask::causal);
   if (std::isnan(scale)) scale = 1.0 / std::sqrt(static_cast<double>(std::max<Index>(Q.cols(), 1)));
   RowMatrix<Scalar> scores = (Q * K.transpose()) * static_cast<Scalar>(scale);
   for (Index i = 0; i < scores.rows(); ++i) {
@@ -65,7 +50,7 @@ template <class Phi, class DQ, class DK, class DV>
     const Phi& phi, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, Mask mask, Normalization norm = {}) {
   using Scalar = typename DQ::Scalar;
-  detail::check_reference_shapes(Q, K, V, mask);
+  detail::check_qkv_pairing(Q, K, V, mask == Mask::causal);
   const Index r = phi.feature_dim(Q.cols());
   RowMatrix<Scalar> qf(Q.rows(), r), kf(K.rows(), r);
   {

@@ -11,22 +11,31 @@
 
 namespace linattn::detail {
 
-/// Q (Tq x dk), K (Tk x dk), V (Tk x dv) with dk, dv >= 1; `causal` also needs Tq = Tk.
+/// Q (Tq x dk) and K (Tk x dk) share dk, K and V (Tk x dv) one row per token; `causal` also
+/// needs Tq = Tk. The pairing every call checks (the references and the backward too).
 template <class DQ, class DK, class DV>
-void check_inputs(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-                  const Eigen::MatrixBase<DV>& V, bool causal) {
+void check_qkv_pairing(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                       const Eigen::MatrixBase<DV>& V, bool causal) {
   if (Q.cols() != K.cols())
     throw_shape_error("Q and K need the same key dimension, got Q ", shape_of(Q), " and K ",
                       shape_of(K));
   if (K.rows() != V.rows())
     throw_shape_error("K and V need one row per token, got K ", shape_of(K), " and V ",
                       shape_of(V));
-  if (K.cols() < 1 || V.cols() < 1)
-    throw_shape_error("a head needs dk >= 1 and dv >= 1, got K ", shape_of(K), " and V ",
-                      shape_of(V));
   if (causal && Q.rows() != K.rows())
     throw_shape_error("causal attention needs as many queries as keys, got Q ", shape_of(Q),
                       " and K ", shape_of(K));
+}
+
+/// Q (Tq x dk), K (Tk x dk), V (Tk x dv) with dk, dv >= 1; `causal` also needs Tq = Tk.
+template <class DQ, class DK, class DV>
+void check_inputs(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                  const Eigen::MatrixBase<DV>& V, bool causal) {
+  check_qkv_pairing(Q, K, V, false);  // the same messages, in the same order, as the others
+  if (K.cols() < 1 || V.cols() < 1)
+    throw_shape_error("a head needs dk >= 1 and dv >= 1, got K ", shape_of(K), " and V ",
+                      shape_of(V));
+  check_qkv_pairing(Q, K, V, causal);
 }
 
 /// An output of `rows` x `cols`.

@@ -50,6 +50,21 @@ inline constexpr Index delta_solve_block = 16;
 
 // ---- recurrent -------------------------------------------------------------------------------
 
+/// The write of one delta token once its corrected value u (length dv) is known: one
+/// read-modify-write sweep S = alpha S + kf^T u (no multiply when alpha = 1). 2 r dv flops
+/// (3 with alpha < 1). No allocation.
+template <class Scalar>
+void delta_write(RowMatrix<Scalar>& S, const Scalar* kf, const Scalar* u, Scalar alpha,
+                 bool reverse) noexcept {
+  const Index r = S.rows(), dv = S.cols();
+  RankSweep<Scalar> update;
+  update.scale = alpha;
+  update.k[0] = kf;
+  update.w[0] = u;
+  rank_sweep_with<0>(1, alpha != Scalar(1) ? RowScale::uniform : RowScale::none, S.data(), dv, r,
+                     dv, update, reverse);
+}
+
 /// One decode token of the (gated) delta rule: one read-only sweep gives p = kf S and
 /// w = qf S (into `prediction` and y), then u = beta (v - alpha p) (in `prediction`),
 /// y = alpha w + (qf . kf) u, and one read-modify-write sweep S = alpha S + kf^T u, in the
@@ -71,12 +86,7 @@ void delta_token(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar* qf, con
   Vec u(prediction, dv), out(y, dv);
   u = beta * (ConstVec(v, dv) - alpha * u);
   out = alpha * out + ordered_dot(qf, kf, r) * u;
-  RankSweep<Scalar> update;
-  update.scale = alpha;
-  update.k[0] = kf;
-  update.w[0] = prediction;
-  rank_sweep_with<0>(1, alpha != Scalar(1) ? RowScale::uniform : RowScale::none, S.data(),
-                            dv, r, dv, update, !reverse);
+  delta_write(S, kf, prediction, alpha, !reverse);
 }
 
 /// Absorb one token without a read (grouped decode: then every query head reads S with the
@@ -92,12 +102,7 @@ void delta_absorb(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar* kf, co
   rank_sweep<0, 1, RowScale::none>(S.data(), dv, r, dv, read, reverse);
   Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> u(prediction, dv);
   u = beta * (Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(v, dv) - alpha * u);
-  RankSweep<Scalar> update;
-  update.scale = alpha;
-  update.k[0] = kf;
-  update.w[0] = prediction;
-  rank_sweep_with<0>(1, alpha != Scalar(1) ? RowScale::uniform : RowScale::none, S.data(),
-                            dv, r, dv, update, !reverse);
+  delta_write(S, kf, prediction, alpha, !reverse);
 }
 
 /// The end of the delta recurrence's pair sweep (a RankPass Finish): from the four reads of a
