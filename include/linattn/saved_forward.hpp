@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <linattn/attention.hpp>
 #include <linattn/detail/delta_backward.hpp>
+#include <linattn/detail/huge_pages.hpp>
 #include <linattn/detail/saved_backward.hpp>
 #include <linattn/gradients.hpp>
 #include <stdexcept>
@@ -134,7 +135,7 @@ struct SavedForwardAccess {
   template <class Scalar>
   static void size_chunk_states(SavedForward<Scalar>& s, Index chunks, Index r, Index dv,
                                 bool log_scaled) {
-    s.data_.states.resize(chunks * r, dv);
+    detail::resize_for_streaming(s.data_.states, chunks * r, dv);
     s.data_.sums.resize(chunks, r);
     s.data_.log_scales.resize(log_scaled ? chunks : 0);
   }

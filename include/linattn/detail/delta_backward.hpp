@@ -38,6 +38,7 @@
 #include <linattn/detail/backward_chunked.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/delta_kernels.hpp>
+#include <linattn/detail/huge_pages.hpp>
 #include <linattn/detail/rule_common.hpp>
 #include <linattn/detail/saved_backward.hpp>
 #include <linattn/detail/small_gemm.hpp>
@@ -66,12 +67,12 @@ struct DeltaSavedStates {
   Index chunk_size = 0;
 
   /// Sized for T tokens in chunks of C, r features and dv values (allocates when the size
-  /// changes).
+  /// changes, asking for huge pages on a new block: detail/huge_pages.hpp).
   void resize(Index T, Index C, Index r, Index dv) {
     const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
-    states.resize(chunks * r, dv);
-    corrected.resize(T, dv);
-    reads.resize(T, dv);
+    resize_for_streaming(states, chunks * r, dv);
+    resize_for_streaming(corrected, T, dv);
+    resize_for_streaming(reads, T, dv);
     chunk_size = C;
   }
 
