@@ -135,7 +135,7 @@ struct SavedForwardAccess {
   template <class Scalar>
   static void size_chunk_states(SavedForward<Scalar>& s, Index chunks, Index r, Index dv,
                                 bool log_scaled) {
-    detail::resize_for_streaming(s.data_.states, chunks * r, dv);
+    detail::resize_with_huge_pages(s.data_.states, chunks * r, dv);
     s.data_.sums.resize(chunks, r);
     s.data_.log_scales.resize(log_scaled ? chunks : 0);
   }

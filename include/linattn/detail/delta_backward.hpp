@@ -70,9 +70,9 @@ struct DeltaSavedStates {
   /// changes, asking for huge pages on a new block: detail/huge_pages.hpp).
   void resize(Index T, Index C, Index r, Index dv) {
     const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
-    resize_for_streaming(states, chunks * r, dv);
-    resize_for_streaming(corrected, T, dv);
-    resize_for_streaming(reads, T, dv);
+    resize_with_huge_pages(states, chunks * r, dv);
+    resize_with_huge_pages(corrected, T, dv);
+    resize_with_huge_pages(reads, T, dv);
     chunk_size = C;
   }
 

@@ -47,7 +47,7 @@ inline void advise_huge_pages(const void* data, std::size_t bytes) noexcept {
 /// m.resize(rows, cols) for a dense Eigen matrix, with advise_huge_pages on the memory when the
 /// resize allocated it (its size changed), before anything writes to it.
 template <class Matrix, class Rows, class Cols>
-void resize_for_streaming(Matrix& m, Rows rows, Cols cols) {
+void resize_with_huge_pages(Matrix& m, Rows rows, Cols cols) {
   const auto before = m.size();
   m.resize(rows, cols);
   if (m.size() != before)
