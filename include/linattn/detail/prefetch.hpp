@@ -168,4 +168,20 @@ void prefetch_for_write(Scalar* p, Index n) noexcept {
 #endif
 }
 
+/// Requests, for writing, the output rows of the write rules' recurrent sweeps two and three
+/// pairs after the pair at row t (rows t + 4 to t + 7 of `out`, clipped to its rows; dv values
+/// each). Called once per pair, so each row is requested twice, a pair apart. A sweep stores
+/// its two output rows at its end, and a store whose line has not arrived holds up the stores
+/// behind it. The additive recurrent pass requests the next pair's rows only (t + 2, t + 3);
+/// that lead was too short for the rules' sweeps at H = 8, d = 64 (rows of [T, 512] buffers, a
+/// new page every second row): on a Zen 5 VM, Decay and scalar-Gated ran at 0.69 to 0.77 x
+/// Additive with it, 0.82 to 0.90 x with this one (bench_write_rules, binaries alternated). The
+/// additive pass ran about 10% slower with this lead at d = 64 (bench_paths recurrent,
+/// T = 4096: 8.8 and 9.3 ms against 8.3 and 8.0), so it keeps its own.
+template <class Out>
+void prefetch_rule_output_rows(Out& out, Index t, Index dv) noexcept {
+  const Index end = std::min<Index>(t + 8, Index(out.rows()));
+  for (Index ahead = t + 4; ahead < end; ++ahead) prefetch_for_write(out.row(ahead).data(), dv);
+}
+
 }  // namespace linattn::detail

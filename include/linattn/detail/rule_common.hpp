@@ -406,11 +406,16 @@ template <int Updates, int Reads, RowScale Scale, class Scalar, class Finish = S
 void rank_sweep(Scalar* S, Index ld, Index r, Index dv, const RankSweep<Scalar>& sweep,
                 bool reverse, const Finish& finish = Finish{}) noexcept {
   // Per packet of columns a pass holds the row, Updates values and Reads accumulators (up to
-  // 7 registers), plus a few broadcasts: with 32 registers 4 packets for up to 6 of them, else
-  // 3; with 16, 4 packets for up to 3, else 2.
+  // 7 registers), plus a broadcast and the scale: with 32 registers 4 packets always (the
+  // delta recurrence's pair sweep, 7 per packet, holds 28 plus two and g++ spills none); with
+  // 16, 4 packets for up to 3, else 2. Four packets rather than three for the pair sweep: one
+  // pass instead of two at dv = 64 (64 floats with AVX-512) and two instead of three at 128,
+  // each pass with four independent chains per read; GatedDelta's recurrent rate rose 3 to 7%
+  // (Zen 5 VM, bench_write_rules, H = 1 and 8, d = 64 and 128, binaries alternated), Delta's
+  // did not move.
   constexpr int live = 1 + Updates + Reads;
-  constexpr int P = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? (live <= 6 ? 4 : 3)
-                                                                 : (live <= 3 ? 4 : 2);
+  static_assert(live <= 7, "a rank sweep holds at most 2 updates and 4 reads per packet");
+  constexpr int P = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : (live <= 3 ? 4 : 2);
   column_passes<P, Scalar>(
       dv, reverse,
       RankPass<Updates, Reads, Scale, Scalar, Finish>{S, ld, r, &sweep, reverse, finish});

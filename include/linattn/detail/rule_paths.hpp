@@ -135,12 +135,11 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
                            gate_rows ? in.log_gate.cols : 0,
                            Eigen::OuterStride<>(gate_rows ? in.log_gate.row_stride : 0));
   const auto prefetch_next = [&](Index t) {
-    // Output rows of the next sweep, requested now so that they arrive during this one, and
-    // the inputs of the block of features after this one, a pair of rows per pair of tokens
-    // (as the additive recurrent pass does): one head's rows of a model's token-major buffers
-    // lie on different pages, which the hardware prefetchers do not follow.
-    for (Index ahead = t + 2; ahead < std::min(t + 4, T); ++ahead)
-      prefetch_for_write(out.row(ahead).data(), dv);
+    // Output rows of later sweeps (prefetch_rule_output_rows), and the inputs of the block of
+    // features after this one, a pair of rows per pair of tokens (as the additive recurrent
+    // pass does): one head's rows of a model's token-major buffers lie on different pages,
+    // which the hardware prefetchers do not follow.
+    prefetch_rule_output_rows(out, t, dv);
     prefetch_rows(Q, t + block, 2);
     prefetch_rows(K, t + block, 2);
     prefetch_rows(V, t + block, 2);
