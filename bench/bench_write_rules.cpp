@@ -167,22 +167,20 @@ void BM_rule(benchmark::State& state, Rule rule) {
   // hypervisor mapping the buffers again.
   call<Recurrent>(rule, p);
   call<Recurrent>(base, p);
+  // The GEMM, then one call of `which`, timed apart; returns the call's time (see "Order").
+  const auto after_gemm = [&](Rule which) {
+    double t0 = thread_seconds();
+    gemm.run();
+    t_gemm += thread_seconds() - t0;
+    t0 = thread_seconds();
+    call<Recurrent>(which, p);
+    return thread_seconds() - t0;
+  };
   for (auto _ : state) {
-    // The GEMM before each call (see "Order" above).
-    for (int turn = 0; turn < 2; ++turn) {
-      double t0 = thread_seconds();
-      gemm.run();
-      t_gemm += thread_seconds() - t0;
-      t0 = thread_seconds();
-      call<Recurrent>(turn == 0 ? rule : base, p);
-      const double t = thread_seconds() - t0;
-      if (turn == 0) {
-        t_rule += t;
-        state.SetIterationTime(t);
-      } else {
-        t_base += t;
-      }
-    }
+    const double t = after_gemm(rule);
+    t_rule += t;
+    state.SetIterationTime(t);
+    t_base += after_gemm(base);
   }
   const double iters = static_cast<double>(state.iterations());
   const double useful = 4.0 * double(T * H) * double(d * d);
