@@ -10,14 +10,11 @@
 #include <cstdint>
 #include <linattn/detail/backward_chunked.hpp>
 #include <linattn/detail/prefetch.hpp>
+#include <linattn/detail/stream_store.hpp>
 #include <linattn/feature_maps.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/types.hpp>
 #include <type_traits>
-
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
 
 namespace linattn::detail {
 
@@ -35,45 +32,6 @@ struct ChunkStates {
     return static_cast<std::size_t>(chunks * (r * dv + r + (log_scaled ? 1 : 0))) * sizeof(Scalar);
   }
 };
-
-/// dst[0, n) = src[0, n) with non-temporal (streaming) stores where the build has them and dst
-/// is aligned to the packet (AVX or SSE2, float and double), a plain copy otherwise: for data
-/// written once and read much later, which should neither displace the cache nor be read
-/// before being overwritten. Call stream_fence() before another thread reads dst.
-template <class Scalar>
-void stream_copy(const Scalar* src, Index n, Scalar* dst) noexcept {
-  Index i = 0;
-#if defined(__AVX__)
-  constexpr std::size_t kAlign = 32;
-#elif defined(__SSE2__)
-  constexpr std::size_t kAlign = 16;
-#endif
-#if defined(__SSE2__)
-  if (reinterpret_cast<std::uintptr_t>(dst) % kAlign == 0) {
-    if constexpr (std::is_same_v<Scalar, float>) {
-#if defined(__AVX__)
-      for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
-#else
-      for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
-#endif
-    } else if constexpr (std::is_same_v<Scalar, double>) {
-#if defined(__AVX__)
-      for (; i + 4 <= n; i += 4) _mm256_stream_pd(dst + i, _mm256_loadu_pd(src + i));
-#else
-      for (; i + 2 <= n; i += 2) _mm_stream_pd(dst + i, _mm_loadu_pd(src + i));
-#endif
-    }
-  }
-#endif
-  for (; i < n; ++i) dst[i] = src[i];
-}
-
-/// Orders the streaming stores of stream_copy before later stores (a no-op without SSE2).
-inline void stream_fence() noexcept {
-#if defined(__SSE2__)
-  _mm_sfence();
-#endif
-}
 
 /// Gradients of the causal read whose chunk-boundary states `saved` holds (chunks of
 /// `chunk_size` rows), given dY and the gradient (dS_T, dz_T) of the stored final state (null:
