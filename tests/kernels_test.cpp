@@ -12,6 +12,7 @@
 #include <linattn/detail/prefetch.hpp>
 #include <linattn/detail/recurrent_sweep.hpp>
 #include <linattn/detail/small_gemm.hpp>
+#include <linattn/detail/stream_store.hpp>
 #include <linattn/reference.hpp>
 
 #include <catch2/catch.hpp>
@@ -347,6 +348,28 @@ TEMPLATE_TEST_CASE("transpose_into copies exactly across packet blocks and edges
       CHECK((dst.rightCols(ldd - rows).array() == TestType(-7)).all());  // padding untouched
     }
   }
+}
+
+TEMPLATE_TEST_CASE("stream_copy copies exactly from every alignment and touches nothing else",
+                   "[kernel]", float, double, int) {
+  // Every start offset within two streaming packets, lengths around the packet: the aligned
+  // middle streams, the head and the tail are copied plainly; the guard cells stay as they were.
+  constexpr Index kGuard = 8;
+  const Index packet = Index(64 / sizeof(TestType));
+  std::vector<TestType> src(std::size_t(4 * packet + 2 * kGuard)), dst(src.size());
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = TestType(int(i) * 3 + 1);
+  for (Index offset = 0; offset < 2 * packet; ++offset)
+    for (Index n : {Index{0}, Index{1}, packet - 1, packet, packet + 1, 2 * packet + 3}) {
+      CAPTURE(offset, n);
+      std::fill(dst.begin(), dst.end(), TestType(-5));
+      detail::stream_copy(src.data() + kGuard, n, dst.data() + kGuard + offset);
+      detail::stream_fence();
+      for (Index i = 0; i < Index(dst.size()); ++i) {
+        const Index j = i - kGuard - offset;  // the index into the copied run
+        const TestType expected = j >= 0 && j < n ? src[std::size_t(kGuard + j)] : TestType(-5);
+        if (dst[std::size_t(i)] != expected) FAIL_CHECK("cell " << i);
+      }
+    }
 }
 
 TEST_CASE("SpreadPrefetch walks every line of the queued rows once, in order, within each budget",

@@ -4,11 +4,13 @@
 // sequence to the derived rounding bound (tests/slice_reference.hpp), for every write rule,
 // slices of every shape (empty ones included) and a non-zero starting state; a first slice of
 // whole chunks is bit-identical; the transposed step of the scan is the adjoint of the
-// forward step. The cost model that picks the schedule (detail/schedule_model.hpp) on slices
+// forward step. The head-major copies of token-major slices (detail/head_major_stage.hpp) copy
+// exactly, small or streamed. The cost model that picks the schedule (detail/schedule_model.hpp) on slices
 // whose times are worked out by hand below.
 // tests/mpi/ runs the same algorithm across real processes.
 
 #include <linattn/attention.hpp>
+#include <linattn/detail/head_major_stage.hpp>
 #include <linattn/detail/schedule_model.hpp>
 #include <linattn/detail/slice_runner.hpp>
 #include <linattn/detail/slice_summary.hpp>
@@ -18,6 +20,7 @@
 #include "slice_reference.hpp"
 #include "test_support.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -391,6 +394,62 @@ TEST_CASE("schedule model: the three schedules' times on the actual slices, the 
     const auto m = model(0, {10, 10});
     CHECK(m.summaries == 0.0);
     CHECK(m.pick == ScheduleCode::summaries);
+  }
+}
+
+TEST_CASE("head-major staging copies token-major rows exactly and writes back only the outputs",
+          "[slices]") {
+  // Three state heads of a [T, H, d] buffer, d = 5 floats (rows neither line-sized nor
+  // aligned), two query heads per state head; T large enough that the copy of the inputs
+  // (3 * (2 + 2) * 5 * T floats) passes detail::kStreamStageBytes and streams, and small.
+  for (const Index T : {Index{37}, Index{220000}}) {
+    CAPTURE(T);
+    const Index H = 3, G = 2, d = 5;
+    const bool streams = std::size_t(H * (G + 2) * d * T) * sizeof(float) > detail::kStreamStageBytes;
+    CHECK(streams == (T > 1000));
+    std::vector<float> q(std::size_t(T * H * G * d)), k(std::size_t(T * H * d)), v(k.size());
+    std::vector<float> out(q.size(), -1.0f);
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = float(i % 1009) + 0.25f;
+    for (std::size_t i = 0; i < k.size(); ++i) k[i] = -float(i % 997);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = float(i % 991) * 0.5f;
+    std::vector<detail::SliceItem<float>> items(static_cast<std::size_t>(H));
+    for (Index h = 0; h < H; ++h) {
+      auto& item = items[std::size_t(h)];
+      for (Index g = h * G; g < (h + 1) * G; ++g) {
+        item.queries.push_back({q.data() + g * d, T, d, H * G * d});
+        item.outputs.push_back({out.data() + g * d, T, d, H * G * d});
+      }
+      item.keys = {k.data() + h * d, T, d, H * d};
+      item.values = {v.data() + h * d, T, d, H * d};
+    }
+    REQUIRE(detail::worth_staging(items));
+    detail::HeadMajorStage<float> stage;
+    stage.stage(items);
+    REQUIRE(stage.active);
+    bool inputs_equal = true;
+    for (Index h = 0; h < H; ++h) {
+      const auto& item = items[std::size_t(h)];
+      CHECK(item.keys.stride == d);
+      for (Index t = 0; t < T; ++t)
+        for (Index c = 0; c < d; ++c) {
+          inputs_equal = inputs_equal && item.keys.data[t * d + c] == k[std::size_t((t * H + h) * d + c)] &&
+                         item.values.data[t * d + c] == v[std::size_t((t * H + h) * d + c)];
+          for (Index g = 0; g < G; ++g)
+            inputs_equal = inputs_equal && item.queries[std::size_t(g)].data[t * d + c] ==
+                                               q[std::size_t((t * H * G + h * G + g) * d + c)];
+        }
+      // The call writes its outputs into the staged rows: a value naming (t, head, column).
+      for (Index g = 0; g < G; ++g)
+        for (Index t = 0; t < T; ++t)
+          for (Index c = 0; c < d; ++c)
+            item.outputs[std::size_t(g)].data[t * d + c] = float((t * H * G + h * G + g) * d + c);
+    }
+    CHECK(inputs_equal);
+    CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == -1.0f; }));  // not yet
+    stage.finish();
+    bool outputs_equal = true;
+    for (std::size_t i = 0; i < out.size(); ++i) outputs_equal = outputs_equal && out[i] == float(i);
+    CHECK(outputs_equal);
   }
 }
 
