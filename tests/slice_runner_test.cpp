@@ -5,8 +5,8 @@
 // slices of every shape (empty ones included) and a non-zero starting state; a first slice of
 // whole chunks is bit-identical; the transposed step of the scan is the adjoint of the
 // forward step. The head-major copies of token-major slices (detail/head_major_stage.hpp) copy
-// exactly, small or streamed. The cost model that picks the schedule (detail/schedule_model.hpp) on slices
-// whose times are worked out by hand below.
+// exactly, small or streamed. The cost model that picks the schedule
+// (detail/schedule_model.hpp) on slices whose times are worked out by hand below.
 // tests/mpi/ runs the same algorithm across real processes.
 
 #include <linattn/attention.hpp>
@@ -405,7 +405,8 @@ TEST_CASE("head-major staging copies token-major rows exactly and writes back on
   for (const Index T : {Index{37}, Index{220000}}) {
     CAPTURE(T);
     const Index H = 3, G = 2, d = 5;
-    const bool streams = std::size_t(H * (G + 2) * d * T) * sizeof(float) > detail::kStreamStageBytes;
+    const std::size_t input_bytes = std::size_t(H * (G + 2) * d * T) * sizeof(float);
+    const bool streams = input_bytes > detail::kStreamStageBytes;
     CHECK(streams == (T > 1000));
     std::vector<float> q(std::size_t(T * H * G * d)), k(std::size_t(T * H * d)), v(k.size());
     std::vector<float> out(q.size(), -1.0f);
@@ -432,8 +433,9 @@ TEST_CASE("head-major staging copies token-major rows exactly and writes back on
       CHECK(item.keys.stride == d);
       for (Index t = 0; t < T; ++t)
         for (Index c = 0; c < d; ++c) {
-          inputs_equal = inputs_equal && item.keys.data[t * d + c] == k[std::size_t((t * H + h) * d + c)] &&
-                         item.values.data[t * d + c] == v[std::size_t((t * H + h) * d + c)];
+          const auto at = std::size_t((t * H + h) * d + c);
+          inputs_equal = inputs_equal && item.keys.data[t * d + c] == k[at] &&
+                         item.values.data[t * d + c] == v[at];
           for (Index g = 0; g < G; ++g)
             inputs_equal = inputs_equal && item.queries[std::size_t(g)].data[t * d + c] ==
                                                q[std::size_t((t * H * G + h * G + g) * d + c)];
@@ -448,7 +450,8 @@ TEST_CASE("head-major staging copies token-major rows exactly and writes back on
     CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == -1.0f; }));  // not yet
     stage.finish();
     bool outputs_equal = true;
-    for (std::size_t i = 0; i < out.size(); ++i) outputs_equal = outputs_equal && out[i] == float(i);
+    for (std::size_t i = 0; i < out.size(); ++i)
+      outputs_equal = outputs_equal && out[i] == float(i);
     CHECK(outputs_equal);
   }
 }
