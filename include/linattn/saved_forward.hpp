@@ -35,6 +35,7 @@
 #include <linattn/detail/delta_backward.hpp>
 #include <linattn/detail/huge_pages.hpp>
 #include <linattn/detail/saved_backward.hpp>
+#include <linattn/detail/stream_store.hpp>
 #include <linattn/gradients.hpp>
 #include <stdexcept>
 

@@ -42,6 +42,7 @@
 #include <linattn/detail/rule_common.hpp>
 #include <linattn/detail/saved_backward.hpp>
 #include <linattn/detail/small_gemm.hpp>
+#include <linattn/detail/stream_store.hpp>
 #include <linattn/detail/token_inputs.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/types.hpp>
@@ -86,7 +87,7 @@ struct DeltaSavedStates {
 /// The chunked delta forward's observer (rule_chunked) that copies each chunk's state, corrected
 /// values and state reads into a DeltaSavedStates sized for the call (chunk_size the forward's
 /// chunk). Called as (first, S, chunk) after chunk.prepare(), before the state absorbs it.
-/// Non-temporal stores where the rows are aligned (stream_copy): the data is read back only by
+/// Non-temporal stores (stream_copy): the data is read back only by
 /// the backward, after the whole forward, and should not evict the forward's working set.
 template <class Scalar>
 struct SaveDeltaChunks {

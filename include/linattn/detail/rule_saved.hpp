@@ -10,6 +10,7 @@
 #include <linattn/detail/delta_backward.hpp>
 #include <linattn/detail/gated_backward.hpp>
 #include <linattn/detail/rule_paths.hpp>
+#include <linattn/detail/stream_store.hpp>
 #include <linattn/detail/token_inputs.hpp>
 #include <linattn/gradients.hpp>
 #include <linattn/rule_gradients.hpp>
