@@ -94,7 +94,7 @@ struct HeadMajorStage {
   std::vector<Scalar> inputs, outputs;
   std::vector<RowCopy<Scalar>> copy_in, copy_out;  // copy_out: the staged outputs back
   Index rows = 0;
-  bool active = false;
+  bool active = false, stream_out = false;
 
   /// Points every item's queries, keys, values and outputs at head-major copies (inputs copied
   /// now, outputs written by the call and copied back by finish()). Allocates when the
@@ -139,6 +139,7 @@ struct HeadMajorStage {
       return std::less<const Scalar*>()(a.to, b.to);
     });
     copy_rows(copy_in, rows, std::size_t(in_size) * sizeof(Scalar) > kStreamStageBytes);
+    stream_out = std::size_t(out_size) * sizeof(Scalar) > kStreamStageBytes;
     active = true;
   }
 
@@ -146,9 +147,7 @@ struct HeadMajorStage {
   void finish() {
     if (!active) return;
     active = false;
-    Index out_size = 0;
-    for (const auto& p : copy_out) out_size += rows * p.cols;
-    copy_rows(copy_out, rows, std::size_t(out_size) * sizeof(Scalar) > kStreamStageBytes);
+    copy_rows(copy_out, rows, stream_out);
   }
 };
 
