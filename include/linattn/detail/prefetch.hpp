@@ -12,6 +12,16 @@
 
 namespace linattn::detail {
 
+#if defined(__GNUC__) || defined(__clang__)
+/// Called in every loop whose body is only prefetches, so that the loop is kept: g++ 12 at -O1
+/// and above deletes such a loop as dead code, prefetches and all (clang keeps it), which left
+/// prefetch_rows and prefetch_for_write compiled to nothing in every g++ 12 build until this
+/// was added. An empty volatile asm is a side effect the compiler must keep; it emits no
+/// instruction and, with no memory clobber, does not stop the compiler keeping values in
+/// registers across it.
+inline void keep_prefetch_loop() noexcept { asm volatile(""); }
+#endif
+
 /// Whether M's rows lie contiguous in memory at a fixed stride (row-major, direct access, unit
 /// inner stride): the matrices and views whose rows the prefetches below can address.
 template <class M>
@@ -33,7 +43,10 @@ void prefetch_rows(const M& m, Index first, Index n) noexcept {
     const Index bytes = Index(m.cols()) * Index(sizeof(typename M::Scalar));
     for (Index i = first; i < last; ++i) {
       const char* row = reinterpret_cast<const char*>(m.data() + i * Index(m.outerStride()));
-      for (Index b = 0; b < bytes; b += kLine) __builtin_prefetch(row + b, 0, 2);
+      for (Index b = 0; b < bytes; b += kLine) {
+        __builtin_prefetch(row + b, 0, 2);
+        keep_prefetch_loop();
+      }
     }
   } else {
     static_cast<void>(m);
@@ -161,7 +174,10 @@ void prefetch_for_write(Scalar* p, Index n) noexcept {
   constexpr Index kLine = 64;
   char* const bytes = reinterpret_cast<char*>(p);
   const Index size = n * static_cast<Index>(sizeof(Scalar));
-  for (Index b = 0; b < size; b += kLine) __builtin_prefetch(bytes + b, 1, 3);
+  for (Index b = 0; b < size; b += kLine) {
+    __builtin_prefetch(bytes + b, 1, 3);
+    keep_prefetch_loop();
+  }
 #else
   static_cast<void>(p);
   static_cast<void>(n);
