@@ -188,32 +188,14 @@ void prefetch_for_write(Scalar* p, Index n) noexcept {
 /// pairs after the pair at row t (rows t + 4 to t + 7 of `out`, clipped to its rows; dv values
 /// each). Called once per pair, so each row is requested twice, a pair apart. A sweep stores
 /// its two output rows at its end, and a store whose line has not arrived holds up the stores
-/// behind it. The additive recurrent pass requests the next pair's rows only (t + 2, t + 3);
-/// that lead was too short for the rules' sweeps at H = 8, d = 64 (rows of [T, 512] buffers, a
-/// new page every second row): on a Zen 5 VM, Decay and scalar-Gated ran at 0.69 to 0.77 x
-/// Additive with it, 0.82 to 0.90 x with this one (bench_write_rules, binaries alternated). The
-/// additive pass ran about 10% slower with this lead at d = 64 (bench_paths recurrent,
-/// T = 4096: 8.8 and 9.3 ms against 8.3 and 8.0), so it keeps its own.
+/// behind it. The additive recurrent pass requests the next pair's rows only (t + 2, t + 3).
+/// With the prefetch loops kept (keep_prefetch_loop), the two leads measure the same for both
+/// passes (Zen 5 VM, H = 8, d = 64, 2026-12-04); the figures once given here for the longer
+/// lead came from g++ 12 builds that had dropped these loops, so they measured code layout.
 template <class Out>
 void prefetch_rule_output_rows(Out& out, Index t, Index dv) noexcept {
   const Index end = std::min<Index>(t + 8, Index(out.rows()));
   for (Index ahead = t + 4; ahead < end; ++ahead) prefetch_for_write(out.row(ahead).data(), dv);
-}
-
-/// Requests again, for writing, the output rows of the first two pairs of a block (rows first
-/// to first + 3, clipped), after the block's feature map has read its input rows. Those rows
-/// were requested by the previous block's last pairs (prefetch_rule_output_rows), before the
-/// map, and the map evicts them from L1: in a model's [T, H d] buffers with a power-of-two row
-/// stride (2 KiB at H d = 512 floats) every row of one head, in Q, K, V and the output alike,
-/// falls in the same few sets of L1 (8 of 64 at d = 64), and the map's 2 x 32 rows of Q and K
-/// fill them several times over. Measured on a Zen 5 VM, recurrent at H = 8, d = 64
-/// (bench_write_rules, binaries alternated, 3 runs each), rate as a fraction of Additive's:
-/// Decay 0.79-0.80 -> 0.84-0.87, scalar-gated 0.70-0.72 -> 0.79-0.83, Delta 0.55-0.56 ->
-/// 0.62-0.65, GatedDelta 0.70-0.72 either way; the other shapes moved within the noise.
-template <class Out>
-void prefetch_block_output_rows(Out& out, Index first, Index dv) noexcept {
-  const Index end = std::min<Index>(first + 4, Index(out.rows()));
-  for (Index row = first; row < end; ++row) prefetch_for_write(out.row(row).data(), dv);
 }
 
 }  // namespace linattn::detail

@@ -169,7 +169,6 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
       map_rows<Scalar>(phi, Q, first, n, qf);
       map_rows<Scalar>(phi, K, first, n, kf);
       const auto [v, ld_v] = row_major_rows(V, first, n, v_buffer);
-      prefetch_block_output_rows(out, first, dv);  // (the map evicted them)
       Index i = 0;
       for (; i + 1 < n; i += 2) {
         const Index t = first + i;
@@ -225,7 +224,6 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
         tk.y = out.row(first + i).data();
         return tk;
       };
-      prefetch_block_output_rows(out, first, dv);  // (the map evicted them)
       Index i = 0;
       for (; i + 1 < n; i += 2) {
         const Index t = first + i;
