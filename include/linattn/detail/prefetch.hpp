@@ -15,10 +15,10 @@ namespace linattn::detail {
 #if defined(__GNUC__) || defined(__clang__)
 /// Called in every loop whose body is only prefetches, so that the loop is kept: g++ 12 at -O1
 /// and above deletes such a loop as dead code, prefetches and all (clang keeps it), which left
-/// prefetch_rows and prefetch_for_write compiled to nothing in every g++ 12 build until this
-/// was added. An empty volatile asm is a side effect the compiler must keep; it emits no
-/// instruction and, with no memory clobber, does not stop the compiler keeping values in
-/// registers across it.
+/// prefetch_rows compiled to nothing in every g++ 12 build until this was added, and
+/// prefetch_for_write in some callers (the write rules' recurrent passes). An empty volatile
+/// asm is a side effect the compiler must keep; it emits no instruction and, with no memory
+/// clobber, does not stop the compiler keeping values in registers across it.
 inline void keep_prefetch_loop() noexcept { asm volatile(""); }
 #endif
 
@@ -189,9 +189,9 @@ void prefetch_for_write(Scalar* p, Index n) noexcept {
 /// each). Called once per pair, so each row is requested twice, a pair apart. A sweep stores
 /// its two output rows at its end, and a store whose line has not arrived holds up the stores
 /// behind it. The additive recurrent pass requests the next pair's rows only (t + 2, t + 3).
-/// With the prefetch loops kept (keep_prefetch_loop), the two leads measure the same for both
-/// passes (Zen 5 VM, H = 8, d = 64, 2026-12-04); the figures once given here for the longer
-/// lead came from g++ 12 builds that had dropped these loops, so they measured code layout.
+/// With the prefetch loops kept (keep_prefetch_loop), the two leads measure the same within the
+/// noise for both passes (Zen 5 VM, H = 8, d = 64, 2026-12-04); the figures once given here for
+/// the longer lead came from g++ 12 builds that had dropped these loops.
 template <class Out>
 void prefetch_rule_output_rows(Out& out, Index t, Index dv) noexcept {
   const Index end = std::min<Index>(t + 8, Index(out.rows()));
