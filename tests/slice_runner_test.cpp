@@ -21,6 +21,7 @@
 #include "test_support.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -454,6 +455,26 @@ TEST_CASE("head-major staging copies token-major rows exactly and writes back on
       outputs_equal = outputs_equal && out[i] == float(i);
     CHECK(outputs_equal);
   }
+}
+
+TEST_CASE("stage buffers are aligned, grow only when asked for more, and keep their block",
+          "[slices]") {
+  const auto address = [](const float* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  detail::StageBuffer<float> buffer;
+  float* small = buffer.reserve(10);
+  REQUIRE(small != nullptr);
+  CHECK(address(small) % 64 == 0);
+  CHECK(buffer.reserve(7) == small);  // room enough: the same block
+  // A block of kHugePageAdviceBytes or more: 2 MiB aligned (whole huge pages), advised and
+  // faulted in; every element writable (AddressSanitizer checks the bounds in CI).
+  const Index large = Index(detail::kHugePageAdviceBytes / sizeof(float)) + 3;
+  float* big = buffer.reserve(large);
+  REQUIRE(big != nullptr);
+  CHECK(address(big) % (std::uintptr_t(2) << 20) == 0);
+  std::fill_n(big, large, 1.5f);
+  CHECK(big[large - 1] == 1.5f);
+  CHECK(buffer.reserve(large) == big);
+  CHECK(buffer.reserve(1) == big);  // never shrinks
 }
 
 }  // namespace slice_runner_test

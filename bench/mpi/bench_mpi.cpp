@@ -73,6 +73,7 @@ void fill(std::vector<float>& v, Index first_element, std::uint64_t stream, floa
 struct Timing {
   double seconds = 0;                // slowest rank
   std::vector<double> rank_seconds;  // each rank's own, in the best call
+  std::vector<double> calls;         // every call's, slowest rank, in order (the first allocates)
   mpi::ExchangeStats stats;
 };
 
@@ -83,6 +84,7 @@ Timing best_of(int repeat, Call&& call) {
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
   Timing best;
   best.seconds = 1e300;
+  std::vector<double> calls;
   for (int i = 0; i < repeat; ++i) {
     MPI_Barrier(MPI_COMM_WORLD);
     const double t0 = MPI_Wtime();
@@ -91,8 +93,10 @@ Timing best_of(int repeat, Call&& call) {
     MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     std::vector<double> all(static_cast<std::size_t>(ranks));
     MPI_Allgather(&mine, 1, MPI_DOUBLE, all.data(), 1, MPI_DOUBLE, MPI_COMM_WORLD);
-    if (slowest < best.seconds) best = {slowest, all, stats};
+    if (slowest < best.seconds) best = {slowest, all, {}, stats};
+    calls.push_back(slowest);
   }
+  best.calls = calls;
   return best;
 }
 
@@ -160,6 +164,8 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
                 t.stats.sent_bytes(), t.stats.received_bytes);
     for (std::size_t p = 0; p < t.rank_seconds.size(); ++p)
       std::printf("%s%.4f", p ? "," : "", t.rank_seconds[p]);
+    std::printf(" call_seconds=");
+    for (std::size_t i = 0; i < t.calls.size(); ++i) std::printf("%s%.4f", i ? "," : "", t.calls[i]);
     std::printf(" slices=");
     for (std::size_t p = 0; p < lengths.size(); ++p) std::printf("%s%ld", p ? "," : "", long(lengths[p]));
     std::printf("\n");

@@ -47,8 +47,9 @@
 /// (the hybrid's filled items likewise), one state per item (pipeline, hybrid); kept by the
 /// object from call to call, so repeated calls of one shape touch no new memory. A layer call
 /// over token-major buffers also keeps head-major copies of this rank's Q, K, V and out
-/// (Carry::stage_token_major). Calls on one object must not overlap; give each thread its own
-/// object and communicator.
+/// (Carry::stage_token_major), allocated by the first call that needs them (on huge pages where
+/// the kernel gives them, faulted in at once; that call is the slower one). Calls on one object
+/// must not overlap; give each thread its own object and communicator.
 ///
 /// Errors: a call either returns on every rank or throws on every rank the same exception
 /// (type and message), and then no rank's state has changed (outputs may have been written).
@@ -77,6 +78,7 @@
 #include <mpi.h>
 
 #include <cstddef>
+#include <memory>
 #include <new>
 #include <span>
 #include <stdexcept>
@@ -139,6 +141,17 @@ struct Carry {
   /// bits either way, so ranks may differ in it.
   bool stage_token_major = true;
 };
+
+/// Memory for the head-major copies of a rank's token-major slices (Carry::stage_token_major):
+/// about the size of the rank's slices of Q, K, V and out, allocated by the first call that
+/// stages (2 MiB aligned, on transparent huge pages where the kernel gives them, faulted in at
+/// once), grown for a larger slice, never shrunk. Each SequenceParallel layer object has its
+/// own unless given one; objects given the same StageMemory share it, so a model whose layers
+/// run one after the other keeps one copy of its largest slice instead of one per layer. Objects
+/// that share it must not be called at the same time. bytes() says what it holds, release()
+/// frees it.
+template <class Scalar>
+using StageMemory = linattn::detail::StageMemory<Scalar>;
 
 /// What one call put into the exchange and took out of it, for this rank, in bytes.
 struct ExchangeStats {
@@ -337,10 +350,20 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
                 "sequence-parallel prefill needs an ordinary feature map: a log-scaled map "
                 "(random features) keeps S scaled by a running maximum, which has no summary");
 
-  SequenceParallel(Layer layer, MPI_Comm comm, Carry carry = {})
-      : layer_(std::move(layer)), comm_(comm), carry_(carry) {}
+  /// With `stage_memory`, the head-major copies of token-major slices live in that memory,
+  /// shared with every object given the same (see StageMemory); without, in the object's own.
+  SequenceParallel(Layer layer, MPI_Comm comm, Carry carry = {},
+                   std::shared_ptr<StageMemory<Scalar>> stage_memory = nullptr)
+      : layer_(std::move(layer)), comm_(comm), carry_(carry) {
+    if (stage_memory) stage_.memory = std::move(stage_memory);
+  }
 
   [[nodiscard]] const Layer& layer() const noexcept { return layer_; }
+  /// The memory of the head-major copies (never null): pass it to the next layer's object to
+  /// share it.
+  [[nodiscard]] const std::shared_ptr<StageMemory<Scalar>>& stage_memory() const noexcept {
+    return stage_.memory;
+  }
   [[nodiscard]] MPI_Comm communicator() const noexcept { return comm_; }
   [[nodiscard]] const Carry& carry() const noexcept { return carry_; }
 

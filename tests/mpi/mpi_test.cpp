@@ -324,6 +324,52 @@ TEST_CASE("multi-head layer, both schedules, every rule, both layouts, grouped h
       }
 }
 
+TEST_CASE("layer objects that share a StageMemory hold its copies once and give the bits of "
+          "objects with their own", "[mpi][multihead]") {
+  // Two "layers" (objects) called one after the other on batch-first buffers (which stage):
+  // the second, sharing the first's memory, allocates nothing and writes the same bits as an
+  // object with its own memory; release() frees the memory and the next call allocates it again.
+  const World w = world();
+  using Attention = RuleAttention<EluPlusOne, Decay>;
+  const Attention attention(EluPlusOne{}, Decay(0.9));
+  const Index B = 1, H = 3, dk = 8, dv = 6, T = 70;
+  MultiHeadAttention<Attention> layer({H, H, dk, dv}, attention);
+  const Buffer<float> q(Layout::batch_first, B, T, H, dk, random_matrix<float>(1, B * T * H * dk, 2700));
+  const Buffer<float> k(Layout::batch_first, B, T, H, dk, random_matrix<float>(1, B * T * H * dk, 2701));
+  const Buffer<float> v(Layout::batch_first, B, T, H, dv, random_matrix<float>(1, B * T * H * dv, 2702));
+  const Slice my = slice_of(slicings(T, w.size).back(), w.rank);
+  const mpi::Carry carry{mpi::kLastRank, false, mpi::Schedule::pipeline};
+  using Split = mpi::SequenceParallel<MultiHeadAttention<Attention>>;
+  const auto call = [&](Split& split) {
+    Buffer<float> out(Layout::batch_first, B, T, H, dv, RowMatrix<float>::Zero(1, B * T * H * dv));
+    auto state = layer.make_state(B);
+    split.prefill_into(state, q.rows(my.offset, my.length), k.rows(my.offset, my.length),
+                       v.rows(my.offset, my.length), out.out_rows(my.offset, my.length));
+    return out.data;
+  };
+  Split first(layer, MPI_COMM_WORLD, carry);
+  const auto shared = first.stage_memory();
+  REQUIRE(shared != nullptr);
+  CHECK(shared->bytes() == 0);  // nothing until a call stages
+  Split second(layer, MPI_COMM_WORLD, carry, shared), own(layer, MPI_COMM_WORLD, carry);
+  CHECK(second.stage_memory() == shared);
+  CHECK(own.stage_memory() != shared);
+  const auto out_first = call(first);
+  const std::size_t held = shared->bytes();
+  // Every rank's slice is 0 to T rows; one with rows holds at least its Q, K, V and out.
+  CHECK(held >= std::size_t(my.length * H * (2 * dk + 2 * dv)) * sizeof(float));
+  const auto out_second = call(second);
+  CHECK(shared->bytes() == held);  // the second layer reused the first's blocks
+  const auto out_own = call(own);
+  CHECK(own.stage_memory()->bytes() == held);
+  CHECK(out_second == out_first);
+  CHECK(out_own == out_first);
+  shared->release();
+  CHECK(shared->bytes() == 0);
+  CHECK(call(second) == out_first);
+  CHECK(shared->bytes() == held);
+}
+
 // ---- what is exchanged -----------------------------------------------------------------------
 
 namespace {

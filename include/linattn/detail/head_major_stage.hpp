@@ -22,6 +22,7 @@
 // with plain stores, 0.018 s row by row with streaming stores. The arithmetic reads the same
 // values in the same order: same bits.
 
+#include <linattn/detail/huge_pages.hpp>
 #include <linattn/detail/slice_runner.hpp>
 #include <linattn/detail/stream_store.hpp>
 #include <linattn/types.hpp>
@@ -29,7 +30,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
+#include <memory>
+#include <new>
 #include <vector>
 
 namespace linattn::detail {
@@ -39,17 +43,53 @@ namespace linattn::detail {
 /// share of the last-level cache on the machines measured).
 inline constexpr std::size_t kStreamStageBytes = std::size_t(16) << 20;
 
-/// Where a staged copy starts in `buffer`: the first cache-line boundary, after growing the
-/// buffer to hold `scalars` from there (streaming stores want whole, aligned lines).
+/// Memory for the staged copies: grown when a slice is larger than any before, never shrunk,
+/// cache-line aligned (streaming stores want whole, aligned lines). A block of 4 MiB or more is
+/// aligned to 2 MiB, asks for transparent huge pages and has its pages faulted in by one call
+/// (advise_huge_pages, prefault_pages) before the copies write it: a fresh block's first call
+/// otherwise takes a page fault per 4 KiB, which is most of that call's time under a
+/// hypervisor. Measured on the Zen 5 VM of docs/distributed.md (2 ranks, T = 65536, H = 8,
+/// d = 128, float, 512 MiB of copies per rank): the first call 2.5 to 3.3 s with 4 KiB pages
+/// faulted one at a time, 0.4 to 0.7 s with huge pages faulted in advance; the calls after it
+/// the same (0.17 to 0.23 s either way).
 template <class Scalar>
-Scalar* line_aligned(std::vector<Scalar>& buffer, Index scalars) {
-  constexpr std::size_t kLine = 64;
-  const auto needed = static_cast<std::size_t>(scalars) + kLine / sizeof(Scalar);
-  if (buffer.size() < needed) buffer.resize(needed);
-  const auto address = reinterpret_cast<std::uintptr_t>(buffer.data());
-  const auto skip = ((kLine - address % kLine) % kLine) / sizeof(Scalar);
-  return buffer.data() + skip;
-}
+class StageBuffer {
+ public:
+  /// Room for `scalars` elements from the returned pointer on, which is 64-byte aligned. O(1)
+  /// when the buffer is large enough; otherwise allocates and faults in the new block.
+  Scalar* reserve(Index scalars) {
+    const std::size_t bytes = static_cast<std::size_t>(scalars) * sizeof(Scalar);
+    if (bytes > capacity_) {
+      // aligned_alloc wants a size that is a multiple of the alignment.
+      const std::size_t align = bytes >= kHugePageAdviceBytes ? std::size_t(2) << 20 : 64;
+      const std::size_t size = (bytes + align - 1) / align * align;
+      memory_.reset();
+      capacity_ = 0;
+      memory_.reset(static_cast<Scalar*>(std::aligned_alloc(align, size)));
+      if (!memory_) throw std::bad_alloc();
+      capacity_ = size;
+      advise_huge_pages(memory_.get(), size);
+      prefault_pages(memory_.get(), size);
+    }
+    return memory_.get();
+  }
+
+  /// Bytes held now.
+  [[nodiscard]] std::size_t bytes() const noexcept { return capacity_; }
+
+  /// Frees the block; the next reserve allocates again.
+  void release() noexcept {
+    memory_.reset();
+    capacity_ = 0;
+  }
+
+ private:
+  struct Free {
+    void operator()(Scalar* p) const noexcept { std::free(p); }
+  };
+  std::unique_ptr<Scalar[], Free> memory_;
+  std::size_t capacity_ = 0;
+};
 
 /// One piece of a row copy: `from` + row * from_stride to `to` + row * to_stride, `cols` long.
 template <class Scalar>
@@ -88,10 +128,33 @@ bool worth_staging(const std::vector<SliceItem<Scalar>>& items) {
   return false;
 }
 
-/// The copies, kept by the caller from call to call so a repeated shape touches no new memory.
+template <class Scalar>
+struct HeadMajorStage;
+
+/// The memory of the head-major copies (linattn::mpi::StageMemory): the inputs' block and the
+/// outputs'. A stage that has one allocates nothing for a slice no larger than any before, so
+/// objects that share one (calls one after the other, never at once) hold it once.
+template <class Scalar>
+class StageMemory {
+ public:
+  /// Bytes held now (0 until a call has staged).
+  [[nodiscard]] std::size_t bytes() const noexcept { return inputs_.bytes() + outputs_.bytes(); }
+  /// Frees both blocks; the next call that stages allocates them again.
+  void release() noexcept {
+    inputs_.release();
+    outputs_.release();
+  }
+
+ private:
+  friend struct HeadMajorStage<Scalar>;
+  StageBuffer<Scalar> inputs_, outputs_;
+};
+
+/// The copies' plan for one call, and the memory they live in (its own unless the caller gave
+/// one to share), kept by the caller from call to call so a repeated shape touches no new memory.
 template <class Scalar>
 struct HeadMajorStage {
-  std::vector<Scalar> inputs, outputs;
+  std::shared_ptr<StageMemory<Scalar>> memory = std::make_shared<StageMemory<Scalar>>();
   std::vector<RowCopy<Scalar>> copy_in, copy_out;  // copy_out: the staged outputs back
   Index rows = 0;
   bool active = false, stream_out = false;
@@ -117,13 +180,13 @@ struct HeadMajorStage {
     // Each copy: its rows back to back, one after the other in the order of `sources` (inputs)
     // and of the items' outputs; every copy starts on a cache line where cols * sizeof(Scalar)
     // is a multiple of one, as for d = 16, 32, ... in float.
-    Scalar* at = line_aligned(inputs, in_size);
+    Scalar* at = memory->inputs_.reserve(in_size);
     for (auto* s : sources) {
       copy_in.push_back({s->data, s->stride, at, s->cols, s->cols});
       *s = {at, s->rows, s->cols, s->cols};
       at += s->rows * s->cols;
     }
-    at = line_aligned(outputs, out_size);
+    at = memory->outputs_.reserve(out_size);
     for (auto& item : items)
       for (auto& o : item.outputs) {
         copy_out.push_back({at, o.cols, o.data, o.stride, o.cols});

@@ -1,7 +1,9 @@
 #pragma once
-// Asking Linux for transparent huge pages on the large blocks the library keeps for the
-// backward: the delta rules' rebuilt or saved forward data (DeltaSavedStates: 5 KiB per token
-// at r = dv = 128 in float) and a SavedForward's chunk states.
+// Asking Linux for transparent huge pages on the large blocks the library keeps: for the
+// backward, the delta rules' rebuilt or saved forward data (DeltaSavedStates: 5 KiB per token
+// at r = dv = 128 in float) and a SavedForward's chunk states; for the sequence-parallel
+// prefill, the head-major copies of a rank's slices (head_major_stage.hpp, which also faults
+// its blocks in at once with prefault_pages).
 //
 // Such a block is written once per call and read back once, a few hundred bytes per row, so
 // with 4 KiB pages every pass over it takes a TLB miss per page, and a freshly allocated block
@@ -38,6 +40,27 @@ inline void advise_huge_pages(const void* data, std::size_t bytes) noexcept {
   const std::uintptr_t last = (begin + bytes) & ~(kHuge - 1);
   if (last > first)
     static_cast<void>(madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE));
+#else
+  static_cast<void>(data);
+  static_cast<void>(bytes);
+#endif
+}
+
+/// Faults in the pages of [data, data + bytes) now, writable, in one call (Linux 5.14 and later:
+/// madvise(MADV_POPULATE_WRITE)) instead of one page fault at each page's first write, for
+/// blocks of kHugePageAdviceBytes or more that the caller is about to write in full. Call it
+/// after advise_huge_pages. A no-op elsewhere, for small blocks, or where the kernel refuses
+/// (the pages then fault in at first touch, as without it).
+inline void prefault_pages(void* data, std::size_t bytes) noexcept {
+#if defined(__linux__) && defined(MADV_POPULATE_WRITE)
+  if (data == nullptr || bytes < kHugePageAdviceBytes) return;
+  // madvise wants a page-aligned start: from the first whole 4 KiB page on.
+  constexpr std::uintptr_t kPage = 4096;
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  const std::uintptr_t first = (begin + kPage - 1) & ~(kPage - 1);
+  const std::uintptr_t last = (begin + bytes) & ~(kPage - 1);
+  if (last > first)
+    static_cast<void>(madvise(reinterpret_cast<void*>(first), last - first, MADV_POPULATE_WRITE));
 #else
   static_cast<void>(data);
   static_cast<void>(bytes);
