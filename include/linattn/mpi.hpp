@@ -352,6 +352,7 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
 
   /// With `stage_memory`, the head-major copies of token-major slices live in that memory,
   /// shared with every object given the same (see StageMemory); without, in the object's own.
+  /// A move takes the memory along.
   SequenceParallel(Layer layer, MPI_Comm comm, Carry carry = {},
                    std::shared_ptr<StageMemory<Scalar>> stage_memory = nullptr)
       : layer_(std::move(layer)), comm_(comm), carry_(carry) {
@@ -359,8 +360,8 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
   }
 
   [[nodiscard]] const Layer& layer() const noexcept { return layer_; }
-  /// The memory of the head-major copies (never null): pass it to the next layer's object to
-  /// share it.
+  /// The memory of the head-major copies (null only in a moved-from object): pass it to the
+  /// next layer's object to share it.
   [[nodiscard]] const std::shared_ptr<StageMemory<Scalar>>& stage_memory() const noexcept {
     return stage_.memory;
   }

@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mpi_test {  // this file's own names: the three files build as one program
@@ -367,6 +368,11 @@ TEST_CASE("layer objects that share a StageMemory hold its copies once and give 
   shared->release();
   CHECK(shared->bytes() == 0);
   CHECK(call(second) == out_first);
+  CHECK(shared->bytes() == held);
+  // A move takes the sharing along.
+  Split moved = std::move(second);
+  CHECK(moved.stage_memory() == shared);
+  CHECK(call(moved) == out_first);
   CHECK(shared->bytes() == held);
 }
 

@@ -49,9 +49,9 @@ inline constexpr std::size_t kStreamStageBytes = std::size_t(16) << 20;
 /// (advise_huge_pages, prefault_pages) before the copies write it: a fresh block's first call
 /// otherwise takes a page fault per 4 KiB, which is most of that call's time under a
 /// hypervisor. Measured on the Zen 5 VM of docs/distributed.md (2 ranks, T = 65536, H = 8,
-/// d = 128, float, 512 MiB of copies per rank): the first call 2.5 to 3.3 s with 4 KiB pages
-/// faulted one at a time, 0.4 to 0.7 s with huge pages faulted in advance; the calls after it
-/// the same (0.17 to 0.23 s either way).
+/// d = 128, float, 512 MiB of copies per rank): the first call 2.4 to 3.3 s with 4 KiB pages
+/// faulted one at a time, 0.30 to 0.69 s (once 1.3 s) with huge pages faulted in advance; the
+/// calls after it the same (0.17 to 0.23 s either way).
 template <class Scalar>
 class StageBuffer {
  public:
@@ -159,6 +159,16 @@ struct HeadMajorStage {
   Index rows = 0;
   bool active = false, stream_out = false;
 
+  HeadMajorStage() = default;
+  // Not copyable: a copy would share the memory, which two objects may share only by the
+  // caller's choice. A move takes the memory (and any sharing) along; the moved-from stage makes
+  // new memory if it stages again.
+  HeadMajorStage(const HeadMajorStage&) = delete;
+  HeadMajorStage& operator=(const HeadMajorStage&) = delete;
+  HeadMajorStage(HeadMajorStage&&) noexcept = default;
+  HeadMajorStage& operator=(HeadMajorStage&&) noexcept = default;
+  ~HeadMajorStage() = default;
+
   /// Points every item's queries, keys, values and outputs at head-major copies (inputs copied
   /// now, outputs written by the call and copied back by finish()). Allocates when the
   /// slice is larger than any before.
@@ -168,6 +178,7 @@ struct HeadMajorStage {
     copy_out.clear();
     if (!worth_staging(items)) return;
     rows = items.front().keys.rows;
+    if (!memory) memory = std::make_shared<StageMemory<Scalar>>();
     std::vector<RowsSpec<const Scalar>*> sources;
     Index in_size = 0, out_size = 0;
     for (auto& item : items) {
