@@ -28,18 +28,26 @@ namespace linattn::detail {
 /// Blocks smaller than this are left alone: they span at most one whole huge page.
 inline constexpr std::size_t kHugePageAdviceBytes = std::size_t(4) << 20;
 
+#if defined(__linux__)
+/// madvise(advice) over the whole `unit`-sized pages inside [data, data + bytes) (madvise wants
+/// a page-aligned range), for blocks of kHugePageAdviceBytes or more; the result is ignored
+/// (these are hints).
+inline void advise_whole_pages(const void* data, std::size_t bytes, std::uintptr_t unit,
+                               int advice) noexcept {
+  if (data == nullptr || bytes < kHugePageAdviceBytes) return;
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  const std::uintptr_t first = (begin + unit - 1) & ~(unit - 1);
+  const std::uintptr_t last = (begin + bytes) & ~(unit - 1);
+  if (last > first) static_cast<void>(madvise(reinterpret_cast<void*>(first), last - first, advice));
+}
+#endif
+
 /// Asks for transparent huge pages on the whole 2 MiB pages inside [data, data + bytes) (Linux;
 /// a no-op elsewhere, for small blocks, or where the kernel refuses). Call it right after
 /// allocating the block, before its first write, for the first touch to take huge pages.
 inline void advise_huge_pages(const void* data, std::size_t bytes) noexcept {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (data == nullptr || bytes < kHugePageAdviceBytes) return;
-  constexpr std::uintptr_t kHuge = std::uintptr_t(2) << 20;
-  const auto begin = reinterpret_cast<std::uintptr_t>(data);
-  const std::uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
-  const std::uintptr_t last = (begin + bytes) & ~(kHuge - 1);
-  if (last > first)
-    static_cast<void>(madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE));
+  advise_whole_pages(data, bytes, std::uintptr_t(2) << 20, MADV_HUGEPAGE);
 #else
   static_cast<void>(data);
   static_cast<void>(bytes);
@@ -53,14 +61,7 @@ inline void advise_huge_pages(const void* data, std::size_t bytes) noexcept {
 /// (the pages then fault in at first touch, as without it).
 inline void prefault_pages(void* data, std::size_t bytes) noexcept {
 #if defined(__linux__) && defined(MADV_POPULATE_WRITE)
-  if (data == nullptr || bytes < kHugePageAdviceBytes) return;
-  // madvise wants a page-aligned start: from the first whole 4 KiB page on.
-  constexpr std::uintptr_t kPage = 4096;
-  const auto begin = reinterpret_cast<std::uintptr_t>(data);
-  const std::uintptr_t first = (begin + kPage - 1) & ~(kPage - 1);
-  const std::uintptr_t last = (begin + bytes) & ~(kPage - 1);
-  if (last > first)
-    static_cast<void>(madvise(reinterpret_cast<void*>(first), last - first, MADV_POPULATE_WRITE));
+  advise_whole_pages(data, bytes, 4096, MADV_POPULATE_WRITE);
 #else
   static_cast<void>(data);
   static_cast<void>(bytes);
