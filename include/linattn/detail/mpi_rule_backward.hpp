@@ -12,6 +12,7 @@
 //      algorithms), and the slice's backward once more with H_p as its final gradient.
 // Errors of any step are recorded and agreed on, so every rank returns or every rank throws.
 
+#include <linattn/detail/flush_subnormals.hpp>
 #include <linattn/detail/mpi_exchange.hpp>
 #include <linattn/detail/mpi_prefill.hpp>
 #include <linattn/detail/slice_summary.hpp>
@@ -43,6 +44,7 @@ void rule_slice_summary(const RuleAttention<Phi, Rule, Scalar>& attn, const MQ& 
   s.B() = state.S();
   if constexpr (Rule::keeps_normalizer) s.b() = state.z();
   if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta) {
+    const FlushSubnormalsScope flush;  // A's entries fall through the subnormal range
     auto identity = attn.make_state(dk, r);
     identity.assign(RowMatrix<Scalar>::Identity(r, r));
     static_cast<void>(attn.prefill(identity, Q, K, RowMatrix<Scalar>::Zero(K.rows(), r), in...));
