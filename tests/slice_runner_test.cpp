@@ -237,7 +237,7 @@ TEST_CASE("long slices' maps and carry reads hold no subnormals, and still equal
       auto whole = attention.make_state(dk, dv);
       RowMatrix<Scalar> Y(T, dv);
       attention.prefill_into(whole, qkv.Q, qkv.K, qkv.V, in..., Y);
-      const auto split = split_prefill(attention, qkv.Q, qkv.K, qkv.V, 0, lengths, nullptr, in...);
+      auto split = split_prefill(attention, qkv.Q, qkv.K, qkv.V, 0, lengths, nullptr, in...);
       const Index C = attention.chunk_size(attention.feature_dim(dk), dv);
       if constexpr (!Rule::keeps_normalizer) {
         const auto bound = split_delta_bound(qkv.Q, qkv.K, qkv.V, beta, log_alpha, phi, C, lengths);
@@ -261,8 +261,8 @@ TEST_CASE("long slices' maps and carry reads hold no subnormals, and still equal
           for (Index j = 0; j < m.cols(); ++j) n += std::fpclassify(m(i, j)) == FP_SUBNORMAL;
         return n;
       };
-      std::vector<Scalar> summaries = split.summaries;
-      const detail::SummaryRef<Scalar> last{summaries.data() + split.layout.scalars(), split.layout};
+      const detail::SummaryRef<Scalar> last{split.summaries.data() + split.layout.scalars(),
+                                            split.layout};
       if constexpr (detail::kFlushesSubnormals) {
         CHECK(read.row(T1 - 1).cwiseAbs().maxCoeff() == Scalar(0));
         CHECK(subnormals(read) == 0);
