@@ -527,4 +527,66 @@ TEMPLATE_TEST_CASE("rule_gemm: the register kernel and the fallback agree with a
   }
 }
 
+TEMPLATE_TEST_CASE("a diagonal row's decayed scores: the query held in registers gives the "
+                   "key-by-key functions' bits",
+                   "[kernels][gated]", float, double) {
+  using Scalar = TestType;
+  constexpr Index N = detail::sweep_packet_size<Scalar>;
+  // 1 to kHeldQueryPackets + 1 whole packets (held in registers up to kHeldQueryPackets, then
+  // the fallback), a packet and a tail, and fewer features than a packet.
+  std::vector<Index> widths;
+  for (Index p = 1; p <= detail::kHeldQueryPackets + 1; ++p) widths.push_back(p * N);
+  widths.push_back(2 * N + 3);
+  widths.push_back(3);
+  const Index rows = 16, ld = (detail::kHeldQueryPackets + 1) * N + 5;  // every width fits
+  for (Index n : widths) {
+    CAPTURE(n);
+    const auto q = uniform<Scalar>(rows, ld, 91, -1.0, 1.0);
+    const auto k = uniform<Scalar>(rows, ld, 92, -1.0, 1.0);
+    const auto g = uniform<Scalar>(rows, ld, 93, 0.2, 1.0);
+    for (Index j0 : {Index(0), Index(5)})
+      for (Index i = j0; i < rows; ++i) {
+        std::vector<Scalar> got(rows, Scalar(-7)), scratch(static_cast<std::size_t>(n));
+        detail::decayed_row_scores(q.row(i).data(), g.data(), ld, k.data(), ld, n, j0, i,
+                                   got.data(), scratch.data());
+        std::vector<Scalar> expect(rows, Scalar(-7)), x(q.row(i).data(), q.row(i).data() + n);
+        expect[std::size_t(i)] = detail::ordered_dot(q.row(i).data(), k.row(i).data(), n);
+        for (Index j = i - 1; j >= j0; --j)
+          expect[std::size_t(j)] =
+              detail::scale_then_dot(x.data(), g.row(j + 1).data(), k.row(j).data(), n);
+        CHECK(got == expect);  // the same bits, and nothing written outside [j0, i]
+      }
+  }
+}
+
+TEMPLATE_TEST_CASE("gates_add_dot: the per-channel running normalizer and its denominator",
+                   "[kernels][gated]", float, double) {
+  using Scalar = TestType;
+  constexpr Index N = detail::sweep_packet_size<Scalar>;
+  const double u = linattn_test::unit_roundoff<Scalar>();
+  for (Index n : {Index(3), N, 2 * N + 3, 5 * N}) {
+    CAPTURE(n);
+    const auto z0 = uniform<Scalar>(1, n, 94, 0.0, 2.0);
+    const auto g = uniform<Scalar>(1, n, 95, 0.0, 1.0);
+    const auto kf = uniform<Scalar>(1, n, 96, 0.0, 1.0);
+    const auto q = uniform<Scalar>(1, n, 97, -1.0, 1.0);
+    RowMatrix<Scalar> z = z0;
+    const Scalar den = detail::gates_add_dot(z.data(), g.data(), kf.data(), q.data(), n);
+    double exact_den = 0, magnitude = 0;
+    for (Index m = 0; m < n; ++m) {
+      const double exact = double(g(m)) * double(z0(m)) + double(kf(m));
+      // g z + kf: one rounding with a fused multiply-add, two without; both within 2 u of
+      // |g z| + |kf| (all terms >= 0 here).
+      CHECK(std::abs(double(z(m)) - exact) <= 2 * u * exact);
+      exact_den += double(q(m)) * exact;
+      magnitude += std::abs(double(q(m))) * exact;
+    }
+    // A sum of n products of values each within 2 u: (n + 2) u relative to the magnitudes
+    // (n roundings of the sum and products, 2 from z), to first order.
+    CHECK(std::abs(double(den) - exact_den) <= double(n + 3) * u * magnitude);
+    // The denominator is the dot product with the z it stored, in ordered_dot's order.
+    CHECK(den == detail::ordered_dot(q.data(), z.data(), n));
+  }
+}
+
 }  // namespace rule_kernels_test

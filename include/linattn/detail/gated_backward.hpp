@@ -343,10 +343,8 @@ class GatedBackwardChunk {
       }
       for (Index i = i0; i < end; ++i) {
         const Scalar* q = qf_.row(i).data();
-        scores_(i, i) = ordered_dot(q, kf_.row(i).data(), r);
-        std::copy_n(q, r, acc_.data());
-        for (Index j = i - 1; j >= i0; --j)
-          scores_(i, j) = scale_then_dot(acc_.data(), gates_.row(j + 1).data(), kf_.row(j).data(), r);
+        decayed_row_scores(q, gates_.data(), r, kf_.data(), r, r, i0, i, &scores_(i, 0),
+                           acc_.data());
       }
     }
   }

@@ -458,26 +458,6 @@ class GatedRecurrence {
 
 // ---- chunked ---------------------------------------------------------------------------------
 
-/// The running normalizer of a chunk's rows: z_i = g_i .* z_{i-1} + kf_i from z_{-1} = z, and
-/// inverse(i) = 1 / divisor(qf_i . z_i) for every row (DenominatorError naming row
-/// first_row + i), or 1 with late(i) the divisor where that reciprocal overflows
-/// (reciprocal_or_late). gate_row(i, zr) multiplies the array zr by row i's gates.
-template <class Scalar, class GateOf>
-void gated_denominators(Index n, const Scalar* qf, Index ld_qf, const Scalar* kf, Index ld_kf,
-                        const ColVector<Scalar>& z, GateOf&& gate_row, ColVector<Scalar>& z_run,
-                        Scalar* inverse, Scalar* late, const Normalization& norm,
-                        Index first_row) {
-  const Index r = z.size();
-  using Vec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
-  z_run = z;
-  for (Index i = 0; i < n; ++i) {
-    gate_row(i, z_run.array());
-    z_run.array() += Vec(kf + i * ld_kf, r);
-    const Scalar den = ordered_dot(qf + i * ld_qf, z_run.data(), r);
-    inverse[i] = reciprocal_or_late(norm.divisor(den, first_row + i), late[i]);
-  }
-}
-
 /// A causal chunk with one gate per token (Decay, scalar Gated). With D(i, j) = g_{j+1} ...
 /// g_i (the decay from token j to token i, 1 for j = i) and D(i, -1) = g_0 ... g_i:
 ///   out_i = (D(i, -1) qf_i S + sum_{j<=i} D(i, j) (qf_i . kf_j) v_j) / divisor(qf_i . z_i)
@@ -628,7 +608,6 @@ class ChannelGatedChunk {
       : r_(r), dv_(dv), ld_(padded_columns<Scalar>(std::max<Index>(C, gate_subchunk<Scalar>))),
         blocks_((C + gate_subchunk<Scalar> - 1) / gate_subchunk<Scalar>),
         gates_(C, r), prefix_(C, r), state_decay_(C, r), kend_(C, r), qs_(C, r), qt_(C, r),
-        kend_t_(RowMatrix<Scalar>::Zero(r, ld_)),
         w_(RowMatrix<Scalar>::Zero(std::max<Index>(blocks_ - 1, 0) * r, ld_)),
         kw_t_(RowMatrix<Scalar>::Zero(r, ld_)), scores_(RowMatrix<Scalar>::Zero(C, ld_)),
         totals_(blocks_, r), pre_(blocks_, r), chunk_total_(r), inverse_(C), late_(C), z_run_(r),
@@ -646,17 +625,29 @@ class ChannelGatedChunk {
     if (n == 0) return;
     using Vec = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
     const Index c = gate_subchunk<Scalar>, r = r_, nb = (n + c - 1) / c;
-    using Block = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>,
-                             0, Eigen::OuterStride<>>;
-    // Row by row whatever the stride: a vectorized exponential's last bit depends on where its
-    // packets begin, and a head's result must not depend on the buffer's layout (a model's
-    // [B, T, H, r] gates against a contiguous copy).
-    for (Index t = 0; t < n; ++t) gates_from_logs(log_gate[t], 1, gates_.row(t).data(), r);
+    // One pass forward per sub-chunk, each row used while it is in cache: the gates, their
+    // running product from the sub-chunk's start (A_i) and the state's decay (A_i .* pre(I)).
+    // The gates row by row whatever the stride: a vectorized exponential's last bit depends on
+    // where its packets begin, and a head's result must not depend on the buffer's layout (a
+    // model's [B, T, H, r] gates against a contiguous copy).
+    using Out = Eigen::Map<Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
     for (Index I = 0; I < nb; ++I) {
       const Index i0 = I * c, end = std::min(n, i0 + c);
-      prefix_.row(i0) = gates_.row(i0);
-      for (Index i = i0 + 1; i < end; ++i)
-        prefix_.row(i) = prefix_.row(i - 1).cwiseProduct(gates_.row(i));
+      if (I == 0)
+        pre_.row(0).setOnes();
+      else
+        pre_.row(I) = pre_.row(I - 1).cwiseProduct(totals_.row(I - 1));
+      const Vec pre(pre_.row(I).data(), r);
+      for (Index i = i0; i < end; ++i) {
+        Scalar* gates = gates_.row(i).data();
+        gates_from_logs(log_gate[i], 1, gates, r);
+        Out prefix(prefix_.row(i).data(), r);
+        if (i == i0)
+          prefix = Vec(gates, r);
+        else
+          prefix = Vec(prefix_.row(i - 1).data(), r) * Vec(gates, r);
+        Out(state_decay_.row(i).data(), r) = prefix * pre;
+      }
       totals_.row(I) = prefix_.row(end - 1);
       // Keys decayed to the end of their sub-chunk: kend_j = kf_j .* E_j.
       qdec_.setOnes();
@@ -664,24 +655,19 @@ class ChannelGatedChunk {
         kend_.row(j).array() = Vec(kf + j * ld_kf, r) * qdec_.array();
         qdec_ = qdec_.cwiseProduct(gates_.row(j));
       }
-      if (I == 0)
-        pre_.row(0).setOnes();
-      else
-        pre_.row(I) = pre_.row(I - 1).cwiseProduct(totals_.row(I - 1));
-      for (Index i = i0; i < end; ++i)
-        state_decay_.row(i) = prefix_.row(i).cwiseProduct(pre_.row(I));
     }
     chunk_total_ = pre_.row(nb - 1).cwiseProduct(totals_.row(nb - 1));
-    transpose_into(n, r, kend_.data(), r, kend_t_.data(), ld_);
     // Key side of sub-chunk row I (columns of the earlier sub-chunks), transposed: W(I) =
     // [W(I-1) .* T_{I-1}, kend of I-1]; W(nb) (keys decayed to the chunk's end) is kw_t_.
+    // Row by row (channel m scales by T_{I-1}(m)), the newest keys transposed in place.
+    using Row = Eigen::Map<Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
     for (Index I = 1; I <= nb; ++I) {
       const Index j0 = (I - 1) * c, len = std::min(c, n - j0);
-      Block dst(I < nb ? w_block(I) : kw_t_.data(), r, j0 + len, Eigen::OuterStride<>(ld_));
+      Scalar* dst = I < nb ? w_block(I) : kw_t_.data();
       if (I > 1)
-        dst.leftCols(j0) = Block(w_block(I - 1), r, j0, Eigen::OuterStride<>(ld_)).colwise() *
-                           totals_.row(I - 1).transpose().array();
-      dst.middleCols(j0, len) = kend_t_.middleCols(j0, len).array();
+        for (Index m = 0; m < r; ++m)
+          Row(dst + m * ld_, j0) = Row(w_block(I - 1) + m * ld_, j0) * totals_(I - 1, m);
+      transpose_into(len, r, kend_.data() + j0 * r, r, dst + j0, ld_);
     }
   }
 
@@ -691,11 +677,18 @@ class ChannelGatedChunk {
     const Index n = n_, r = r_, c = gate_subchunk<Scalar>;
     if (n == 0) return;
     const bool divides = norm.divides();
-    if (divides)
-      gated_denominators(
-          n, qf, ld_qf, kf_, ld_kf_, z,
-          [&](Index i, auto&& zr) { zr *= gates_.row(i).array().transpose(); }, z_run_,
-          inverse_.data(), late_.data(), norm, first_row);
+    if (divides) {
+      // The running normalizer z_i = g_i .* z_{i-1} + kf_i from z_{-1} = z and the row's
+      // divisor from qf_i . z_i, one pass per row; inverse(i) = 1 / divisor (DenominatorError
+      // naming row first_row + i), or 1 with late(i) the divisor where that reciprocal
+      // overflows (reciprocal_or_late).
+      z_run_ = z;
+      for (Index i = 0; i < n; ++i) {
+        const Scalar den = gates_add_dot(z_run_.data(), gates_.row(i).data(), kf_ + i * ld_kf_,
+                                         qf + i * ld_qf, r);
+        inverse_(i) = reciprocal_or_late(norm.divisor(den, first_row + i), late_(i));
+      }
+    }
     using Vec = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
     for (Index i = 0; i < n; ++i) {
       const Vec q(qf + i * ld_qf, r);
@@ -710,10 +703,8 @@ class ChannelGatedChunk {
                                  scores_.data() + i0 * ld_, ld_, Triangle::none, nullptr, prefetch);
       for (Index i = i0; i < end; ++i) {
         const Scalar* q = qf + i * ld_qf;
-        scores_(i, i) = ordered_dot(q, kf_ + i * ld_kf_, r);
-        std::copy_n(q, r, qdec_.data());
-        for (Index j = i - 1; j >= i0; --j)
-          scores_(i, j) = scale_then_dot(qdec_.data(), gates_.row(j + 1).data(), kf_ + j * ld_kf_, r);
+        decayed_row_scores(q, gates_.data(), r, kf_, ld_kf_, r, i0, i, &scores_(i, 0),
+                           qdec_.data());
         scores_.row(i).segment(i + 1, n - i - 1).setZero();
       }
     }
@@ -742,7 +733,7 @@ class ChannelGatedChunk {
   Scalar* w_block(Index I) noexcept { return w_.data() + (I - 1) * r_ * ld_; }
 
   Index r_, dv_, ld_, blocks_;
-  RowMatrix<Scalar> gates_, prefix_, state_decay_, kend_, qs_, qt_, kend_t_, w_, kw_t_, scores_;
+  RowMatrix<Scalar> gates_, prefix_, state_decay_, kend_, qs_, qt_, w_, kw_t_, scores_;
   RowMatrix<Scalar> totals_, pre_;
   RowVector<Scalar> chunk_total_;
   ColVector<Scalar> inverse_, late_, z_run_;

@@ -183,6 +183,85 @@ Scalar scale_then_dot(Scalar* x, const Scalar* g, const Scalar* k, Index n) noex
   return sum;
 }
 
+/// The packets of x a diagonal row keeps in registers: 8 (x, two accumulators and a load fit
+/// in AVX2's 16 vector registers). Wider rows go through scale_then_dot one key at a time.
+inline constexpr int kHeldQueryPackets = 8;
+
+template <class Scalar, int P>
+void decayed_row_scores_held(const Scalar* q, const Scalar* g, Index ld_g, const Scalar* k,
+                             Index ld_k, Index j0, Index i, Scalar* out) noexcept {
+  namespace ei = Eigen::internal;
+  using Packet = SweepPacket<Scalar>;
+  constexpr int N = sweep_packet_size<Scalar>;
+  Packet x[P];
+  {
+    // The diagonal element: ordered_dot's order (the same as below without the gates).
+    const Scalar* key = k + i * ld_k;
+    Packet acc0 = ei::pset1<Packet>(Scalar(0)), acc1 = acc0;
+    for (int p = 0; p < P; ++p) {
+      x[p] = ei::ploadu<Packet>(q + p * N);
+      if (p % 2 == 0)
+        acc0 = ei::pmadd(x[p], ei::ploadu<Packet>(key + p * N), acc0);
+      else
+        acc1 = ei::pmadd(x[p], ei::ploadu<Packet>(key + p * N), acc1);
+    }
+    out[i] = ei::predux(ei::padd(acc0, acc1));
+  }
+  for (Index j = i - 1; j >= j0; --j) {
+    const Scalar* gate = g + (j + 1) * ld_g;
+    const Scalar* key = k + j * ld_k;
+    Packet acc0 = ei::pset1<Packet>(Scalar(0)), acc1 = acc0;
+    // scale_then_dot's order: even packets into acc0, odd ones into acc1 (an odd count's last
+    // packet is even).
+    for (int p = 0; p < P; ++p) {
+      x[p] = ei::pmul(x[p], ei::ploadu<Packet>(gate + p * N));
+      if (p % 2 == 0)
+        acc0 = ei::pmadd(x[p], ei::ploadu<Packet>(key + p * N), acc0);
+      else
+        acc1 = ei::pmadd(x[p], ei::ploadu<Packet>(key + p * N), acc1);
+    }
+    out[j] = ei::predux(ei::padd(acc0, acc1));
+  }
+}
+
+/// One row i of a per-channel diagonal sub-block: out[i] = q . k_i, then for j = i - 1 down to
+/// j0, x = x .* g_{j+1} with x starting as q (the query decayed back to key j: q .* g_{j+1}
+/// ... g_i) and out[j] = x . k_j. Row t of the gates at g + t ld_g, of the keys at k + t ld_k;
+/// n features. Bit for bit ordered_dot, then scale_then_dot key by key, with x held in
+/// registers across the keys when n is a whole number of at most kHeldQueryPackets packets (no
+/// store and reload of x per key); otherwise those functions, x on `scratch` (n values).
+/// 2 n + 3 n (i - j0) flops.
+template <class Scalar>
+void decayed_row_scores(const Scalar* q, const Scalar* g, Index ld_g, const Scalar* k,
+                        Index ld_k, Index n, Index j0, Index i, Scalar* out,
+                        Scalar* scratch) noexcept {
+  constexpr int N = sweep_packet_size<Scalar>;
+  if (n % N == 0) {
+    switch (n / N) {
+#define LINATTN_HELD_CASE(P)                                               \
+  case P:                                                                 \
+    if constexpr (P <= kHeldQueryPackets)                                 \
+      return decayed_row_scores_held<Scalar, P>(q, g, ld_g, k, ld_k, j0, i, out); \
+    break;
+      LINATTN_HELD_CASE(1)
+      LINATTN_HELD_CASE(2)
+      LINATTN_HELD_CASE(3)
+      LINATTN_HELD_CASE(4)
+      LINATTN_HELD_CASE(5)
+      LINATTN_HELD_CASE(6)
+      LINATTN_HELD_CASE(7)
+      LINATTN_HELD_CASE(8)
+#undef LINATTN_HELD_CASE
+      default:
+        break;
+    }
+  }
+  out[i] = ordered_dot(q, k + i * ld_k, n);
+  std::copy_n(q, n, scratch);
+  for (Index j = i - 1; j >= j0; --j)
+    out[j] = scale_then_dot(scratch, g + (j + 1) * ld_g, k + j * ld_k, n);
+}
+
 /// z = g z + kf (each element multiplied, then added: two roundings, as z .*= g; z += kf),
 /// then returns q . z in ordered_dot's order (recurrent_sweep.hpp), in one pass over the n
 /// elements: the running normalizer of a scalar-gated chunk and its row's denominator.
@@ -212,6 +291,39 @@ Scalar gate_add_dot(Scalar* z, Scalar g, const Scalar* kf, const Scalar* q, Inde
   for (; i < n; ++i) {
     const Scalar scaled = z[i] * g;
     z[i] = scaled + kf[i];
+    sum = ei::pmadd(q[i], z[i], sum);
+  }
+  return sum;
+}
+
+/// z = g .* z + kf by Eigen's pmadd per element (a fused multiply-add, one rounding, on targets
+/// with FMA, whatever the compiler's contraction setting), then returns q . z in ordered_dot's order, in one pass over the n
+/// elements: the running normalizer of a per-channel gated chunk and its row's denominator.
+template <class Scalar>
+Scalar gates_add_dot(Scalar* z, const Scalar* g, const Scalar* kf, const Scalar* q,
+                     Index n) noexcept {
+  namespace ei = Eigen::internal;
+  using Packet = SweepPacket<Scalar>;
+  constexpr int N = sweep_packet_size<Scalar>;
+  const auto step = [&](Index i) {
+    const Packet next =
+        ei::pmadd(ei::ploadu<Packet>(z + i), ei::ploadu<Packet>(g + i), ei::ploadu<Packet>(kf + i));
+    ei::pstoreu(z + i, next);
+    return next;
+  };
+  Packet acc0 = ei::pset1<Packet>(Scalar(0)), acc1 = acc0;
+  Index i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    acc0 = ei::pmadd(ei::ploadu<Packet>(q + i), step(i), acc0);
+    acc1 = ei::pmadd(ei::ploadu<Packet>(q + i + N), step(i + N), acc1);
+  }
+  if (i + N <= n) {
+    acc0 = ei::pmadd(ei::ploadu<Packet>(q + i), step(i), acc0);
+    i += N;
+  }
+  Scalar sum = ei::predux(ei::padd(acc0, acc1));
+  for (; i < n; ++i) {
+    z[i] = ei::pmadd(z[i], g[i], kf[i]);
     sum = ei::pmadd(q[i], z[i], sum);
   }
   return sum;
