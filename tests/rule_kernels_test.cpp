@@ -589,4 +589,36 @@ TEMPLATE_TEST_CASE("gates_add_dot: the per-channel running normalizer and its de
   }
 }
 
+TEMPLATE_TEST_CASE("accumulate_rows: a row of the triangular solve against the rows before it",
+                   "[kernels][delta]", float, double) {
+  using Scalar = TestType;
+  constexpr Index N = detail::sweep_packet_size<Scalar>;
+  const double u = linattn_test::unit_roundoff<Scalar>();
+  // Whole packets up to kHeldQueryPackets (held in registers) and past it, a tail, and fewer
+  // values than a packet; no terms, one, and a block's worth.
+  for (Index n : {Index(3), N, 2 * N + 3, detail::kHeldQueryPackets * N,
+                  (detail::kHeldQueryPackets + 1) * N}) {
+    for (Index m : {Index(0), Index(1), Index(15)}) {
+      CAPTURE(n, m);
+      const Index ld = n + 5;
+      const auto x = uniform<Scalar>(std::max<Index>(m, 1), ld, 98, -1.0, 1.0);
+      const auto a = uniform<Scalar>(1, std::max<Index>(m, 1), 99, -1.0, 1.0);
+      const auto y0 = uniform<Scalar>(1, n + 1, 100, -1.0, 1.0);
+      RowMatrix<Scalar> y = y0;
+      detail::accumulate_rows(y.data(), a.data(), x.data(), ld, m, n);
+      for (Index k = 0; k < n; ++k) {
+        double exact = double(y0(k)), magnitude = std::abs(double(y0(k)));
+        for (Index j = 0; j < m; ++j) {
+          exact += double(a(j)) * double(x(j, k));
+          magnitude += std::abs(double(a(j)) * double(x(j, k)));
+        }
+        // m steps of y + a x, each one rounding with a fused multiply-add or two without:
+        // 2 m u of the magnitudes, to first order.
+        CHECK(std::abs(double(y(k)) - exact) <= 2 * double(m) * u * magnitude);
+      }
+      CHECK(y(n) == y0(n));  // nothing written past n
+    }
+  }
+}
+
 }  // namespace rule_kernels_test

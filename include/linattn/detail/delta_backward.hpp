@@ -279,7 +279,8 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
         rule_gemm<Scalar, true>(end - b0, dv, n - end, w.NAT.data() + b0 * L + end, L,
                                 w.dW.data() + end * dv, dv, w.dW.data() + b0 * dv, dv);
       for (Index i = end - 2; i >= b0; --i)
-        for (Index k = i + 1; k < end; ++k) dW.row(i) += w.NAT(i, k) * dW.row(k);
+        accumulate_rows(w.dW.data() + i * dv, &w.NAT(i, i + 1), w.dW.data() + (i + 1) * dv, dv,
+                        end - i - 1, dv);
     }
 
     // dL = strictly_lower(-dW U^T): d beta, the decays' share, N_ij = dL_ij beta_i Gam_ij and

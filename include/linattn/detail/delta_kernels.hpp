@@ -322,7 +322,8 @@ class DeltaChunk {
                                 corrected_.data(), dv, corrected_.data() + b0 * dv, dv,
                                 Triangle::none, nullptr, prefetch);
       for (Index i = b0 + 1; i < end; ++i)
-        for (Index j = b0; j < i; ++j) corrected_.row(i) += system_(i, j) * corrected_.row(j);
+        accumulate_rows(corrected_.row(i).data(), &system_(i, b0), corrected_.row(b0).data(), dv,
+                        i - b0, dv);
     }
     if (gated_)
       for (Index m = 0; m < r; ++m)

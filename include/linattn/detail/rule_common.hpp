@@ -262,7 +262,9 @@ void decayed_row_scores(const Scalar* q, const Scalar* g, Index ld_g, const Scal
     out[j] = scale_then_dot(scratch, g + (j + 1) * ld_g, k + j * ld_k, n);
 }
 
-/// z = g z + kf (each element multiplied, then added: two roundings, as z .*= g; z += kf),
+/// z = g z + kf by Eigen's pmadd per element (a fused multiply-add, one rounding, on targets
+/// with FMA: written out, so that the result does not depend on whether the compiler contracts
+/// a multiply and an add, which g++ does by default and clang does not across statements),
 /// then returns q . z in ordered_dot's order (recurrent_sweep.hpp), in one pass over the n
 /// elements: the running normalizer of a scalar-gated chunk and its row's denominator.
 template <class Scalar>
@@ -272,8 +274,7 @@ Scalar gate_add_dot(Scalar* z, Scalar g, const Scalar* kf, const Scalar* q, Inde
   constexpr int N = sweep_packet_size<Scalar>;
   const Packet gate = ei::pset1<Packet>(g);
   const auto step = [&](Index i) {
-    const Packet scaled = ei::pmul(ei::ploadu<Packet>(z + i), gate);
-    const Packet next = ei::padd(scaled, ei::ploadu<Packet>(kf + i));
+    const Packet next = ei::pmadd(ei::ploadu<Packet>(z + i), gate, ei::ploadu<Packet>(kf + i));
     ei::pstoreu(z + i, next);
     return next;
   };
@@ -289,11 +290,67 @@ Scalar gate_add_dot(Scalar* z, Scalar g, const Scalar* kf, const Scalar* q, Inde
   }
   Scalar sum = ei::predux(ei::padd(acc0, acc1));
   for (; i < n; ++i) {
-    const Scalar scaled = z[i] * g;
-    z[i] = scaled + kf[i];
+    z[i] = ei::pmadd(z[i], g, kf[i]);
     sum = ei::pmadd(q[i], z[i], sum);
   }
   return sum;
+}
+
+template <class Scalar, int P>
+void accumulate_rows_held(Scalar* y, const Scalar* a, const Scalar* x, Index ld_x,
+                          Index m) noexcept {
+  namespace ei = Eigen::internal;
+  using Packet = SweepPacket<Scalar>;
+  constexpr int N = sweep_packet_size<Scalar>;
+  Packet acc[P];
+  for (int p = 0; p < P; ++p) acc[p] = ei::ploadu<Packet>(y + p * N);
+  for (Index j = 0; j < m; ++j) {
+    const Packet weight = ei::pset1<Packet>(a[j]);
+    const Scalar* row = x + j * ld_x;
+    for (int p = 0; p < P; ++p) acc[p] = ei::pmadd(weight, ei::ploadu<Packet>(row + p * N), acc[p]);
+  }
+  for (int p = 0; p < P; ++p) ei::pstoreu(y + p * N, acc[p]);
+}
+
+/// y += a_0 x_0 + a_1 x_1 + ... + a_{m-1} x_{m-1}, term by term in that order, one pmadd per
+/// element and term (rows x_j at x + j ld_x, n values each): a row of a triangular solve
+/// against the rows before it. y is held in registers across the terms when n is a whole
+/// number of at most kHeldQueryPackets packets (no store and reload of y per term); otherwise
+/// term by term through memory, with the same arithmetic. 2 m n flops.
+template <class Scalar>
+void accumulate_rows(Scalar* y, const Scalar* a, const Scalar* x, Index ld_x, Index m,
+                     Index n) noexcept {
+  constexpr int N = sweep_packet_size<Scalar>;
+  if (n % N == 0) {
+    switch (n / N) {
+#define LINATTN_HELD_CASE(P)                                                 \
+  case P:                                                                   \
+    if constexpr (P <= kHeldQueryPackets)                                   \
+      return accumulate_rows_held<Scalar, P>(y, a, x, ld_x, m);             \
+    break;
+      LINATTN_HELD_CASE(1)
+      LINATTN_HELD_CASE(2)
+      LINATTN_HELD_CASE(3)
+      LINATTN_HELD_CASE(4)
+      LINATTN_HELD_CASE(5)
+      LINATTN_HELD_CASE(6)
+      LINATTN_HELD_CASE(7)
+      LINATTN_HELD_CASE(8)
+#undef LINATTN_HELD_CASE
+      default:
+        break;
+    }
+  }
+  namespace ei = Eigen::internal;
+  using Packet = SweepPacket<Scalar>;
+  for (Index j = 0; j < m; ++j) {
+    const Scalar* row = x + j * ld_x;
+    const Packet weight = ei::pset1<Packet>(a[j]);
+    Index k = 0;
+    for (; k + N <= n; k += N)
+      ei::pstoreu(y + k, ei::pmadd(weight, ei::ploadu<Packet>(row + k), ei::ploadu<Packet>(y + k)));
+    for (; k < n; ++k) y[k] = ei::pmadd(a[j], row[k], y[k]);
+  }
 }
 
 /// z = g .* z + kf by Eigen's pmadd per element (a fused multiply-add, one rounding, on targets
