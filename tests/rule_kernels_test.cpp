@@ -532,13 +532,13 @@ TEMPLATE_TEST_CASE("a diagonal row's decayed scores: the query held in registers
                    "[kernels][gated]", float, double) {
   using Scalar = TestType;
   constexpr Index N = detail::sweep_packet_size<Scalar>;
-  // 1 to kHeldQueryPackets + 1 whole packets (held in registers up to kHeldQueryPackets, then
+  // 1 to kHeldRowPackets + 1 whole packets (held in registers up to kHeldRowPackets, then
   // the fallback), a packet and a tail, and fewer features than a packet.
   std::vector<Index> widths;
-  for (Index p = 1; p <= detail::kHeldQueryPackets + 1; ++p) widths.push_back(p * N);
+  for (Index p = 1; p <= detail::kHeldRowPackets + 1; ++p) widths.push_back(p * N);
   widths.push_back(2 * N + 3);
   widths.push_back(3);
-  const Index rows = 16, ld = (detail::kHeldQueryPackets + 1) * N + 5;  // every width fits
+  const Index rows = 16, ld = (detail::kHeldRowPackets + 1) * N + 5;  // every width fits
   for (Index n : widths) {
     CAPTURE(n);
     const auto q = uniform<Scalar>(rows, ld, 91, -1.0, 1.0);
@@ -594,10 +594,10 @@ TEMPLATE_TEST_CASE("accumulate_rows: a row of the triangular solve against the r
   using Scalar = TestType;
   constexpr Index N = detail::sweep_packet_size<Scalar>;
   const double u = linattn_test::unit_roundoff<Scalar>();
-  // Whole packets up to kHeldQueryPackets (held in registers) and past it, a tail, and fewer
+  // Whole packets up to kHeldRowPackets (held in registers) and past it, a tail, and fewer
   // values than a packet; no terms, one, and a block's worth.
-  for (Index n : {Index(3), N, 2 * N + 3, detail::kHeldQueryPackets * N,
-                  (detail::kHeldQueryPackets + 1) * N}) {
+  for (Index n : {Index(3), N, 2 * N + 3, detail::kHeldRowPackets * N,
+                  (detail::kHeldRowPackets + 1) * N}) {
     for (Index m : {Index(0), Index(1), Index(15)}) {
       CAPTURE(n, m);
       const Index ld = n + 5;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 
 namespace linattn::detail {
 
@@ -183,9 +184,25 @@ Scalar scale_then_dot(Scalar* x, const Scalar* g, const Scalar* k, Index n) noex
   return sum;
 }
 
-/// The packets of x a diagonal row keeps in registers: 8 (x, two accumulators and a load fit
-/// in AVX2's 16 vector registers). Wider rows go through scale_then_dot one key at a time.
-inline constexpr int kHeldQueryPackets = 8;
+/// The packets of a row the row kernels below keep in registers: 8 (the row, two accumulators
+/// and a load fit in AVX2's 16 vector registers). Wider rows go through memory.
+inline constexpr int kHeldRowPackets = 8;
+
+/// Calls f(std::integral_constant<int, P>{}) and returns true when n values are P whole
+/// packets, 1 <= P <= kHeldRowPackets (a row kernel with the row in P registers); returns
+/// false otherwise.
+template <class Scalar, class F>
+bool with_held_packets(Index n, F&& f) {
+  constexpr int N = sweep_packet_size<Scalar>;
+  if (n % N != 0 || n < N || n / N > kHeldRowPackets) return false;
+  const int packets = static_cast<int>(n / N);
+  // The one P + 1 equal to packets: the fold stops at the first true.
+  [&]<int... P>(std::integer_sequence<int, P...>) {
+    static_cast<void>(
+        ((packets == P + 1 && (f(std::integral_constant<int, P + 1>{}), true)) || ...));
+  }(std::make_integer_sequence<int, kHeldRowPackets>{});
+  return true;
+}
 
 template <class Scalar, int P>
 void decayed_row_scores_held(const Scalar* q, const Scalar* g, Index ld_g, const Scalar* k,
@@ -228,34 +245,17 @@ void decayed_row_scores_held(const Scalar* q, const Scalar* g, Index ld_g, const
 /// j0, x = x .* g_{j+1} with x starting as q (the query decayed back to key j: q .* g_{j+1}
 /// ... g_i) and out[j] = x . k_j. Row t of the gates at g + t ld_g, of the keys at k + t ld_k;
 /// n features. Bit for bit ordered_dot, then scale_then_dot key by key, with x held in
-/// registers across the keys when n is a whole number of at most kHeldQueryPackets packets (no
+/// registers across the keys when n is a whole number of at most kHeldRowPackets packets (no
 /// store and reload of x per key); otherwise those functions, x on `scratch` (n values).
 /// 2 n + 3 n (i - j0) flops.
 template <class Scalar>
 void decayed_row_scores(const Scalar* q, const Scalar* g, Index ld_g, const Scalar* k,
                         Index ld_k, Index n, Index j0, Index i, Scalar* out,
                         Scalar* scratch) noexcept {
-  constexpr int N = sweep_packet_size<Scalar>;
-  if (n % N == 0) {
-    switch (n / N) {
-#define LINATTN_HELD_CASE(P)                                               \
-  case P:                                                                 \
-    if constexpr (P <= kHeldQueryPackets)                                 \
-      return decayed_row_scores_held<Scalar, P>(q, g, ld_g, k, ld_k, j0, i, out); \
-    break;
-      LINATTN_HELD_CASE(1)
-      LINATTN_HELD_CASE(2)
-      LINATTN_HELD_CASE(3)
-      LINATTN_HELD_CASE(4)
-      LINATTN_HELD_CASE(5)
-      LINATTN_HELD_CASE(6)
-      LINATTN_HELD_CASE(7)
-      LINATTN_HELD_CASE(8)
-#undef LINATTN_HELD_CASE
-      default:
-        break;
-    }
-  }
+  if (with_held_packets<Scalar>(n, [&](auto packets) {
+        decayed_row_scores_held<Scalar, decltype(packets)::value>(q, g, ld_g, k, ld_k, j0, i, out);
+      }))
+    return;
   out[i] = ordered_dot(q, k + i * ld_k, n);
   std::copy_n(q, n, scratch);
   for (Index j = i - 1; j >= j0; --j)
@@ -315,34 +315,18 @@ void accumulate_rows_held(Scalar* y, const Scalar* a, const Scalar* x, Index ld_
 /// y += a_0 x_0 + a_1 x_1 + ... + a_{m-1} x_{m-1}, term by term in that order, one pmadd per
 /// element and term (rows x_j at x + j ld_x, n values each): a row of a triangular solve
 /// against the rows before it. y is held in registers across the terms when n is a whole
-/// number of at most kHeldQueryPackets packets (no store and reload of y per term); otherwise
+/// number of at most kHeldRowPackets packets (no store and reload of y per term); otherwise
 /// term by term through memory, with the same arithmetic. 2 m n flops.
 template <class Scalar>
 void accumulate_rows(Scalar* y, const Scalar* a, const Scalar* x, Index ld_x, Index m,
                      Index n) noexcept {
-  constexpr int N = sweep_packet_size<Scalar>;
-  if (n % N == 0) {
-    switch (n / N) {
-#define LINATTN_HELD_CASE(P)                                                 \
-  case P:                                                                   \
-    if constexpr (P <= kHeldQueryPackets)                                   \
-      return accumulate_rows_held<Scalar, P>(y, a, x, ld_x, m);             \
-    break;
-      LINATTN_HELD_CASE(1)
-      LINATTN_HELD_CASE(2)
-      LINATTN_HELD_CASE(3)
-      LINATTN_HELD_CASE(4)
-      LINATTN_HELD_CASE(5)
-      LINATTN_HELD_CASE(6)
-      LINATTN_HELD_CASE(7)
-      LINATTN_HELD_CASE(8)
-#undef LINATTN_HELD_CASE
-      default:
-        break;
-    }
-  }
+  if (with_held_packets<Scalar>(n, [&](auto packets) {
+        accumulate_rows_held<Scalar, decltype(packets)::value>(y, a, x, ld_x, m);
+      }))
+    return;
   namespace ei = Eigen::internal;
   using Packet = SweepPacket<Scalar>;
+  constexpr int N = sweep_packet_size<Scalar>;
   for (Index j = 0; j < m; ++j) {
     const Scalar* row = x + j * ld_x;
     const Packet weight = ei::pset1<Packet>(a[j]);
@@ -354,8 +338,9 @@ void accumulate_rows(Scalar* y, const Scalar* a, const Scalar* x, Index ld_x, In
 }
 
 /// z = g .* z + kf by Eigen's pmadd per element (a fused multiply-add, one rounding, on targets
-/// with FMA, whatever the compiler's contraction setting), then returns q . z in ordered_dot's order, in one pass over the n
-/// elements: the running normalizer of a per-channel gated chunk and its row's denominator.
+/// with FMA, whatever the compiler's contraction setting), then returns q . z in ordered_dot's
+/// order, in one pass over the n elements: the running normalizer of a per-channel gated chunk
+/// and its row's denominator.
 template <class Scalar>
 Scalar gates_add_dot(Scalar* z, const Scalar* g, const Scalar* kf, const Scalar* q,
                      Index n) noexcept {
