@@ -432,7 +432,7 @@ class GatedForwardStep {
     const Index ld = padded_columns<Scalar>(std::max<Index>(C, per_channel ? gate_subchunk<Scalar> : 1));
     if (!per_channel) return 2 * r * ld + 2 * C * ld + 5 * C + r;
     const Index b = (C + gate_subchunk<Scalar> - 1) / gate_subchunk<Scalar>;
-    return 6 * C * r + 2 * r * ld + std::max<Index>(b - 1, 0) * r * ld + C * ld + 2 * b * r +
+    return 6 * C * r + r * ld + std::max<Index>(b - 1, 0) * r * ld + C * ld + 2 * b * r +
            3 * r + 2 * C;
   }
   /// S, z absorb rows [first, first + n) whose key features and values `w` has loaded, in the
