@@ -262,19 +262,27 @@ void decayed_row_scores(const Scalar* q, const Scalar* g, Index ld_g, const Scal
     out[j] = scale_then_dot(scratch, g + (j + 1) * ld_g, k + j * ld_k, n);
 }
 
-/// z = g z + kf by Eigen's pmadd per element (a fused multiply-add, one rounding, on targets
-/// with FMA: written out, so that the result does not depend on whether the compiler contracts
-/// a multiply and an add, which g++ does by default and clang does not across statements),
-/// then returns q . z in ordered_dot's order (recurrent_sweep.hpp), in one pass over the n
-/// elements: the running normalizer of a scalar-gated chunk and its row's denominator.
-template <class Scalar>
-Scalar gate_add_dot(Scalar* z, Scalar g, const Scalar* kf, const Scalar* q, Index n) noexcept {
+/// z = g .* z + kf with the gates at g[i * GateStride] (GateStride 0: one gate for every
+/// element; 1: one per element), by Eigen's pmadd per element (a fused multiply-add, one
+/// rounding, on targets with FMA: written out, so that the result does not depend on whether
+/// the compiler contracts a multiply and an add, which g++ does by default and clang does not
+/// across statements), then returns q . z in ordered_dot's order (recurrent_sweep.hpp), in one
+/// pass over the n elements: a gated chunk's running normalizer and its row's denominator.
+template <int GateStride, class Scalar>
+Scalar gated_add_dot(Scalar* z, const Scalar* g, const Scalar* kf, const Scalar* q,
+                     Index n) noexcept {
+  static_assert(GateStride == 0 || GateStride == 1, "one gate, or one per element");
   namespace ei = Eigen::internal;
   using Packet = SweepPacket<Scalar>;
   constexpr int N = sweep_packet_size<Scalar>;
-  const Packet gate = ei::pset1<Packet>(g);
+  const auto gate = [g](Index i) {
+    if constexpr (GateStride == 0)
+      return ei::pset1<Packet>(g[0]);
+    else
+      return ei::ploadu<Packet>(g + i);
+  };
   const auto step = [&](Index i) {
-    const Packet next = ei::pmadd(ei::ploadu<Packet>(z + i), gate, ei::ploadu<Packet>(kf + i));
+    const Packet next = ei::pmadd(ei::ploadu<Packet>(z + i), gate(i), ei::ploadu<Packet>(kf + i));
     ei::pstoreu(z + i, next);
     return next;
   };
@@ -290,10 +298,23 @@ Scalar gate_add_dot(Scalar* z, Scalar g, const Scalar* kf, const Scalar* q, Inde
   }
   Scalar sum = ei::predux(ei::padd(acc0, acc1));
   for (; i < n; ++i) {
-    z[i] = ei::pmadd(z[i], g, kf[i]);
+    z[i] = ei::pmadd(z[i], g[i * GateStride], kf[i]);
     sum = ei::pmadd(q[i], z[i], sum);
   }
   return sum;
+}
+
+/// gated_add_dot with one gate g for every element: a scalar-gated chunk's running normalizer.
+template <class Scalar>
+Scalar gate_add_dot(Scalar* z, Scalar g, const Scalar* kf, const Scalar* q, Index n) noexcept {
+  return gated_add_dot<0>(z, &g, kf, q, n);
+}
+
+/// gated_add_dot with one gate per element: a per-channel gated chunk's running normalizer.
+template <class Scalar>
+Scalar gates_add_dot(Scalar* z, const Scalar* g, const Scalar* kf, const Scalar* q,
+                     Index n) noexcept {
+  return gated_add_dot<1>(z, g, kf, q, n);
 }
 
 template <class Scalar, int P>
@@ -335,40 +356,6 @@ void accumulate_rows(Scalar* y, const Scalar* a, const Scalar* x, Index ld_x, In
       ei::pstoreu(y + k, ei::pmadd(weight, ei::ploadu<Packet>(row + k), ei::ploadu<Packet>(y + k)));
     for (; k < n; ++k) y[k] = ei::pmadd(a[j], row[k], y[k]);
   }
-}
-
-/// z = g .* z + kf by Eigen's pmadd per element (a fused multiply-add, one rounding, on targets
-/// with FMA, whatever the compiler's contraction setting), then returns q . z in ordered_dot's
-/// order, in one pass over the n elements: the running normalizer of a per-channel gated chunk
-/// and its row's denominator.
-template <class Scalar>
-Scalar gates_add_dot(Scalar* z, const Scalar* g, const Scalar* kf, const Scalar* q,
-                     Index n) noexcept {
-  namespace ei = Eigen::internal;
-  using Packet = SweepPacket<Scalar>;
-  constexpr int N = sweep_packet_size<Scalar>;
-  const auto step = [&](Index i) {
-    const Packet next =
-        ei::pmadd(ei::ploadu<Packet>(z + i), ei::ploadu<Packet>(g + i), ei::ploadu<Packet>(kf + i));
-    ei::pstoreu(z + i, next);
-    return next;
-  };
-  Packet acc0 = ei::pset1<Packet>(Scalar(0)), acc1 = acc0;
-  Index i = 0;
-  for (; i + 2 * N <= n; i += 2 * N) {
-    acc0 = ei::pmadd(ei::ploadu<Packet>(q + i), step(i), acc0);
-    acc1 = ei::pmadd(ei::ploadu<Packet>(q + i + N), step(i + N), acc1);
-  }
-  if (i + N <= n) {
-    acc0 = ei::pmadd(ei::ploadu<Packet>(q + i), step(i), acc0);
-    i += N;
-  }
-  Scalar sum = ei::predux(ei::padd(acc0, acc1));
-  for (; i < n; ++i) {
-    z[i] = ei::pmadd(z[i], g[i], kf[i]);
-    sum = ei::pmadd(q[i], z[i], sum);
-  }
-  return sum;
 }
 
 /// row[0, m) .*= scale[0, m) over whole packets (up to m rounded up to a packet; the caller's
