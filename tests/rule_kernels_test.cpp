@@ -621,4 +621,52 @@ TEMPLATE_TEST_CASE("accumulate_rows: a row of the triangular solve against the r
   }
 }
 
+TEMPLATE_TEST_CASE("gated_horner: the per-channel backward's decayed sums, forwards and backwards",
+                   "[kernels][gated]", float, double) {
+  using Scalar = TestType;
+  constexpr Index N = detail::sweep_packet_size<Scalar>;
+  constexpr Index H = detail::kHeldRowPackets * N;
+  const double u = linattn_test::unit_roundoff<Scalar>();
+  // Fewer values than a packet, whole packets, a tail; one block held in registers, then more
+  // than one (blocks of columns, then fewer packets, then a tail).
+  for (Index n : {Index(3), N, 2 * N + 3, H, H + N + 1, 2 * H + 2 * N + 3}) {
+    for (Index m : {Index(1), Index(2), Index(16)}) {
+      for (const bool upwards : {false, true}) {
+        CAPTURE(n, m, upwards);
+        const Index ld = n + 5, ld_scores = m + 3;
+        const auto x = uniform<Scalar>(m, ld, 101, -1.0, 1.0);
+        const auto g = uniform<Scalar>(m, ld, 102, 0.5, 1.0);
+        const auto scores = uniform<Scalar>(m, ld_scores, 103, -1.0, 1.0);
+        const auto out0 = uniform<Scalar>(1, n + 1, 104, -1.0, 1.0);
+        // Term t: coefficient scores(t, 0), row x(t), gate row g(t - 1); or, upwards, from
+        // the last row back (coefficient scores(m - 1 - t, 0), row x(m - 1 - t), gate row
+        // g(m - t)), as the key terms read a column of dA.
+        const auto term = [&](Index t) { return upwards ? m - 1 - t : t; };
+        const auto gate = [&](Index t) { return upwards ? m - t : t - 1; };
+        RowMatrix<Scalar> out = out0;
+        if (upwards)
+          detail::gated_horner(out.data(), &scores(m - 1, 0), -ld_scores, &x(m - 1, 0), -ld,
+                               g.data() + (m - 1) * ld, -ld, m, n);
+        else
+          detail::gated_horner(out.data(), scores.data(), ld_scores, x.data(), ld, g.data(), ld,
+                               m, n);
+        for (Index k = 0; k < n; ++k) {
+          double exact = double(out0(k)), magnitude = std::abs(double(out0(k)));
+          for (Index t = 0; t < m; ++t) {
+            double value = double(scores(term(t), 0)) * double(x(term(t), k));
+            for (Index s = t + 1; s < m; ++s) value *= double(g(gate(s), k));
+            exact += value;
+            magnitude += std::abs(value);
+          }
+          // Each term: one rounding for c x, then one per later step (a fused multiply-add;
+          // two without FMA), then the final addition into out: (2 m + 1) u of the
+          // magnitudes, to first order.
+          CHECK(std::abs(double(out(k)) - exact) <= (2 * double(m) + 1) * u * magnitude);
+        }
+        CHECK(out(n) == out0(n));  // nothing written past n
+      }
+    }
+  }
+}
+
 }  // namespace rule_kernels_test

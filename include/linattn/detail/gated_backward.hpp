@@ -308,16 +308,24 @@ class GatedBackwardChunk {
     }
   }
 
-  // q .* dq (sign +1) or k .* dk (sign -1) into the chunk's rows of the gate gradient.
+  // q .* dq (sign +1, written: the query's share comes first, so the rows need no clearing)
+  // or k .* dk (sign -1, added) into the chunk's rows of the gate gradient.
   void add_gate_terms(Scalar* d_gate, const RowMatrix<Scalar>& f, const RowMatrix<Scalar>& df,
                       Scalar sign) const {
     if (d_gate == nullptr) return;
+    const bool first_share = sign > 0;
     for (Index i = 0; i < n_; ++i) {
       Scalar* row = d_gate + (first_ + i) * gc_;
-      if (per_channel_)
-        Eigen::Map<RowVector<Scalar>>(row, r_) += sign * f.row(i).cwiseProduct(df.row(i));
-      else
-        row[0] += sign * f.row(i).dot(df.row(i));
+      if (per_channel_) {
+        Eigen::Map<RowVector<Scalar>> out(row, r_);
+        if (first_share)
+          out = sign * f.row(i).cwiseProduct(df.row(i));
+        else
+          out += sign * f.row(i).cwiseProduct(df.row(i));
+      } else {
+        const Scalar term = sign * f.row(i).dot(df.row(i));
+        row[0] = first_share ? term : row[0] + term;
+      }
     }
   }
 
@@ -353,7 +361,6 @@ class GatedBackwardChunk {
   // (scaled by exp(B_i - B_{i0-1})), the diagonal block by Horner's rule over j.
   void channel_query_terms() {
     const Index n = n_, r = r_, nb = (n + sub - 1) / sub;
-    using Row = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
     for (Index I = 0; I < nb; ++I) {
       const Index i0 = I * sub, end = std::min(n, i0 + sub);
       if (I > 0) {
@@ -363,13 +370,10 @@ class GatedBackwardChunk {
           d_features_.row(i).array() +=
               tmp_.row(i - i0).array() * qt_scale_.row(i).array();
       }
-      for (Index i = i0; i < end; ++i) {
-        auto acc = acc_.array();
-        acc = d_scores_(i, i0) * Row(kf_.row(i0).data(), r);
-        for (Index j = i0 + 1; j <= i; ++j)
-          acc = acc * Row(gates_.row(j).data(), r) + d_scores_(i, j) * Row(kf_.row(j).data(), r);
-        d_features_.row(i).array() += acc;
-      }
+      // Terms j = i0 ... i, gate g_{j} applied to the terms before j.
+      for (Index i = i0; i < end; ++i)
+        gated_horner(d_features_.row(i).data(), &d_scores_(i, i0), Index(1), kf_.row(i0).data(),
+                     r, gates_.data() + (i0 + 1) * r, r, i - i0 + 1, r);
     }
   }
 
@@ -377,16 +381,13 @@ class GatedBackwardChunk {
   // sub-chunk's end), the later sub-chunks by one product each, scaled by exp(B_{i0-1} - B_j).
   void channel_key_terms() {
     const Index n = n_, r = r_, nb = (n + sub - 1) / sub;
-    using Row = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
     for (Index I = 0; I < nb; ++I) {
       const Index i0 = I * sub, end = std::min(n, i0 + sub);
-      for (Index j = i0; j < end; ++j) {
-        auto acc = acc_.array();
-        acc = d_scores_(end - 1, j) * Row(qf_.row(end - 1).data(), r);
-        for (Index i = end - 2; i >= j; --i)
-          acc = acc * Row(gates_.row(i + 1).data(), r) + d_scores_(i, j) * Row(qf_.row(i).data(), r);
-        rows_r_.row(j).array() += acc;
-      }
+      // Terms i = end - 1 down to j (a column of dA, read upwards), gate g_{i+1} applied to
+      // the terms after i.
+      for (Index j = i0; j < end; ++j)
+        gated_horner(rows_r_.row(j).data(), &d_scores_(end - 1, j), -P_,
+                     qf_.row(end - 1).data(), -r, gates_.data() + (end - 1) * r, -r, end - j, r);
       if (I > 0) {
         const Index ni = end - i0;
         transpose_block(ni, i0, d_scores_.data() + i0 * P_, P_, block_t_.data(), P_);
@@ -522,8 +523,23 @@ void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
   const auto add_final_term = [&] {
     final_term = ((S.array() * H.array()).rowwise().sum() + z.array() * hz.array()).transpose();
   };
-  if (d_gate != nullptr) std::fill(d_gate, d_gate + T * gc, Scalar(0));
   const Index last_first = T == 0 ? -1 : (T - 1) / C * C;
+  // d log g_s = sum_{t >= s} dL/dB_t, the final state's term on the last token: once a chunk's
+  // rows hold both shares (query, then key), the suffix sum over them from the row after the
+  // chunk, in the reverse sweep while they are in cache (a separate pass over T x gc, one more
+  // trip to memory, gave the same bits).
+  const auto sum_gate_suffix = [&](Index first, Index n) {
+    if (d_gate == nullptr) return;
+    for (Index t = first + n - 1; t >= first; --t) {
+      Eigen::Map<RowVector<Scalar>> row(d_gate + t * gc, gc);
+      if (t + 1 < T)
+        row += Eigen::Map<const RowVector<Scalar>>(d_gate + (t + 1) * gc, gc);
+      else if (per_channel)
+        row += final_term;
+      else
+        row(0) += final_term.sum();
+    }
+  };
 
   if (saved == nullptr) {
     // ---- pass 1: forward; S' before each chunk (the forward's arithmetic), dQ, (a, b) ----
@@ -542,6 +558,7 @@ void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
       w.load(phi, Q, K, V, dY, in, first, n);
       w.weight_gradients(a.data() + first, b.data() + first);
       w.key_value(phi, K, H, hz, a.data() + first, b.data() + first, dK, dV, d_gate);
+      sum_gate_suffix(first, n);
     }
   } else {
     // ---- one reverse sweep: each chunk's state from the saved forward ----
@@ -560,22 +577,11 @@ void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
       }
       w.query(phi, Q, state, sums, norm, a.data(), b.data(), dQ, d_gate);
       w.key_value(phi, K, H, hz, a.data(), b.data(), dK, dV, d_gate);
+      sum_gate_suffix(first, n);
     }
   }
   dS0 = H;
   dz0 = hz;
-
-  // d log g_s = sum_{t >= s} dL/dB_t, the final state's term on the last token.
-  if (d_gate != nullptr && T > 0) {
-    Scalar* last = d_gate + (T - 1) * gc;
-    if (per_channel)
-      Eigen::Map<RowVector<Scalar>>(last, r) += final_term;
-    else
-      last[0] += final_term.sum();
-    for (Index t = T - 2; t >= 0; --t)
-      Eigen::Map<RowVector<Scalar>>(d_gate + t * gc, gc) +=
-          Eigen::Map<const RowVector<Scalar>>(d_gate + (t + 1) * gc, gc);
-  }
 }
 
 /// The recomputing backward from the initial state (S0, z0): gated_backward_from without a

@@ -358,6 +358,58 @@ void accumulate_rows(Scalar* y, const Scalar* a, const Scalar* x, Index ld_x, In
   }
 }
 
+template <class Scalar, int P>
+void gated_horner_held(Scalar* out, const Scalar* c, Index ld_c, const Scalar* x, Index ld_x,
+                       const Scalar* g, Index ld_g, Index m) noexcept {
+  namespace ei = Eigen::internal;
+  using Packet = SweepPacket<Scalar>;
+  constexpr int N = sweep_packet_size<Scalar>;
+  Packet acc[P];
+  const Packet c0 = ei::pset1<Packet>(c[0]);
+  for (int p = 0; p < P; ++p) acc[p] = ei::pmul(c0, ei::ploadu<Packet>(x + p * N));
+  for (Index t = 1; t < m; ++t) {
+    const Packet ct = ei::pset1<Packet>(c[t * ld_c]);
+    const Scalar* row = x + t * ld_x;
+    const Scalar* gate = g + (t - 1) * ld_g;
+    for (int p = 0; p < P; ++p)
+      acc[p] = ei::pmadd(acc[p], ei::ploadu<Packet>(gate + p * N),
+                         ei::pmul(ct, ei::ploadu<Packet>(row + p * N)));
+  }
+  for (int p = 0; p < P; ++p)
+    ei::pstoreu(out + p * N, ei::padd(ei::ploadu<Packet>(out + p * N), acc[p]));
+}
+
+/// out += acc, acc by Horner's rule over m >= 1 terms: acc = c_0 x_0, then for t = 1 ... m - 1
+/// acc = acc .* g_t + c_t x_t (a pmadd: one rounding where the target has FMA), elementwise
+/// over n values. So out gains sum_t c_t x_t .* g_{t+1} .* ... .* g_{m-1}: a per-channel gated
+/// chunk's in-block gradient terms, each earlier row decayed through the gates after it.
+/// Term t's coefficient is c[t ld_c], its row x + t ld_x, its gate row g + (t - 1) ld_g
+/// (strides may be negative, for a sweep from the last row back; g is not read when m = 1).
+/// acc is held in registers, kHeldRowPackets packets at a time (each element's recurrence is
+/// independent of the others', so blocks of columns give the same bits as one pass), the tail
+/// of fewer than a packet by scalars. 3 n (m - 1) + 2 n flops.
+template <class Scalar>
+void gated_horner(Scalar* out, const Scalar* c, Index ld_c, const Scalar* x, Index ld_x,
+                  const Scalar* g, Index ld_g, Index m, Index n) noexcept {
+  namespace ei = Eigen::internal;
+  constexpr int N = sweep_packet_size<Scalar>;
+  constexpr Index block = Index(kHeldRowPackets) * N;
+  Index k = 0;
+  for (; k + block <= n; k += block)
+    gated_horner_held<Scalar, kHeldRowPackets>(out + k, c, ld_c, x + k, ld_x, g + k, ld_g, m);
+  const Index whole = (n - k) / N * N;
+  with_held_packets<Scalar>(whole, [&](auto packets) {
+    gated_horner_held<Scalar, decltype(packets)::value>(out + k, c, ld_c, x + k, ld_x, g + k,
+                                                         ld_g, m);
+  });
+  for (k += whole; k < n; ++k) {
+    Scalar acc = c[0] * x[k];
+    for (Index t = 1; t < m; ++t)
+      acc = ei::pmadd(acc, g[(t - 1) * ld_g + k], c[t * ld_c] * x[t * ld_x + k]);
+    out[k] += acc;
+  }
+}
+
 /// row[0, m) .*= scale[0, m) over whole packets (up to m rounded up to a packet; the caller's
 /// buffers hold that many), then row[m, end) = 0: a causal mask applied to one score row, m =
 /// i + 1 weighted entries, the rest of the row up to `end` cleared.
