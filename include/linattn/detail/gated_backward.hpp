@@ -370,10 +370,11 @@ class GatedBackwardChunk {
           d_features_.row(i).array() +=
               tmp_.row(i - i0).array() * qt_scale_.row(i).array();
       }
-      // Terms j = i0 ... i, gate g_{j} applied to the terms before j.
+      // Terms j = i0 ... i, gate g_j applied to the terms before j (from row i0 + 1; row i0
+      // when i = i0, where no gate is read, so that the pointer stays inside the buffer).
       for (Index i = i0; i < end; ++i)
         gated_horner(d_features_.row(i).data(), &d_scores_(i, i0), Index(1), kf_.row(i0).data(),
-                     r, gates_.data() + (i0 + 1) * r, r, i - i0 + 1, r);
+                     r, gates_.row(std::min(i0 + 1, i)).data(), r, i - i0 + 1, r);
     }
   }
 
@@ -384,10 +385,10 @@ class GatedBackwardChunk {
     for (Index I = 0; I < nb; ++I) {
       const Index i0 = I * sub, end = std::min(n, i0 + sub);
       // Terms i = end - 1 down to j (a column of dA, read upwards), gate g_{i+1} applied to
-      // the terms after i.
+      // the terms after i (from row end - 1 up).
       for (Index j = i0; j < end; ++j)
         gated_horner(rows_r_.row(j).data(), &d_scores_(end - 1, j), -P_,
-                     qf_.row(end - 1).data(), -r, gates_.data() + (end - 1) * r, -r, end - j, r);
+                     qf_.row(end - 1).data(), -r, gates_.row(end - 1).data(), -r, end - j, r);
       if (I > 0) {
         const Index ni = end - i0;
         transpose_block(ni, i0, d_scores_.data() + i0 * P_, P_, block_t_.data(), P_);

@@ -384,7 +384,8 @@ void gated_horner_held(Scalar* out, const Scalar* c, Index ld_c, const Scalar* x
 /// over n values. So out gains sum_t c_t x_t .* g_{t+1} .* ... .* g_{m-1}: a per-channel gated
 /// chunk's in-block gradient terms, each earlier row decayed through the gates after it.
 /// Term t's coefficient is c[t ld_c], its row x + t ld_x, its gate row g + (t - 1) ld_g
-/// (strides may be negative, for a sweep from the last row back; g is not read when m = 1).
+/// (strides may be negative, for a sweep from the last row back; g is not read when m = 1, but
+/// g + n must stay inside its buffer).
 /// acc is held in registers, kHeldRowPackets packets at a time (each element's recurrence is
 /// independent of the others', so blocks of columns give the same bits as one pass), the tail
 /// of fewer than a packet by scalars. 3 n (m - 1) + 2 n flops.
