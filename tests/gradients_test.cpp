@@ -1307,6 +1307,57 @@ TEST_CASE("the backward's memory: 2 scalars per token plus per-call buffers",
         detail::BackwardScratch<float>::bytes_for(65536, 32, 128, 128, false, false, false));
 }
 
+TEST_CASE("the backward queues the next chunk's input rows for prefetching, clipped at both ends",
+          "[gradients][prefetch]") {
+  // Hints change no result, so what can go wrong is the rows: the chunk after the last one (or
+  // before the first, in the reverse sweep) must queue nothing, a short chunk only its rows,
+  // and a view that is not row-major nothing. Rows of 20 floats (80 bytes: lines at +0 and
+  // +64) lying 32 floats apart, as one head's columns of a [T, 2 x 16]-wide buffer would.
+  constexpr Index kT = 11, kCols = 20, kStride = 32;
+  std::vector<float> q(std::size_t(kT * kStride)), k(q.size()), v(q.size()), dy(q.size());
+  using Strided = Eigen::Map<const RowMatrix<float>, 0, Eigen::OuterStride<>>;
+  const auto view = [&](const std::vector<float>& m) {
+    return Strided(m.data(), kT, kCols, Eigen::OuterStride<>(kStride));
+  };
+  const Eigen::MatrixXf column_major = Eigen::MatrixXf::Zero(kT, kCols);
+  detail::BackwardScratch<float> w(kT, 4, kCols, kCols, false, true, false);
+  const auto queued = [&] {
+    std::vector<const char*> seen;
+    while (!w.prefetch.empty())
+      w.prefetch.visit(3, [&](const char* line) { seen.push_back(line); });
+    return seen;
+  };
+  const auto lines = [&](std::initializer_list<const std::vector<float>*> ms, Index first,
+                         Index last) {
+    std::vector<const char*> expected;
+    for (const auto* m : ms)
+      for (Index i = first; i < last; ++i)
+        for (Index byte : {0, 64})
+          expected.push_back(reinterpret_cast<const char*>(m->data() + i * kStride) + byte);
+    return expected;
+  };
+  // A full chunk, in load_chunk's order: Q, K, V, dY.
+  detail::prefetch_chunk_rows(w, view(q), view(k), view(v), view(dy), 4, 4);
+  CHECK(queued() == lines({&q, &k, &v, &dy}, 4, 8));
+  // The short last chunk [8, 11): rows past T are not touched.
+  detail::prefetch_chunk_rows(w, view(q), view(k), view(v), view(dy), 8, 4);
+  CHECK(queued() == lines({&q, &k, &v, &dy}, 8, kT));
+  // The forward sweep's call at its last chunk (first + C >= T, n <= 0) and the reverse
+  // sweep's at its first (first - C < 0, n = 0): nothing.
+  detail::prefetch_chunk_rows(w, view(q), view(k), view(v), view(dy), 12, -1);
+  CHECK(queued().empty());
+  detail::prefetch_chunk_rows(w, view(q), view(k), view(v), view(dy), -4, 0);
+  CHECK(queued().empty());
+  // A column-major V is copied row by row in the backward, not prefetched; the others are.
+  detail::prefetch_chunk_rows(w, view(q), view(k), column_major, view(dy), 0, 4);
+  CHECK(queued() == lines({&q, &k, &dy}, 0, 4));
+  // What a call leaves queued is issued by the next one (prefetch_chunk_rows finishes first).
+  detail::prefetch_chunk_rows(w, view(q), view(k), view(v), view(dy), 0, 4);
+  CHECK_FALSE(w.prefetch.empty());
+  detail::prefetch_chunk_rows(w, view(q), view(k), view(v), view(dy), 4, 0);
+  CHECK(w.prefetch.empty());
+}
+
 TEST_CASE("the _into calls write strided head views and equal the allocating calls",
           "[gradients][into]") {
   // Two heads laid out as [T, 2 d]; head 1's gradients written into its columns of [T, 2 d]

@@ -31,6 +31,7 @@
 
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/log_domain.hpp>
+#include <linattn/detail/prefetch.hpp>
 #include <linattn/detail/small_gemm.hpp>
 #include <linattn/feature_maps.hpp>
 #include <linattn/normalization.hpp>
@@ -58,17 +59,20 @@ constexpr Index kernel_lanes() {
 /// C (m x n) = ((Accumulate ? C : 0) + A (m x depth) B (depth x n)) * diag(row_scale), all
 /// row-major with leading dimensions: the register kernel where it applies (n a multiple of the
 /// packet width), Eigen's product on Maps elsewhere. With Triangle::lower_result only the
-/// entries j <= i are sure to be written.
+/// entries j <= i are sure to be written. `prefetch` (null: none) is advanced by the register
+/// kernel's tiles (SpreadPrefetch: the next chunk's rows stream in behind the products).
 template <class Scalar, bool Accumulate>
 void product(Index m, Index n, Index depth, const Scalar* A, Index lda, const Scalar* B,
              Index ldb, Scalar* C, Index ldc, Triangle triangle = Triangle::none,
-             const Scalar* row_scale = nullptr) {
+             const Scalar* row_scale = nullptr, SpreadPrefetch* prefetch = nullptr) {
   if constexpr (has_gemm_kernel<Scalar>) {
     if (n % GemmTile<Scalar>::lanes == 0) {
-      small_gemm<Scalar, Accumulate>(m, n, depth, A, lda, B, ldb, C, ldc, triangle, row_scale);
+      small_gemm<Scalar, Accumulate>(m, n, depth, A, lda, B, ldb, C, ldc, triangle, row_scale,
+                                     prefetch);
       return;
     }
   }
+  static_cast<void>(prefetch);
   using Stride = Eigen::OuterStride<>;
   const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> a(A, m, depth, Stride(lda));
   const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> b(B, depth, n, Stride(ldb));
@@ -101,9 +105,11 @@ void transpose_block(Index rows, Index cols, const Scalar* src, Index lds, Scala
 /// n-1-i of M^T B is sum_k R(i, k) B(n-1-k), so R times B read from its last row up (negative
 /// row stride) written to C from its last row up is M^T B, and the kernel skips R's zero upper
 /// half (Triangle::lower_lhs). Eigen's product on Maps where the kernel does not apply.
+/// `prefetch` as for product().
 template <class Scalar, bool Accumulate>
 void upper_product(Index n, Index cols, const Scalar* M, Index ld_m, const Scalar* B, Index ldb,
-                   Scalar* C, Index ldc, Scalar* reversed, Index ld_r) {
+                   Scalar* C, Index ldc, Scalar* reversed, Index ld_r,
+                   SpreadPrefetch* prefetch = nullptr) {
   if (n == 0) return;
   if constexpr (has_gemm_kernel<Scalar>) {
     if (cols % GemmTile<Scalar>::lanes == 0) {
@@ -111,10 +117,12 @@ void upper_product(Index n, Index cols, const Scalar* M, Index ld_m, const Scala
         for (Index k = 0; k < n; ++k)
           reversed[i * ld_r + k] = k <= i ? M[(n - 1 - k) * ld_m + (n - 1 - i)] : Scalar(0);
       small_gemm<Scalar, Accumulate>(n, cols, n, reversed, ld_r, B + (n - 1) * ldb, -ldb,
-                                     C + (n - 1) * ldc, -ldc, Triangle::lower_lhs);
+                                     C + (n - 1) * ldc, -ldc, Triangle::lower_lhs, nullptr,
+                                     prefetch);
       return;
     }
   }
+  static_cast<void>(prefetch);
   using Stride = Eigen::OuterStride<>;
   const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> m(M, n, n, Stride(ld_m));
   const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> b(B, n, cols, Stride(ldb));
@@ -179,6 +187,7 @@ struct BackwardScratch {
   RowMatrix<Scalar> state, H;              // r x dv: S (0 x 0 unless rebuilds_state), H
   ColVector<Scalar> z, hz, lq, lk, scale;  // r, r, C, C, C
   ColVector<Scalar> a, b, m;               // T, T, T (m: log-scaled only)
+  SpreadPrefetch prefetch;                 // the next chunk's input rows (prefetch_next_chunk)
 
   BackwardScratch(Index T, Index chunk, Index r, Index dv, bool log_scaled, bool copy_v,
                   bool copy_dy, bool rebuilds_state = true) {
@@ -246,6 +255,23 @@ struct BackwardScratch {
   }
 };
 
+/// Issues what w.prefetch still holds, then queues rows [first, first + n) of Q, K, V and dY
+/// (clipped to their rows; nothing where n <= 0), in the order load_chunk reads them: called
+/// at the start of a chunk with the rows of the chunk that follows it in the sweep (the one
+/// before it in a reverse sweep), which then stream in behind this chunk's products instead of
+/// being fetched a line at a time when the next chunk's feature map and transposes reach them
+/// (most of those two steps' time, from memory). Hints only: no result changes.
+template <class Scalar, class DQ, class DK, class DV, class DY>
+void prefetch_chunk_rows(BackwardScratch<Scalar>& w, const DQ& Q, const DK& K, const DV& V,
+                         const DY& dY, Index first, Index n) noexcept {
+  w.prefetch.finish();
+  if (n <= 0 || first < 0) return;
+  w.prefetch.add(Q, first, n);
+  w.prefetch.add(K, first, n);
+  w.prefetch.add(V, first, n);
+  w.prefetch.add(dY, first, n);
+}
+
 /// Features of rows [first, first + n) of X into the top n rows of `out` (and, for a
 /// log-scaled map, their log-scales into `log_scale`).
 template <class Scalar, bool LogScaled, class Phi, class DX>
@@ -270,9 +296,9 @@ void chunk_scores(BackwardScratch<Scalar>& w, Index n, Index r, Index dv, const 
   transpose_block(n, dv, v, ld_v, w.v_t.data(), w.padded);
   transpose_block(n, dv, dy, ld_dy, w.dy_t.data(), w.padded);
   product<Scalar, false>(n, n_padded, r, w.qf.data(), r, w.kf_t.data(), w.padded,
-                         w.scores.data(), w.padded, Triangle::lower_result);
+                         w.scores.data(), w.padded, Triangle::lower_result, nullptr, &w.prefetch);
   product<Scalar, false>(n, n_padded, dv, dy, ld_dy, w.v_t.data(), w.padded, w.d_scores.data(),
-                         w.padded, Triangle::lower_result);
+                         w.padded, Triangle::lower_result, nullptr, &w.prefetch);
   for (Index i = 0; i + 1 < n; ++i) {
     w.scores.row(i).segment(i + 1, n - i - 1).setZero();
     w.d_scores.row(i).segment(i + 1, n - i - 1).setZero();
@@ -352,7 +378,7 @@ void chunk_query_gradients(BackwardScratch<Scalar>& w, const Phi& phi, const DQ&
     static_cast<void>(M_before);
   // X = dY S^T: the state's share of dy . num, and of dq.
   product<Scalar, false>(r, n_padded, dv, state, dv, w.dy_t.data(), w.padded, w.rows_t.data(),
-                         w.padded);
+                         w.padded, Triangle::none, nullptr, &w.prefetch);
   transpose_block(r, n, w.rows_t.data(), w.padded, w.rows_r.data(), r);
   for (Index i = 0; i < n; ++i) {
     const Scalar s = LogScaled ? w.scale(i) : Scalar(1);
@@ -373,7 +399,7 @@ void chunk_query_gradients(BackwardScratch<Scalar>& w, const Phi& phi, const DQ&
     w.d_features.row(i) = (s * a[i]) * w.rows_r.row(i) + (s * b[i]) * w.z.transpose();
   }
   product<Scalar, true>(n, r, n, w.d_scores.data(), w.padded, w.kf.data(), r,
-                        w.d_features.data(), r, Triangle::lower_lhs);
+                        w.d_features.data(), r, Triangle::lower_lhs, nullptr, &w.prefetch);
   Eigen::Ref<RowMatrix<Scalar>> dq_rows(dQ.middleRows(c.first, n));
   phi.backward(Q.middleRows(c.first, n), w.qf.topRows(n), w.d_features.topRows(n), dq_rows);
 }
@@ -405,14 +431,14 @@ void chunk_key_value_gradients(BackwardScratch<Scalar>& w, const Phi& phi, const
   const Index lanes = kernel_lanes<Scalar>();
   const Index n_padded = (n + lanes - 1) / lanes * lanes;
   product<Scalar, false>(r, n_padded, dv, w.H.data(), dv, w.v_t.data(), w.padded,
-                         w.rows_t.data(), w.padded);
+                         w.rows_t.data(), w.padded, Triangle::none, nullptr, &w.prefetch);
   transpose_block(r, n, w.rows_t.data(), w.padded, w.rows_r.data(), r);
   for (Index j = 0; j < n; ++j) {
     w.rows_r.row(j) += w.hz.transpose();
     if constexpr (LogScaled) w.rows_r.row(j) *= w.scale(j);
   }
   upper_product<Scalar, true>(n, r, w.d_scores.data(), w.padded, w.qf.data(), r,
-                              w.rows_r.data(), r, w.d_scores_t.data(), w.padded);
+                              w.rows_r.data(), r, w.d_scores_t.data(), w.padded, &w.prefetch);
   {
     Eigen::Ref<RowMatrix<Scalar>> dk_rows(dK.middleRows(first, n));
     phi.backward(K.middleRows(first, n), w.kf.topRows(n), w.rows_r.topRows(n), dk_rows);
@@ -420,11 +446,11 @@ void chunk_key_value_gradients(BackwardScratch<Scalar>& w, const Phi& phi, const
 
   Scalar* dv_rows = dV.data() + first * dV.outerStride();
   product<Scalar, false>(n, dv, r, w.kf.data(), r, w.H.data(), dv, dv_rows, dV.outerStride(),
-                         Triangle::none, key_scale);
+                         Triangle::none, key_scale, &w.prefetch);
   for (Index i = 0; i < n; ++i)
     w.rows_v.row(i) = a[i] * Eigen::Map<const RowVector<Scalar>>(c.dy + i * c.ld_dy, dv);
   upper_product<Scalar, true>(n, dv, w.scores.data(), w.padded, w.rows_v.data(), dv, dv_rows,
-                              dV.outerStride(), w.scores_t.data(), w.padded);
+                              dV.outerStride(), w.scores_t.data(), w.padded, &w.prefetch);
 
   if constexpr (LogScaled) {
     const Scalar decay = rescale_factor(M_before, M_after);
@@ -438,7 +464,8 @@ void chunk_key_value_gradients(BackwardScratch<Scalar>& w, const Phi& phi, const
     static_cast<void>(M_before);
   }
   transpose_block(n, r, w.qf.data(), r, w.qf_t.data(), w.padded);
-  product<Scalar, true>(r, dv, n, w.qf_t.data(), w.padded, w.rows_v.data(), dv, w.H.data(), dv);
+  product<Scalar, true>(r, dv, n, w.qf_t.data(), w.padded, w.rows_v.data(), dv, w.H.data(), dv,
+                        Triangle::none, nullptr, &w.prefetch);
   for (Index i = 0; i < n; ++i)
     w.hz += (LogScaled ? Scalar(b[i] * w.scale(i)) : b[i]) * w.qf.row(i).transpose();
 }
@@ -490,6 +517,7 @@ void causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, cons
   Scalar M = M0;
   for (Index first = 0; first < T; first += C) {
     const Index n = std::min(C, T - first);
+    prefetch_chunk_rows(w, Q, K, V, dY, first + C, std::min(C, T - first - C));
     Scalar* m = LogScaled ? w.m.data() + first : nullptr;
     const ChunkRows<Scalar> c =
         load_chunk<Scalar, LogScaled>(w, phi, Q, K, V, dY, first, n, r, dv, M, m, true);
@@ -509,7 +537,8 @@ void causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, cons
     }
     // S += f(K)^T V as the register forward does it (detail::causal_chunked: the same operands
     // in the same order), so the rebuilt states are the forward's bits.
-    product<Scalar, true>(r, dv, n, w.kf_t.data(), w.padded, c.v, c.ld_v, w.state.data(), dv);
+    product<Scalar, true>(r, dv, n, w.kf_t.data(), w.padded, c.v, c.ld_v, w.state.data(), dv,
+                          Triangle::none, nullptr, &w.prefetch);
     for (Index j = 0; j < n; ++j) w.z += w.kf.row(j).transpose();  // the forward's running z
   }
 
@@ -520,6 +549,7 @@ void causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, cons
     const Index n = std::min(C, T - first);
     Scalar* m = LogScaled ? w.m.data() + first : nullptr;
     const Scalar M_before = LogScaled ? (first == 0 ? M0 : w.m(first - 1)) : Scalar(0);
+    prefetch_chunk_rows(w, Q, K, V, dY, first - C, first > 0 ? C : 0);
     const ChunkRows<Scalar> c =
         load_chunk<Scalar, LogScaled>(w, phi, Q, K, V, dY, first, n, r, dv, M_before, m, false);
     const Scalar* a = w.a.data() + first;

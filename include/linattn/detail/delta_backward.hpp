@@ -39,6 +39,7 @@
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/delta_kernels.hpp>
 #include <linattn/detail/huge_pages.hpp>
+#include <linattn/detail/prefetch.hpp>
 #include <linattn/detail/rule_common.hpp>
 #include <linattn/detail/saved_backward.hpp>
 #include <linattn/detail/small_gemm.hpp>
@@ -119,6 +120,7 @@ struct DeltaBackwardScratch {
   RowMatrix<Scalar> blocks;                      // 2L x L: [dP .* Gam ; N + N^T]
   ColVector<Scalar> log_cum, gam, dlg;           // C
   RowMatrix<Scalar> H;                           // r x dv
+  SpreadPrefetch prefetch;                       // the next chunk's rows (reverse sweep)
 
   DeltaBackwardScratch(Index chunk, Index r, Index dv, bool copy_v, bool copy_dy)
       : C(chunk), L(padded_columns<Scalar>(chunk)) {
@@ -193,6 +195,16 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
     const Scalar* S = saved.states.data() + first / C * r * dv;
     const Scalar* U = saved.corrected.data() + first * dv;
     const Scalar* G = saved.reads.data() + first * dv;
+    // The chunk before this one: its input rows and saved data, behind this chunk's products.
+    w.prefetch.finish();
+    if (first > 0) {
+      for (const auto* rows : {&saved.corrected, &saved.reads}) w.prefetch.add(*rows, first - C, C);
+      w.prefetch.add(saved.states, (first / C - 1) * r, r);
+      w.prefetch.add(Q, first - C, C);
+      w.prefetch.add(K, first - C, C);
+      w.prefetch.add(V, first - C, C);
+      w.prefetch.add(dY, first - C, C);
+    }
     map_rows<Scalar>(phi, Q, first, n, w.qf);
     map_rows<Scalar>(phi, K, first, n, w.kf);
     transpose_into(n, r, w.qf.data(), r, qk_t, L2);
@@ -224,7 +236,7 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
 
     // dU = diag(Gam_nj) K H; its share of dL/dB: e_j = Gam_nj k_j H u_j^T = dU_j . u_j.
     rule_gemm<Scalar, false>(n, dv, r, w.kf.data(), r, w.H.data(), dv, w.dU.data(), dv,
-                             Triangle::none, g);
+                             Triangle::none, g, &w.prefetch);
     if (gated) {
       for (Index j = 0; j < n; ++j) {
         const Scalar e = w.dU.row(j).dot(Eigen::Map<const RowVector<Scalar>>(U + j * dv, dv));
@@ -237,9 +249,9 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
 
     // P = tril(Q K^T) .* Gam and KG = tril(K K^T) .* Gam; dU += P^T dO.
     rule_gemm<Scalar, false>(n, np, r, w.qf.data(), r, qk_t + L, L2, w.P.data(), L,
-                             Triangle::lower_result);
+                             Triangle::lower_result, nullptr, &w.prefetch);
     rule_gemm<Scalar, false>(n, np, r, w.kf.data(), r, qk_t + L, L2, w.KG.data(), L,
-                             Triangle::lower_result);
+                             Triangle::lower_result, nullptr, &w.prefetch);
     for (Index i = 0; i < n; ++i) {
       if (gated) {
         w.P.row(i).head(i + 1).array() *= w.Gam.row(i).head(i + 1).array();
@@ -248,11 +260,12 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
       w.P.row(i).segment(i + 1, np - i - 1).setZero();
     }
     transpose_into(n, n, w.P.data(), L, w.PT.data(), L);
-    rule_gemm<Scalar, true>(n, dv, n, w.PT.data(), L, dO, ld_dO, w.dU.data(), dv);
+    rule_gemm<Scalar, true>(n, dv, n, w.PT.data(), L, dO, ld_dO, w.dU.data(), dv, Triangle::none,
+                            nullptr, &w.prefetch);
 
     // dP = tril(dO U^T): its share of dL/dB, then dP .* Gam.
-    rule_gemm<Scalar, false>(n, np, dv, dO, ld_dO, w.u_t.data(), L, dPG, L,
-                             Triangle::lower_result);
+    rule_gemm<Scalar, false>(n, np, dv, dO, ld_dO, w.u_t.data(), L, dPG, L, Triangle::lower_result,
+                             nullptr, &w.prefetch);
     // F_ij collects the in-chunk terms f_ij that go to dL/dB_i with + and to dL/dB_j with -.
     auto F = w.F.topLeftCorner(n, n);
     for (Index i = 0; i < n; ++i) {
@@ -277,7 +290,8 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
       const Index end = std::min(n, b0 + delta_solve_block);
       if (end < n)
         rule_gemm<Scalar, true>(end - b0, dv, n - end, w.NAT.data() + b0 * L + end, L,
-                                w.dW.data() + end * dv, dv, w.dW.data() + b0 * dv, dv);
+                                w.dW.data() + end * dv, dv, w.dW.data() + b0 * dv, dv,
+                                Triangle::none, nullptr, &w.prefetch);
       for (Index i = end - 2; i >= b0; --i)
         accumulate_rows(w.dW.data() + i * dv, &w.NAT(i, i + 1), w.dW.data() + (i + 1) * dv, dv,
                         end - i - 1, dv);
@@ -286,7 +300,7 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
     // dL = strictly_lower(-dW U^T): d beta, the decays' share, N_ij = dL_ij beta_i Gam_ij and
     // M = N + N^T; W = diag(beta) R with R = V - G: d beta_i also gets R_i . dW_i.
     rule_gemm<Scalar, false>(n, np, dv, w.dW.data(), dv, w.u_t.data(), L, w.PT.data(), L,
-                             Triangle::lower_result);  // PT reused: dW U^T
+                             Triangle::lower_result, nullptr, &w.prefetch);  // PT reused: dW U^T
     for (Index i = 0; i < n; ++i) {
       const Scalar b = in.beta(first + i);
       auto dL = w.N.row(i).head(i).array();
@@ -320,7 +334,8 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
 
     // [dQ^T | dK^T] = S [gamma dO | -gamma dR]^T; gamma_i's share through the read of S:
     // gamma_i (q_i S) . dO_i = q_i . (column i of S (gamma dO)^T).
-    rule_gemm<Scalar, false>(r, L2, dv, S, dv, w.rhs_t.data(), L2, grads_t, L2);
+    rule_gemm<Scalar, false>(r, L2, dv, S, dv, w.rhs_t.data(), L2, grads_t, L2, Triangle::none,
+                             nullptr, &w.prefetch);
     if (gated)
       dlg += (w.qk_t.leftCols(n).array() * w.grads_t.leftCols(n).array())
                  .colwise()
@@ -333,14 +348,18 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
       w.ug_t.leftCols(n) = w.u_t.leftCols(n) * w.Gam.row(last).head(n).asDiagonal();
       ug_t = w.ug_t.data();
     }
-    rule_gemm<Scalar, true>(r, L, dv, w.H.data(), dv, ug_t, L, grads_t + L, L2);
-    rule_gemm<Scalar, true>(r, L, L2, qk_t, L2, w.blocks.data(), L, grads_t + L, L2);
+    rule_gemm<Scalar, true>(r, L, dv, w.H.data(), dv, ug_t, L, grads_t + L, L2, Triangle::none,
+                            nullptr, &w.prefetch);
+    rule_gemm<Scalar, true>(r, L, L2, qk_t, L2, w.blocks.data(), L, grads_t + L, L2, Triangle::none,
+                            nullptr, &w.prefetch);
     transpose_into(n, n, dPG, L, w.dPT.data(), L);
-    rule_gemm<Scalar, true>(r, L, n, qk_t + L, L2, w.dPT.data(), L, grads_t, L2);
+    rule_gemm<Scalar, true>(r, L, n, qk_t + L, L2, w.dPT.data(), L, grads_t, L2, Triangle::none,
+                            nullptr, &w.prefetch);
 
     // H_before = gamma_n H + [Q^T | K^T] [gamma dO ; -gamma dR].
     if (gated) w.H *= w.gam(last);
-    rule_gemm<Scalar, true>(r, dv, L2, qk_t, L2, w.rhs.data(), dv, w.H.data(), dv);
+    rule_gemm<Scalar, true>(r, dv, L2, qk_t, L2, w.rhs.data(), dv, w.H.data(), dv, Triangle::none,
+                            nullptr, &w.prefetch);
 
     // d log alpha_s = sum_{i >= s in the chunk} dL/dB_i.
     if (d_log_alpha != nullptr) {
@@ -370,11 +389,15 @@ void delta_save_chunks(const Phi& phi, const DK& K, const DV& V, const TokenInpu
   DeltaChunk<Scalar> kernel(C, r, dv);
   RowMatrix<Scalar> S = S0, kf(C, r), v_copy(has_row_major_storage<DV>() ? 0 : C, dv);
   const SaveDeltaChunks<Scalar> save{saved};
+  SpreadPrefetch next_rows;  // the next chunk's K, V rows behind this chunk's products
+  kernel.prefetch = &next_rows;
   const auto values = [](const TokenArray<Scalar>& a, Index first) {
     return a.empty() ? TokenValues<Scalar>{} : TokenValues<Scalar>{a.data + first * a.row_stride, a.row_stride};
   };
   for (Index first = 0; first < T; first += C) {
     const Index n = std::min(C, T - first);
+    next_rows.add(K, first + C, C);
+    next_rows.add(V, first + C, C);
     map_rows<Scalar>(phi, K, first, n, kf);
     const auto [v, ld_v] = row_major_rows(V, first, n, v_copy);
     kernel.prepare(n, kf.data(), r, v, ld_v, values(in.beta, first), values(in.log_alpha, first), S);

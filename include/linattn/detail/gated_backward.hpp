@@ -47,6 +47,7 @@
 #include <linattn/detail/backward_chunked.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/gated_kernels.hpp>
+#include <linattn/detail/prefetch.hpp>
 #include <linattn/detail/rule_common.hpp>
 #include <linattn/detail/saved_backward.hpp>
 #include <linattn/detail/token_inputs.hpp>
@@ -111,6 +112,34 @@ class GatedBackwardChunk {
               C * dv * (2 + (copy_v ? 1 : 0) + (copy_dy ? 1 : 0)) + 3 * C * g + g + r;
     n += per_channel ? 5 * C * r + 2 * b1 * C * r + b1 * r * P + C * P : C * C;
     return n;
+  }
+
+  /// Issues what is still queued for prefetching, then queues rows [first, first + n) of Q,
+  /// K, V, dY and the per-channel log-gates (nothing where n <= 0): the chunk the sweep loads
+  /// next, whose rows then stream in behind this chunk's products (prefetch_chunk_rows in
+  /// backward_chunked.hpp). Hints only: no result changes.
+  template <class DQ, class DK, class DV, class DY>
+  void prefetch_chunk(const DQ& Q, const DK& K, const DV& V, const DY& dY,
+                      const TokenInputs<Scalar>& in, Index first, Index n) noexcept {
+    prefetch_.finish();
+    if (n <= 0 || first < 0) return;
+    prefetch_.add(Q, first, n);
+    prefetch_.add(K, first, n);
+    prefetch_.add(V, first, n);
+    prefetch_.add(dY, first, n);
+    if (per_channel_ && in.log_gate.col_stride == 1) {
+      using Stride = Eigen::OuterStride<>;
+      prefetch_.add(Eigen::Map<const RowMatrix<Scalar>, 0, Stride>(
+                        in.log_gate.data, in.log_gate.rows, in.log_gate.cols,
+                        Stride(in.log_gate.row_stride)),
+                    first, n);
+    }
+  }
+
+  /// Queues rows [first, first + n) of a row-major matrix after what prefetch_chunk queued.
+  template <class M>
+  void prefetch_more(const M& m, Index first, Index n) noexcept {
+    prefetch_.add(m, first, n);
   }
 
   [[nodiscard]] const Scalar* key_features() const noexcept { return kf_.data(); }
@@ -179,12 +208,12 @@ class GatedBackwardChunk {
     } else {
       transpose_block(n, r_, kf_.data(), r_, kf_t_.data(), P_);
       product<Scalar, false>(n, np, r_, qf_.data(), r_, kf_t_.data(), P_, scores_.data(), P_,
-                             Triangle::lower_result);
+                             Triangle::lower_result, nullptr, &prefetch_);
       for (Index i = 0; i < n; ++i)
         scores_.row(i).head(i + 1).array() *= weights_.row(i).head(i + 1).array();
     }
     product<Scalar, false>(n, np, dv_, dy_, ld_dy_, v_t_.data(), P_, d_scores_.data(), P_,
-                           Triangle::lower_result);
+                           Triangle::lower_result, nullptr, &prefetch_);
     for (Index i = 0; i + 1 < n; ++i) {
       scores_.row(i).segment(i + 1, n - i - 1).setZero();
       d_scores_.row(i).segment(i + 1, n - i - 1).setZero();
@@ -211,7 +240,8 @@ class GatedBackwardChunk {
              Scalar* d_gate) {
     const Index n = n_;
     const Eigen::Map<const RowVector<Scalar>> zr(z, r_);
-    product<Scalar, false>(r_, padded(n), dv_, S, dv_, dy_t_.data(), P_, rows_t_.data(), P_);
+    product<Scalar, false>(r_, padded(n), dv_, S, dv_, dy_t_.data(), P_, rows_t_.data(), P_,
+                           Triangle::none, nullptr, &prefetch_);
     transpose_block(r_, n, rows_t_.data(), P_, rows_r_.data(), r_);
     for (Index i = 0; i < n; ++i) {
       const auto A_i = scores_.row(i).head(i + 1);
@@ -229,7 +259,7 @@ class GatedBackwardChunk {
       channel_query_terms();
     else
       product<Scalar, true>(n, r_, n, d_scores_.data(), P_, kf_.data(), r_, d_features_.data(),
-                            r_, Triangle::lower_lhs);
+                            r_, Triangle::lower_lhs, nullptr, &prefetch_);
     add_gate_terms(d_gate, qf_, d_features_, Scalar(1));
     Eigen::Ref<RowMatrix<Scalar>> dq_rows(dQ.middleRows(first_, n));
     phi.backward(Q.middleRows(first_, n), qf_.topRows(n), d_features_.topRows(n), dq_rows);
@@ -246,7 +276,8 @@ class GatedBackwardChunk {
                  const Scalar* a, const Scalar* b, Eigen::Ref<RowMatrix<Scalar>>& dK,
                  Eigen::Ref<RowMatrix<Scalar>>& dV, Scalar* d_gate) {
     const Index n = n_;
-    product<Scalar, false>(r_, padded(n), dv_, H.data(), dv_, v_t_.data(), P_, rows_t_.data(), P_);
+    product<Scalar, false>(r_, padded(n), dv_, H.data(), dv_, v_t_.data(), P_, rows_t_.data(), P_,
+                           Triangle::none, nullptr, &prefetch_);
     transpose_block(r_, n, rows_t_.data(), P_, rows_r_.data(), r_);
     for (Index j = 0; j < n; ++j) rows_r_.row(j) += hz.transpose();
     scale_rows(rows_r_, kscale_, n);
@@ -254,7 +285,7 @@ class GatedBackwardChunk {
       channel_key_terms();
     else
       upper_product<Scalar, true>(n, r_, d_scores_.data(), P_, qf_.data(), r_, rows_r_.data(), r_,
-                                  d_scores_t_.data(), P_);
+                                  d_scores_t_.data(), P_, &prefetch_);
     add_gate_terms(d_gate, kf_, rows_r_, Scalar(-1));
     {
       Eigen::Ref<RowMatrix<Scalar>> dk_rows(dK.middleRows(first_, n));
@@ -262,14 +293,15 @@ class GatedBackwardChunk {
     }
     // dV into a contiguous block first: its bits then do not depend on dV's layout.
     if (per_channel_)
-      product<Scalar, false>(n, dv_, r_, khat_.data(), r_, H.data(), dv_, dv_rows_.data(), dv_);
+      product<Scalar, false>(n, dv_, r_, khat_.data(), r_, H.data(), dv_, dv_rows_.data(), dv_,
+                             Triangle::none, nullptr, &prefetch_);
     else
       product<Scalar, false>(n, dv_, r_, kf_.data(), r_, H.data(), dv_, dv_rows_.data(), dv_,
-                             Triangle::none, kscale_.data());
+                             Triangle::none, kscale_.data(), &prefetch_);
     for (Index i = 0; i < n; ++i)
       rows_v_.row(i) = a[i] * Eigen::Map<const RowVector<Scalar>>(dy_ + i * ld_dy_, dv_);
     upper_product<Scalar, true>(n, dv_, scores_.data(), P_, rows_v_.data(), dv_, dv_rows_.data(),
-                                dv_, scores_t_.data(), P_);
+                                dv_, scores_t_.data(), P_, &prefetch_);
     dV.middleRows(first_, n) = dv_rows_.topRows(n);
     if (per_channel_) {
       for (Index m = 0; m < r_; ++m) H.row(m) *= decay_end_(m);
@@ -278,7 +310,8 @@ class GatedBackwardChunk {
       H *= decay_end_(0);
       hz *= decay_end_(0);
     }
-    product<Scalar, true>(r_, dv_, n, qhat_t_.data(), P_, rows_v_.data(), dv_, H.data(), dv_);
+    product<Scalar, true>(r_, dv_, n, qhat_t_.data(), P_, rows_v_.data(), dv_, H.data(), dv_,
+                          Triangle::none, nullptr, &prefetch_);
     for (Index i = 0; i < n; ++i) hz += b[i] * qhat_.row(i).transpose();
   }
 
@@ -347,7 +380,8 @@ class GatedBackwardChunk {
         kw_rows = kf_.topRows(i0).cwiseProduct(ks);
         transpose_block(i0, r, kw(I), r, kw_t(I), P_);
         product<Scalar, false>(end - i0, i0, r, qt_.data() + i0 * r, r, kw_t(I), P_,
-                               scores_.data() + i0 * P_, P_);
+                               scores_.data() + i0 * P_, P_, Triangle::none, nullptr,
+                               &prefetch_);
       }
       for (Index i = i0; i < end; ++i) {
         const Scalar* q = qf_.row(i).data();
@@ -415,6 +449,7 @@ class GatedBackwardChunk {
   RowMatrix<Scalar> weights_;                                    // C x C (one gate per token)
   RowMatrix<Scalar> gates_, khat_, qt_, qt_scale_, tmp_;         // C x r (per channel)
   RowMatrix<Scalar> kw_, kw_scale_, kw_t_, block_t_;             // sub-chunk blocks (per channel)
+  SpreadPrefetch prefetch_;                                      // the next chunk's rows
 };
 
 /// The forward's chunk kernel of the rule (one gate per token, or per channel) for its chunk
@@ -548,6 +583,7 @@ void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
     z = *z0;
     for (Index first = 0; first < T; first += C) {
       const Index n = std::min(C, T - first);
+      w.prefetch_chunk(Q, K, V, dY, in, first + C, std::min(C, T - first - C));
       w.load(phi, Q, K, V, dY, in, first, n);
       w.query(phi, Q, S.data(), z.data(), norm, a.data() + first, b.data() + first, dQ, d_gate);
       forward.absorb(w, in, first, n, S, z);
@@ -556,6 +592,7 @@ void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
     // ---- pass 2: reverse; H, dK, dV ----
     for (Index first = last_first; first >= 0; first -= C) {
       const Index n = std::min(C, T - first);
+      w.prefetch_chunk(Q, K, V, dY, in, first - C, first > 0 ? C : 0);
       w.load(phi, Q, K, V, dY, in, first, n);
       w.weight_gradients(a.data() + first, b.data() + first);
       w.key_value(phi, K, H, hz, a.data() + first, b.data() + first, dK, dV, d_gate);
@@ -567,7 +604,9 @@ void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
       const Index n = std::min(C, T - first), chunk = first / C;
       const Scalar* state = saved->states.data() + chunk * r * dv;
       const Scalar* sums = saved->sums.data() + chunk * r;
-      if (chunk > 0) prefetch_rows(saved->states, (chunk - 1) * r, r);
+      // The chunk before this one: its rows and its saved state, behind this chunk's products.
+      w.prefetch_chunk(Q, K, V, dY, in, first - C, first > 0 ? C : 0);
+      if (chunk > 0) w.prefetch_more(saved->states, (chunk - 1) * r, r);
       w.load(phi, Q, K, V, dY, in, first, n);
       if (first == last_first && final_term_wanted) {
         // S'_T: the last saved state across the last chunk, with the forward's arithmetic.

@@ -62,7 +62,10 @@ void saved_causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V
   for (Index first = last_first; first >= 0; first -= C) {
     const Index n = std::min(C, T - first), chunk = first / C;
     const Scalar* state = saved.states.data() + chunk * r * dv;
-    if (chunk > 0) prefetch_rows(saved.states, (chunk - 1) * r, r);
+    // The chunk before this one: its input rows and its saved state, spread over this chunk's
+    // products (prefetch_chunk_rows).
+    prefetch_chunk_rows(w, Q, K, V, dY, first - C, first > 0 ? C : 0);
+    if (chunk > 0) w.prefetch.add(saved.states, (chunk - 1) * r, r);
     w.z = saved.sums.row(chunk).transpose();
     const Scalar M_before = LogScaled ? saved.log_scales(chunk) : Scalar(0);
     Scalar* m = LogScaled ? w.m.data() : nullptr;
