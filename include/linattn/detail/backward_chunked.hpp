@@ -187,7 +187,7 @@ struct BackwardScratch {
   RowMatrix<Scalar> state, H;              // r x dv: S (0 x 0 unless rebuilds_state), H
   ColVector<Scalar> z, hz, lq, lk, scale;  // r, r, C, C, C
   ColVector<Scalar> a, b, m;               // T, T, T (m: log-scaled only)
-  SpreadPrefetch prefetch;                 // the next chunk's input rows (prefetch_next_chunk)
+  SpreadPrefetch prefetch;                 // the next chunk's input rows (prefetch_chunk_rows)
 
   BackwardScratch(Index T, Index chunk, Index r, Index dv, bool log_scaled, bool copy_v,
                   bool copy_dy, bool rebuilds_state = true) {
