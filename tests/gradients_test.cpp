@@ -1337,24 +1337,24 @@ TEST_CASE("the backward queues the next chunk's input rows for prefetching, clip
     return expected;
   };
   // A full chunk, in load_chunk's order: Q, K, V, dY.
-  detail::prefetch_chunk_rows(w, view(q), view(k), view(v), view(dy), 4, 4);
+  CHECK(detail::prefetch_chunk_rows(w.prefetch, view(q), view(k), view(v), view(dy), 4, 4));
   CHECK(queued() == lines({&q, &k, &v, &dy}, 4, 8));
   // The short last chunk [8, 11): rows past T are not touched.
-  detail::prefetch_chunk_rows(w, view(q), view(k), view(v), view(dy), 8, 4);
+  detail::prefetch_chunk_rows(w.prefetch, view(q), view(k), view(v), view(dy), 8, 4);
   CHECK(queued() == lines({&q, &k, &v, &dy}, 8, kT));
   // The forward sweep's call at its last chunk (first + C >= T, n <= 0) and the reverse
   // sweep's at its first (first - C < 0, n = 0): nothing.
-  detail::prefetch_chunk_rows(w, view(q), view(k), view(v), view(dy), 12, -1);
+  CHECK_FALSE(detail::prefetch_chunk_rows(w.prefetch, view(q), view(k), view(v), view(dy), 12, -1));
   CHECK(queued().empty());
-  detail::prefetch_chunk_rows(w, view(q), view(k), view(v), view(dy), -4, 0);
+  CHECK_FALSE(detail::prefetch_chunk_rows(w.prefetch, view(q), view(k), view(v), view(dy), -4, 0));
   CHECK(queued().empty());
   // A column-major V is copied row by row in the backward, not prefetched; the others are.
-  detail::prefetch_chunk_rows(w, view(q), view(k), column_major, view(dy), 0, 4);
+  detail::prefetch_chunk_rows(w.prefetch, view(q), view(k), column_major, view(dy), 0, 4);
   CHECK(queued() == lines({&q, &k, &dy}, 0, 4));
   // What a call leaves queued is issued by the next one (prefetch_chunk_rows finishes first).
-  detail::prefetch_chunk_rows(w, view(q), view(k), view(v), view(dy), 0, 4);
+  detail::prefetch_chunk_rows(w.prefetch, view(q), view(k), view(v), view(dy), 0, 4);
   CHECK_FALSE(w.prefetch.empty());
-  detail::prefetch_chunk_rows(w, view(q), view(k), view(v), view(dy), 4, 0);
+  detail::prefetch_chunk_rows(w.prefetch, view(q), view(k), view(v), view(dy), 4, 0);
   CHECK(w.prefetch.empty());
 }
 

@@ -255,21 +255,24 @@ struct BackwardScratch {
   }
 };
 
-/// Issues what w.prefetch still holds, then queues rows [first, first + n) of Q, K, V and dY
-/// (clipped to their rows; nothing where n <= 0), in the order load_chunk reads them: called
-/// at the start of a chunk with the rows of the chunk that follows it in the sweep (the one
-/// before it in a reverse sweep), which then stream in behind this chunk's products instead of
-/// being fetched a line at a time when the next chunk's feature map and transposes reach them
-/// (most of those two steps' time, from memory). Hints only: no result changes.
-template <class Scalar, class DQ, class DK, class DV, class DY>
-void prefetch_chunk_rows(BackwardScratch<Scalar>& w, const DQ& Q, const DK& K, const DV& V,
+/// Issues what `queue` still holds, then queues rows [first, first + n) of Q, K, V and dY
+/// (clipped to their rows; nothing where n <= 0 or first < 0), in the order load_chunk reads
+/// them: called at the start of a chunk with the rows of the chunk that follows it in the
+/// sweep (the one before it in a reverse sweep), which then stream in behind this chunk's
+/// products instead of being fetched a line at a time when the next chunk's feature map and
+/// transposes reach them (most of those two steps' time, from memory). Returns whether rows
+/// were queued, so that a caller can queue its own rows of that chunk after them (gates, saved
+/// states). Every backward uses it. Hints only: no result changes.
+template <class DQ, class DK, class DV, class DY>
+bool prefetch_chunk_rows(SpreadPrefetch& queue, const DQ& Q, const DK& K, const DV& V,
                          const DY& dY, Index first, Index n) noexcept {
-  w.prefetch.finish();
-  if (n <= 0 || first < 0) return;
-  w.prefetch.add(Q, first, n);
-  w.prefetch.add(K, first, n);
-  w.prefetch.add(V, first, n);
-  w.prefetch.add(dY, first, n);
+  queue.finish();
+  if (n <= 0 || first < 0) return false;
+  queue.add(Q, first, n);
+  queue.add(K, first, n);
+  queue.add(V, first, n);
+  queue.add(dY, first, n);
+  return true;
 }
 
 /// Features of rows [first, first + n) of X into the top n rows of `out` (and, for a
@@ -517,7 +520,7 @@ void causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, cons
   Scalar M = M0;
   for (Index first = 0; first < T; first += C) {
     const Index n = std::min(C, T - first);
-    prefetch_chunk_rows(w, Q, K, V, dY, first + C, std::min(C, T - first - C));
+    prefetch_chunk_rows(w.prefetch, Q, K, V, dY, first + C, std::min(C, T - first - C));
     Scalar* m = LogScaled ? w.m.data() + first : nullptr;
     const ChunkRows<Scalar> c =
         load_chunk<Scalar, LogScaled>(w, phi, Q, K, V, dY, first, n, r, dv, M, m, true);
@@ -549,7 +552,7 @@ void causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, cons
     const Index n = std::min(C, T - first);
     Scalar* m = LogScaled ? w.m.data() + first : nullptr;
     const Scalar M_before = LogScaled ? (first == 0 ? M0 : w.m(first - 1)) : Scalar(0);
-    prefetch_chunk_rows(w, Q, K, V, dY, first - C, first > 0 ? C : 0);
+    prefetch_chunk_rows(w.prefetch, Q, K, V, dY, first - C, first > 0 ? C : 0);
     const ChunkRows<Scalar> c =
         load_chunk<Scalar, LogScaled>(w, phi, Q, K, V, dY, first, n, r, dv, M_before, m, false);
     const Scalar* a = w.a.data() + first;

@@ -196,14 +196,9 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
     const Scalar* U = saved.corrected.data() + first * dv;
     const Scalar* G = saved.reads.data() + first * dv;
     // The chunk before this one: its input rows and saved data, behind this chunk's products.
-    w.prefetch.finish();
-    if (first > 0) {
+    if (prefetch_chunk_rows(w.prefetch, Q, K, V, dY, first - C, first > 0 ? C : 0)) {
       for (const auto* rows : {&saved.corrected, &saved.reads}) w.prefetch.add(*rows, first - C, C);
       w.prefetch.add(saved.states, (first / C - 1) * r, r);
-      w.prefetch.add(Q, first - C, C);
-      w.prefetch.add(K, first - C, C);
-      w.prefetch.add(V, first - C, C);
-      w.prefetch.add(dY, first - C, C);
     }
     map_rows<Scalar>(phi, Q, first, n, w.qf);
     map_rows<Scalar>(phi, K, first, n, w.kf);

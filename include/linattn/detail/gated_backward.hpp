@@ -114,19 +114,12 @@ class GatedBackwardChunk {
     return n;
   }
 
-  /// Issues what is still queued for prefetching, then queues rows [first, first + n) of Q,
-  /// K, V, dY and the per-channel log-gates (nothing where n <= 0): the chunk the sweep loads
-  /// next, whose rows then stream in behind this chunk's products (prefetch_chunk_rows in
-  /// backward_chunked.hpp). Hints only: no result changes.
+  /// prefetch_chunk_rows (backward_chunked.hpp) with the per-channel log-gates' rows after
+  /// Q, K, V and dY: the chunk the sweep loads next. Hints only: no result changes.
   template <class DQ, class DK, class DV, class DY>
   void prefetch_chunk(const DQ& Q, const DK& K, const DV& V, const DY& dY,
                       const TokenInputs<Scalar>& in, Index first, Index n) noexcept {
-    prefetch_.finish();
-    if (n <= 0 || first < 0) return;
-    prefetch_.add(Q, first, n);
-    prefetch_.add(K, first, n);
-    prefetch_.add(V, first, n);
-    prefetch_.add(dY, first, n);
+    if (!prefetch_chunk_rows(prefetch_, Q, K, V, dY, first, n)) return;
     if (per_channel_ && in.log_gate.col_stride == 1) {
       using Stride = Eigen::OuterStride<>;
       prefetch_.add(Eigen::Map<const RowMatrix<Scalar>, 0, Stride>(

@@ -64,7 +64,7 @@ void saved_causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V
     const Scalar* state = saved.states.data() + chunk * r * dv;
     // The chunk before this one: its input rows and its saved state, spread over this chunk's
     // products (prefetch_chunk_rows).
-    prefetch_chunk_rows(w, Q, K, V, dY, first - C, first > 0 ? C : 0);
+    prefetch_chunk_rows(w.prefetch, Q, K, V, dY, first - C, first > 0 ? C : 0);
     if (chunk > 0) w.prefetch.add(saved.states, (chunk - 1) * r, r);
     w.z = saved.sums.row(chunk).transpose();
     const Scalar M_before = LogScaled ? saved.log_scales(chunk) : Scalar(0);
