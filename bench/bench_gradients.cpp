@@ -24,6 +24,12 @@
 //       forward), recompute_over_fwd, recompute_step_over_fwd ((forward + recomputing backward)
 //       / forward), saved_B/token (saved_forward_bytes / T) and scratch_B/token
 //       (saved_backward_bytes / T).
+//   train_layer/d:D/T:T
+//       the same four phases through the multi-head layer (linattn/multihead_saved_forward.hpp):
+//       MultiHeadAttention with 8 heads (H_q = H_kv) over [1, T, 8, d] token-major views of the
+//       [T, 8 d] buffers, one thread: layer.parallel_into, parallel_saving_into(layer, ...), the
+//       layer's backward from the LayerSavedForward and the layer's recomputing backward.
+//       Counters as train_saved (saved_B/token: LayerSavedForward::bytes() / T, all heads).
 //   quadratic_bwd/d:D/T:T  the gradients of the same read through the T x T masked form in
 //       Eigen (scores, their gradient and the products, all T x T), from the same inputs: the
 //       comparison for the crossover T. Counter bwd_ms.
@@ -38,6 +44,7 @@
 // scripts/summarize_gradients.py turns the JSON into the ratios and the crossover.
 
 #include <linattn/gradients.hpp>
+#include <linattn/multihead_saved_forward.hpp>
 #include <linattn/saved_forward.hpp>
 
 #include <benchmark/benchmark.h>
@@ -193,6 +200,66 @@ void BM_train_saved(benchmark::State& state) {
       static_cast<double>(linattn::saved_backward_bytes(attn, T, d, d)) / static_cast<double>(T);
   state.counters["T"] = static_cast<double>(T);
   state.counters["d"] = static_cast<double>(d);
+}
+
+void BM_train_layer(benchmark::State& state) {
+  const Index d = state.range(0), T = state.range(1), heads = 8;
+  using View = linattn::TensorView<float>;
+  using ConstView = linattn::TensorView<const float>;
+  const linattn::MultiHeadAttention<Attention> mha(linattn::HeadConfig{heads, heads, d, d});
+  Layer layer(T, d, heads);
+  const auto in = [&](const Matrix& X) { return ConstView::batch_first(X.data(), 1, T, heads, d); };
+  const auto out = [&](Matrix& X) { return View::batch_first(X.data(), 1, T, heads, d); };
+  const linattn::GradientViews<float> grads{out(layer.dQ), out(layer.dK), out(layer.dV)};
+  linattn::LayerSavedForward<float> saved;
+  // Untimed first step, as in train_saved: the saved states' pages are touched once.
+  linattn::parallel_saving_into(mha, in(layer.Q), in(layer.K), in(layer.V), Mask::causal,
+                                out(layer.out), saved);
+  linattn::parallel_backward_into(mha, saved, in(layer.Q), in(layer.K), in(layer.V), Mask::causal,
+                                  in(layer.dY), grads);
+  double fwd = 0, save = 0, bwd = 0, recompute = 0, checksum = 0;
+  for (auto _ : state) {
+    const double t0 = clock_seconds(1);
+    mha.parallel_into(in(layer.Q), in(layer.K), in(layer.V), Mask::causal, out(layer.out));
+    benchmark::DoNotOptimize(layer.out.data());
+    benchmark::ClobberMemory();
+    const double t1 = clock_seconds(1);
+    linattn::parallel_saving_into(mha, in(layer.Q), in(layer.K), in(layer.V), Mask::causal,
+                                  out(layer.out), saved);
+    benchmark::DoNotOptimize(layer.out.data());
+    benchmark::ClobberMemory();
+    const double t2 = clock_seconds(1);
+    linattn::parallel_backward_into(mha, saved, in(layer.Q), in(layer.K), in(layer.V),
+                                    Mask::causal, in(layer.dY), grads);
+    checksum += double(layer.dQ(T - 1, 0) + layer.dK(0, 0) + layer.dV(0, 0));
+    benchmark::ClobberMemory();
+    const double t3 = clock_seconds(1);
+    linattn::parallel_backward_into(mha, in(layer.Q), in(layer.K), in(layer.V), Mask::causal,
+                                    in(layer.dY), grads);
+    checksum += double(layer.dQ(T - 1, 0) + layer.dK(0, 0) + layer.dV(0, 0));
+    benchmark::ClobberMemory();
+    const double t4 = clock_seconds(1);
+    fwd += t1 - t0;
+    save += t2 - t1;
+    bwd += t3 - t2;
+    recompute += t4 - t3;
+    state.SetIterationTime(t4 - t0);
+  }
+  benchmark::DoNotOptimize(checksum);
+  const double iters = static_cast<double>(state.iterations());
+  state.counters["fwd_ms"] = 1e3 * fwd / iters;
+  state.counters["save_fwd_ms"] = 1e3 * save / iters;
+  state.counters["bwd_ms"] = 1e3 * bwd / iters;
+  state.counters["recompute_ms"] = 1e3 * recompute / iters;
+  state.counters["bwd_over_fwd"] = bwd / fwd;
+  state.counters["save_over_fwd"] = save / fwd;
+  state.counters["step_over_fwd"] = (save + bwd) / fwd;
+  state.counters["recompute_over_fwd"] = recompute / fwd;
+  state.counters["recompute_step_over_fwd"] = (fwd + recompute) / fwd;
+  state.counters["saved_B/token"] = static_cast<double>(saved.bytes()) / static_cast<double>(T);
+  state.counters["T"] = static_cast<double>(T);
+  state.counters["d"] = static_cast<double>(d);
+  state.counters["heads"] = static_cast<double>(heads);
 }
 
 // The gradients of the causal ELU + 1 read by its quadratic form: P = tril(phi(Q) phi(K)^T),
@@ -360,6 +427,9 @@ BENCHMARK(BM_train)->Name("train")->Apply(train_args)->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_train_saved)->Name("train_saved")->ArgNames({"d", "T"})
     ->ArgsProduct({{64, 128}, {2048, 4096, 8192, 16384}})->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_train_layer)->Name("train_layer")->ArgNames({"d", "T"})
+    ->ArgsProduct({{64, 128}, {2048, 8192}})->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_scaling)->Name("scaling")->ArgNames({"d"})->Arg(64)->Arg(128)->UseManualTime()
     ->Unit(benchmark::kMillisecond);

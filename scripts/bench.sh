@@ -119,7 +119,7 @@ echo | tee -a "$summary"
 grad_json="$build/bench_gradients.json"
 echo "bench.sh: running bench_gradients (raw results: $grad_json)"
 "$build/bench/bench_gradients" --benchmark_out="$grad_json" --benchmark_out_format=json \
-  --benchmark_filter='^(memory|scaling|train/d:(64|128)/T:(2048|16384)/|train_saved/)' \
+  --benchmark_filter='^(memory|scaling|train/d:(64|128)/T:(2048|16384)/|train_saved/|train_layer/)' \
   --benchmark_min_time=0.05 --benchmark_repetitions=3 >"$build/bench_gradients.log"
 echo | tee -a "$summary"
 "$python" "$root/scripts/summarize_gradients.py" "$grad_json" | tee -a "$summary"

@@ -14,6 +14,8 @@ Prints, for the chunked causal path (float, ELU + 1, default chunk):
     saved states and the recomputing backward against the plain forward, all four timed in
     the same iterations, with the saved states' bytes per token; and the target line for both
     designs (backward / forward: recomputing, and from a saved forward);
+  - the same four phases through the multi-head layer (train_layer rows: 8 heads in a
+    model's [1, T, 8, d] buffers, the layer's saved forward against its recomputing backward);
   - the crossover against the quadratic (T x T) backward of the same shapes;
   - the backward's memory per token at T = 65,536, d = 128.
 Standard library only (json), so it runs wherever the benchmark does.
@@ -56,7 +58,7 @@ def main():
         print(__doc__.strip(), file=sys.stderr)
         sys.exit(2)
     context, rows = load(sys.argv[1])
-    train, quadratic, memory, scaling, saved = {}, {}, {}, {}, {}
+    train, quadratic, memory, scaling, saved, layer = {}, {}, {}, {}, {}, {}
     for name, reps in rows.items():
         f = parse_name(name)
         if f["kind"] == "train":
@@ -69,9 +71,10 @@ def main():
                 "reps": len(reps),
                 "scratch": reps[0]["scratch_B/token"],
             }
-        elif f["kind"] == "train_saved":
+        elif f["kind"] in ("train_saved", "train_layer"):
             med = lambda k: statistics.median(r[k] for r in reps)
-            saved[(f["d"], f["T"])] = {
+            target = saved if f["kind"] == "train_saved" else layer
+            target[(f["d"], f["T"])] = {
                 "fwd": min(r["fwd_ms"] for r in reps),
                 "save": min(r["save_fwd_ms"] for r in reps),
                 "bwd": min(r["bwd_ms"] for r in reps),
@@ -82,7 +85,7 @@ def main():
                 "recompute_ratio": med("recompute_over_fwd"),
                 "recompute_step": med("recompute_step_over_fwd"),
                 "saved_bytes": reps[0]["saved_B/token"],
-                "scratch": reps[0]["scratch_B/token"],
+                "scratch": reps[0].get("scratch_B/token"),
             }
         elif f["kind"] == "quadratic_bwd":
             quadratic[(f["d"], f["T"])] = min(r["bwd_ms"] for r in reps)
@@ -156,6 +159,28 @@ def main():
             rsteps = [r["recompute_step"] for r in rows]
             print(f"  d = {d:>3}, whole step / plain forward: saved design {min(steps):.2f} to "
                   f"{max(steps):.2f}, recomputing design {min(rsteps):.2f} to {max(rsteps):.2f}")
+
+    if layer:
+        print()
+        print("## The multi-head layer (train_layer: MultiHeadAttention, 8 heads in [1, T, 8, d] "
+              "buffers, one thread; the same four phases)")
+        print()
+        print(f"{'d':>4} {'T':>6} {'fwd ms':>8} {'save ms':>8} {'bwd ms':>8} {'recomp ms':>9} "
+              f"{'save/fwd':>8} {'bwd/fwd':>8} {'recomp/fwd':>10} {'(s+b)/f':>8} "
+              f"{'(f+r)/f':>8} {'saved B/tok':>11}")
+        for (d, T) in sorted(layer):
+            r = layer[(d, T)]
+            print(f"{d:>4} {T:>6} {r['fwd']:>8.2f} {r['save']:>8.2f} {r['bwd']:>8.2f} "
+                  f"{r['recompute']:>9.2f} {r['save_ratio']:>8.2f} {r['ratio']:>8.2f} "
+                  f"{r['recompute_ratio']:>10.2f} {r['step']:>8.2f} {r['recompute_step']:>8.2f} "
+                  f"{r['saved_bytes']:>11.1f}")
+        for d in sorted({d for d, _ in layer}):
+            rows = [layer[k] for k in layer if k[0] == d]
+            steps = [r["step"] for r in rows]
+            rsteps = [r["recompute_step"] for r in rows]
+            print(f"  d = {d:>3}, whole step / plain forward: layer's saved forward "
+                  f"{min(steps):.2f} to {max(steps):.2f}, recomputing {min(rsteps):.2f} to "
+                  f"{max(rsteps):.2f}")
 
     if quadratic:
         print()

@@ -1,6 +1,7 @@
 // The multi-head layer's backward: both layouts, grouped-query heads (shared K/V gradients
 // summed over the group), packed and padded batches (pad rows get zero gradients and their
-// garbage changes nothing), thread-count independence, and shape errors.
+// garbage changes nothing), thread-count independence, and shape errors; also the layer's
+// saved forward and the backward from it (multihead_saved_forward.hpp).
 //
 // References: each head cut out of the flat buffers with explicit index formulas (independent
 // of TensorView), run through the single-head parallel_backward (itself checked against finite
@@ -9,6 +10,7 @@
 // difference check through the whole layer (double, GQA) guards the summation itself.
 
 #include <linattn/multihead_gradients.hpp>
+#include <linattn/multihead_saved_forward.hpp>
 #include <linattn/thread_pool.hpp>
 
 #include <catch2/catch.hpp>
@@ -403,24 +405,32 @@ struct HeadGradients {
   StateGradient<Scalar> initial;
 };
 
+// `from_saved` (stateless only): the backward from the head's own saved forward
+// (saved_forward.hpp, rule_saved_forward.hpp) instead of the recomputing one.
 template <class Attention, std::size_t N = Attention::rule_type::token_inputs>
 HeadGradients<typename Attention::scalar_type, N> single_head_backward(
     const Attention& attn, const typename Attention::State* state,
     const StateGradient<typename Attention::scalar_type>* fin,
     const RowMatrix<typename Attention::scalar_type>& q, const RowMatrix<typename Attention::scalar_type>& k,
     const RowMatrix<typename Attention::scalar_type>& v, const RowMatrix<typename Attention::scalar_type>& dy,
-    const std::array<RowMatrix<typename Attention::scalar_type>, N>& in) {
+    const std::array<RowMatrix<typename Attention::scalar_type>, N>& in, bool from_saved = false) {
   using Rule = typename Attention::rule_type;
-  HeadGradients<typename Attention::scalar_type, N> out;
+  using Scalar = typename Attention::scalar_type;
+  HeadGradients<Scalar, N> out;
+  SavedForward<Scalar> saved;
+  RowMatrix<Scalar> y(q.rows(), v.cols());
   std::apply(
       [&](const auto&... x) {
+        if (from_saved) parallel_saving_into(attn, q, k, v, x..., Mask::causal, y, saved);
         if constexpr (Rule::kind == WriteKind::additive) {
-          auto g = state != nullptr ? prefill_backward(attn, *state, q, k, v, dy, fin)
-                                    : parallel_backward(attn, q, k, v, Mask::causal, dy);
+          auto g = from_saved        ? parallel_backward(attn, saved, q, k, v, Mask::causal, dy)
+                   : state != nullptr ? prefill_backward(attn, *state, q, k, v, dy, fin)
+                                      : parallel_backward(attn, q, k, v, Mask::causal, dy);
           out.Q = g.Q, out.K = g.K, out.V = g.V, out.initial = g.initial;
         } else {
-          auto g = state != nullptr ? prefill_backward(attn, *state, q, k, v, x..., dy, fin)
-                                    : parallel_backward(attn, q, k, v, x..., Mask::causal, dy);
+          auto g = from_saved        ? parallel_backward(attn, saved, q, k, v, x..., Mask::causal, dy)
+                   : state != nullptr ? prefill_backward(attn, *state, q, k, v, x..., dy, fin)
+                                      : parallel_backward(attn, q, k, v, x..., Mask::causal, dy);
           out.Q = g.Q, out.K = g.K, out.V = g.V, out.initial = g.initial;
           if constexpr (Rule::kind == WriteKind::gated) out.inputs[0] = g.inputs.log_gate;
           if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta)
@@ -433,14 +443,14 @@ HeadGradients<typename Attention::scalar_type, N> single_head_backward(
 }
 
 // Checks rows [first, first + n) of entry b (sequence at state position `position`, state null
-// for the stateless backward) against the single-head backward of each head, summed in head
-// order over each group; exact.
+// for the stateless backward) against the single-head backward of each head (from its own
+// saved forward when `from_saved`), summed in head order over each group; exact.
 template <class Attention>
 void check_rule_sequence(const MultiHeadAttention<Attention>& layer, const RuleProblem<Attention>& p,
                          const typename MultiHeadAttention<Attention>::State* state,
                          const BatchStateGradient<typename Attention::scalar_type>* fin,
                          const BatchStateGradient<typename Attention::scalar_type>* initial,
-                         Index position, Index b, Index first, Index n) {
+                         Index position, Index b, Index first, Index n, bool from_saved = false) {
   using Scalar = typename Attention::scalar_type;
   constexpr std::size_t N = Attention::rule_type::token_inputs;
   const Index G = p.Hq / p.Hkv;
@@ -457,7 +467,7 @@ void check_rule_sequence(const MultiHeadAttention<Attention>& layer, const RuleP
       const RowMatrix<Scalar> dy = cut(p.dY, p.layout, b, h, first, n, p.T, p.Hq, p.dv);
       const auto* st = state != nullptr ? &state->sequence(position).head(sh) : nullptr;
       const auto* f = fin != nullptr && (!shared || j == 0) ? &fin->head(position, sh) : nullptr;
-      const auto ref = single_head_backward(layer.attention(), st, f, q, k, v, dy, in);
+      const auto ref = single_head_backward(layer.attention(), st, f, q, k, v, dy, in, from_saved);
       INFO("rows [" << first << ", " << first + n << ") of entry " << b << ", head " << h);
       CHECK(cut(p.dQ, p.layout, b, h, first, n, p.T, p.Hq, p.dk) == ref.Q);
       if (initial != nullptr && !shared) {
@@ -486,6 +496,29 @@ void check_rule_sequence(const MultiHeadAttention<Attention>& layer, const RuleP
   }
 }
 
+// NaN in every input row past each entry's length (pad rows, which must stay unread).
+template <class Attention>
+void poison_pad_rows(RuleProblem<Attention>& p, const std::vector<Index>& lengths) {
+  using Scalar = typename Attention::scalar_type;
+  const Scalar nan = std::numeric_limits<Scalar>::quiet_NaN();
+  const Layout l = p.layout;
+  const Index T = p.T, Hq = p.Hq, Hkv = p.Hkv, dk = p.dk, dv = p.dv;
+  for (Index b = 0; b < p.B; ++b)
+    for (Index t = lengths[std::size_t(b)]; t < T; ++t) {
+      for (Index h = 0; h < Hq; ++h) {
+        for (Index x = 0; x < dk; ++x) p.Q[std::size_t(flat(l, b, t, h, x, T, Hq, dk))] = nan;
+        for (Index x = 0; x < dv; ++x) p.dY[std::size_t(flat(l, b, t, h, x, T, Hq, dv))] = nan;
+      }
+      for (Index h = 0; h < Hkv; ++h) {
+        for (Index x = 0; x < dk; ++x) p.K[std::size_t(flat(l, b, t, h, x, T, Hkv, dk))] = nan;
+        for (Index x = 0; x < dv; ++x) p.V[std::size_t(flat(l, b, t, h, x, T, Hkv, dv))] = nan;
+        for (std::size_t i = 0; i < RuleProblem<Attention>::N; ++i)
+          for (Index x = 0; x < p.channels[i]; ++x)
+            p.in[i][std::size_t(flat(l, b, t, h, x, T, Hkv, p.channels[i]))] = nan;
+      }
+    }
+}
+
 // Runs the layer on `p` in `kind` (batch: all rows; packed: offsets with an empty sequence;
 // padded: lengths with an empty sequence, pad rows poisoned with NaN) stateless or from random
 // initial states at reversed slots (position 0 unused), and checks every sequence.
@@ -506,23 +539,7 @@ void check_rule_layout(const RuleCase<Attention>& c, Layout l, SequenceLayout::K
   const auto seq_entry = [&](Index s) { return layout.batch_entry(s); };
   const auto seq_first = [&](Index s) { return layout.first_row(s); };
   const auto seq_len = [&](Index s) { return kind == SequenceLayout::Kind::batch ? T : layout.length(s, T); };
-  if (kind == SequenceLayout::Kind::padded) {
-    const Scalar nan = std::numeric_limits<Scalar>::quiet_NaN();
-    for (Index b = 0; b < B; ++b)
-      for (Index t = lengths[std::size_t(b)]; t < T; ++t) {
-        for (Index h = 0; h < Hq; ++h) {
-          for (Index x = 0; x < dk; ++x) p.Q[std::size_t(flat(l, b, t, h, x, T, Hq, dk))] = nan;
-          for (Index x = 0; x < dv; ++x) p.dY[std::size_t(flat(l, b, t, h, x, T, Hq, dv))] = nan;
-        }
-        for (Index h = 0; h < Hkv; ++h) {
-          for (Index x = 0; x < dk; ++x) p.K[std::size_t(flat(l, b, t, h, x, T, Hkv, dk))] = nan;
-          for (Index x = 0; x < dv; ++x) p.V[std::size_t(flat(l, b, t, h, x, T, Hkv, dv))] = nan;
-          for (std::size_t i = 0; i < N; ++i)
-            for (Index x = 0; x < p.channels[i]; ++x)
-              p.in[i][std::size_t(flat(l, b, t, h, x, T, Hkv, p.channels[i]))] = nan;
-        }
-      }
-  }
+  if (kind == SequenceLayout::Kind::padded) poison_pad_rows(p, lengths);
   if (!carried) {
     layer_parallel_backward(layer, p, layout);
     for (Index s = 0; s < sequences; ++s)
@@ -850,6 +867,197 @@ TEST_CASE("the layer's rule backward names what does not fit", "[multihead][grad
     CHECK_THROWS_WITH(prefill_backward_into(layer, state, p.q(), p.k(), p.v(), ins[0], ins[1], p.dy(),
                                             nullptr, p.grads(), d_ins[0], d_ins[1], wrong),
                       Catch::Contains("r=4"));
+  }
+}
+
+// ---- the layer's saved forward (multihead_saved_forward.hpp) --------------------------------
+//
+// Reference: each head's single-head saving forward and backward from it on copies cut out of
+// the buffers (saved_forward_test.cpp and rule_saved_forward_test.cpp check those against the
+// recomputing backward and finite differences), summed in head order over each group: exact.
+// The layer saves once per shared state (from the group's first head) and every head's backward
+// reads that one, while each reference head saves its own: what is saved depends on K, V and
+// the per-token inputs only, so the comparison is still exact, and that sharing is checked too.
+
+namespace {
+
+// The layer's saving forward and its backward on `p`; returns the saving forward's output and
+// checks it against layer.parallel_into's, bit for bit.
+template <class Attention>
+void layer_saved_step(const MultiHeadAttention<Attention>& layer, RuleProblem<Attention>& p,
+                      LayerSavedForward<typename Attention::scalar_type>& saved,
+                      const SequenceLayout& layout) {
+  using Scalar = typename Attention::scalar_type;
+  std::vector<Scalar> plain(p.dY.size(), std::numeric_limits<Scalar>::quiet_NaN()), kept = plain;
+  const auto out = [&](std::vector<Scalar>& buf) { return view<Scalar>(p.layout, buf.data(), p.B, p.T, p.Hq, p.dv); };
+  const auto g = p.grads();
+  std::apply(
+      [&](const auto&... in) {
+        layer.parallel_into(p.q(), p.k(), p.v(), in..., Mask::causal, out(plain), layout);
+        parallel_saving_into(layer, p.q(), p.k(), p.v(), in..., Mask::causal, out(kept), saved, layout);
+        std::apply(
+            [&](const auto&... d) {
+              parallel_backward_into(layer, saved, p.q(), p.k(), p.v(), in..., Mask::causal, p.dy(), g,
+                                     d..., layout);
+            },
+            p.d_ins());
+      },
+      p.ins());
+  INFO("the saving forward's output is the layer forward's, bit for bit");
+  CHECK(kept == plain);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the layer's saved forward: the forward's output, each head's saved backward",
+                   "[multihead][gradients][saved_forward]", float, double) {
+  const Layout l = GENERATE(Layout::batch_first, Layout::head_first);
+  const auto kind = GENERATE(SequenceLayout::Kind::batch, SequenceLayout::Kind::packed,
+                             SequenceLayout::Kind::padded);
+  const Index Hkv = GENERATE(1, 2, 4);
+  for_each_rule<TestType>([&](const auto& c) {
+    using Attention = std::remove_cvref_t<decltype(c.attn)>;
+    constexpr std::size_t N = Attention::rule_type::token_inputs;
+    INFO(c.name << (l == Layout::batch_first ? ", batch-first" : ", head-first") << ", layout "
+                << int(kind) << ", H_kv = " << Hkv);
+    const Index Hq = 4, dk = 5, dv = 3, T = 19;
+    const Index B = kind == SequenceLayout::Kind::padded ? 3 : kind == SequenceLayout::Kind::packed ? 1 : 2;
+    const std::vector<Index> offsets{0, 7, 7, 19}, lengths{19, 8, 0};
+    const SequenceLayout layout = kind == SequenceLayout::Kind::packed   ? SequenceLayout::packed(offsets)
+                                  : kind == SequenceLayout::Kind::padded ? SequenceLayout::padded(lengths)
+                                                                         : SequenceLayout::batch();
+    const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, c.attn);
+    RuleProblem<Attention> p(c, l, B, T, Hq, Hkv, dk, dv, 1301);
+    if (kind == SequenceLayout::Kind::padded) poison_pad_rows(p, lengths);
+    LayerSavedForward<TestType> saved;
+    layer_saved_step(layer, p, saved, layout);
+    const Index sequences = layout.count(B);
+    CHECK(saved.sequences() == sequences);
+    CHECK(saved.heads() == Hkv);  // one per shared state: the group's heads share it
+    for (Index s = 0; s < sequences; ++s) {
+      const Index n = kind == SequenceLayout::Kind::batch ? T : layout.length(s, T);
+      CHECK(saved.head(s, 0).tokens() == n);
+      if (n > 0)
+        check_rule_sequence(layer, p, nullptr, nullptr, nullptr, 0, layout.batch_entry(s),
+                            layout.first_row(s), n, true);
+    }
+    if (kind == SequenceLayout::Kind::padded)
+      for (Index b = 0; b < B; ++b) {
+        const Index n = lengths[std::size_t(b)];
+        INFO("pad rows of entry " << b);
+        CHECK(rows_are_zero(p.dQ, l, b, n, T - n, T, Hq, dk));
+        CHECK(rows_are_zero(p.dK, l, b, n, T - n, T, Hkv, dk));
+        CHECK(rows_are_zero(p.dV, l, b, n, T - n, T, Hkv, dv));
+        for (std::size_t i = 0; i < N; ++i) CHECK(rows_are_zero(p.d_in[i], l, b, n, T - n, T, Hkv, p.channels[i]));
+      }
+  });
+}
+
+TEST_CASE("the layer's saved forward with random features keeps one per query head",
+          "[multihead][gradients][saved_forward]") {
+  // Log-scaled maps do not share a group's state (MultiHeadAttention::shares_states), so each
+  // query head keeps its own saved forward.
+  using Attention = LinearAttention<PositiveRandomFeatures<double>, double>;
+  Options opt;
+  opt.chunk_size = 4;
+  const Index Hq = 4, Hkv = 2, dk = 3, dv = 2, B = 2, T = 11;
+  const Attention attn(PositiveRandomFeatures<double>(dk, 6, 17), opt);
+  const RuleCase<Attention> c{"positive random features", attn, {}};
+  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, attn);
+  static_assert(!MultiHeadAttention<Attention>::shares_states);
+  RuleProblem<Attention> p(c, Layout::batch_first, B, T, Hq, Hkv, dk, dv, 1401);
+  LayerSavedForward<double> saved;
+  layer_saved_step(layer, p, saved, SequenceLayout::batch());
+  CHECK(saved.heads() == Hq);
+  for (Index b = 0; b < B; ++b)
+    check_rule_sequence(layer, p, nullptr, nullptr, nullptr, 0, b, 0, T, true);
+}
+
+TEST_CASE("the layer's saved forward and its backward are bit-identical on any number of threads",
+          "[multihead][gradients][saved_forward][threads]") {
+  // Large enough that the work passes the executor's grain and really runs on two threads.
+  for_each_rule<float>([&](const auto& c) {
+    using Attention = std::remove_cvref_t<decltype(c.attn)>;
+    constexpr std::size_t N = Attention::rule_type::token_inputs;
+    INFO(c.name);
+    const Index B = 3, T = 200, Hq = 8, Hkv = 2, d = 32;
+    MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, d, d}, c.attn);
+    RuleProblem<Attention> serial(c, Layout::batch_first, B, T, Hq, Hkv, d, d, 1501);
+    RuleProblem<Attention> threaded = serial;
+    LayerSavedForward<float> saved_serial, saved_threaded;
+    layer_saved_step(layer, serial, saved_serial, SequenceLayout::batch());
+    ThreadPool pool(2);
+    layer.set_executor(&pool);
+    layer_saved_step(layer, threaded, saved_threaded, SequenceLayout::batch());
+    CHECK(threaded.dQ == serial.dQ);
+    CHECK(threaded.dK == serial.dK);
+    CHECK(threaded.dV == serial.dV);
+    for (std::size_t i = 0; i < N; ++i) CHECK(threaded.d_in[i] == serial.d_in[i]);
+    for (Index s = 0; s < B; ++s)
+      for (Index h = 0; h < Hkv; ++h)
+        CHECK(saved_threaded.head(s, h).states() == saved_serial.head(s, h).states());
+  });
+}
+
+TEST_CASE("the layer's saved forward names what does not fit", "[multihead][gradients][saved_forward][errors]") {
+  using Attention = RuleAttention<EluPlusOne, Gated, double>;
+  Options opt;
+  opt.chunk_size = 4;
+  const RuleCase<Attention> c{"gated", Attention(EluPlusOne{}, opt), {InputSpec{false, -1.0, -0.05}}};
+  const Index B = 2, T = 9, Hq = 2, Hkv = 1, d = 3;
+  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, d, d}, c.attn);
+  RuleProblem<Attention> p(c, Layout::batch_first, B, T, Hq, Hkv, d, d, 1601);
+  std::vector<double> out(p.dY.size());
+  const auto o = view<double>(p.layout, out.data(), B, T, Hq, d);
+  const auto in = p.ins()[0];
+  const auto d_in = p.d_ins()[0];
+  LayerSavedForward<double> saved;
+  SECTION("an empty saved forward") {
+    CHECK_THROWS_WITH(parallel_backward_into(layer, saved, p.q(), p.k(), p.v(), in, Mask::causal,
+                                             p.dy(), p.grads(), d_in),
+                      Catch::Contains("holds 0 sequences x 0 state heads, this call has 2 x 1") &&
+                          Catch::Contains("it is empty"));
+  }
+  SECTION("a saved forward of another batch") {
+    parallel_saving_into(layer, p.q(), p.k(), p.v(), in, Mask::causal, o, saved);
+    using View = TensorView<const double>;
+    const auto one = [&](const View& v) {
+      return View(v.data(), {1, v.times(), v.heads(), v.dim()}, v.strides());
+    };
+    auto g = p.grads();
+    const GradientViews<double> g1{TensorView<double>(g.Q.data(), {1, T, Hq, d}, g.Q.strides()),
+                                   TensorView<double>(g.K.data(), {1, T, Hkv, d}, g.K.strides()),
+                                   TensorView<double>(g.V.data(), {1, T, Hkv, d}, g.V.strides())};
+    CHECK_THROWS_WITH(parallel_backward_into(layer, saved, one(p.q()), one(p.k()), one(p.v()), one(in),
+                                             Mask::causal, one(p.dy()), g1,
+                                             TensorView<double>(d_in.data(), {1, T, Hkv, 1}, d_in.strides())),
+                      Catch::Contains("holds 2 sequences x 1 state heads, this call has 1 x 1"));
+  }
+  SECTION("a saved forward of other lengths: the head's own check names them") {
+    parallel_saving_into(layer, p.q(), p.k(), p.v(), in, Mask::causal, o, saved);
+    const Index n = T - 2;
+    const auto gv = p.grads();
+    CHECK_THROWS_AS(parallel_backward_into(layer, saved, rows_of(p.q(), 0, n), rows_of(p.k(), 0, n),
+                                           rows_of(p.v(), 0, n), rows_of(in, 0, n), Mask::causal,
+                                           rows_of(p.dy(), 0, n),
+                                           GradientViews<double>{rows_of(gv.Q, 0, n), rows_of(gv.K, 0, n),
+                                                                 rows_of(gv.V, 0, n)},
+                                           rows_of(d_in, 0, n)),
+                    ShapeError);
+  }
+  SECTION("a forward that throws leaves it empty") {
+    parallel_saving_into(layer, p.q(), p.k(), p.v(), in, Mask::causal, o, saved);
+    REQUIRE(saved.sequences() == B);
+    p.in[0][3] = 0.5;  // a log-gate above 0: the forward's input check throws
+    CHECK_THROWS(parallel_saving_into(layer, p.q(), p.k(), p.v(), p.ins()[0], Mask::causal, o, saved));
+    CHECK(saved.sequences() == 0);
+    CHECK(saved.bytes() == 0);
+  }
+  SECTION("views that do not fit are named as in the forward") {
+    const auto wrong = TensorView<double>::batch_first(out.data(), B, T, Hkv, d);
+    CHECK_THROWS_AS(parallel_saving_into(layer, p.q(), p.k(), p.v(), in, Mask::causal, wrong, saved),
+                    ShapeError);
+    CHECK(saved.sequences() == 0);
   }
 }
 

@@ -11,6 +11,9 @@
 ///                         GradientViews{dQ, dK, dV}, d_in..., initial_gradients,
 ///                         layout = batch(), slots = {})
 ///
+/// The backward from a saved forward (no sweep that rebuilds the states) is in
+/// multihead_saved_forward.hpp.
+///
 /// in... are the forward's per-token input views (Gated: log-gates; Delta: beta; GatedDelta:
 /// beta, log_alpha; [B, T, H_kv, 1] or [B, T, H_kv, r]); d_in... are views of the same shapes
 /// where their gradients go. Per-sequence, per-state-head state gradients: BatchStateGradient.
@@ -166,7 +169,9 @@ T argument_or(const Tuple& all, T fallback) {
 }
 
 // Checks everything, then runs the items (see the file comment). `state` null: stateless.
-template <class Attention, class MaskArg, std::size_t N>
+// `saved` (a LayerSavedForward, multihead_saved_forward.hpp; null with Saved = NoSavedForward:
+// none) holds a stateless causal forward's saved states per (sequence, state head).
+template <class Attention, class MaskArg, std::size_t N, class Saved = NoSavedForward>
 void layer_backward(const MultiHeadAttention<Attention>& layer,
                     const BatchState<typename Attention::State>* state,
                     const TensorView<const typename Attention::scalar_type>& Q,
@@ -178,7 +183,8 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
                     const GradientViews<typename Attention::scalar_type>& grads,
                     const std::array<TensorView<typename Attention::scalar_type>, N>& d_inputs,
                     BatchStateGradient<typename Attention::scalar_type>* initial,
-                    const SequenceLayout& layout, std::span<const Index> slots) {
+                    const SequenceLayout& layout, std::span<const Index> slots,
+                    const Saved* saved = nullptr) {
   using Rule = typename Attention::rule_type;
   const HeadConfig& heads = layer.heads();
   const Index r = layer.feature_dim();
@@ -203,6 +209,8 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
     }
   }
   constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
+  constexpr bool from_saved = !std::is_same_v<Saved, NoSavedForward>;
+  if constexpr (from_saved) saved->check_for(layer, sequences);
   const bool padded = layout.kind() == SequenceLayout::Kind::padded;
   const bool full_rows = layout.kind() == SequenceLayout::Kind::batch;
   const double rows_per_sequence =
@@ -236,9 +244,15 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
     const auto initial_of = [&](Index j) -> StateGradient<typename Attention::scalar_type>* {
       return initial != nullptr ? &initial->head(position, state_head(j)) : nullptr;
     };
+    const auto saved_of = [&](Index j) {
+      if constexpr (from_saved)
+        return &saved->head(s, state_head(j));
+      else
+        return static_cast<const NoSavedForward*>(nullptr);
+    };
     backward_item(layer.attention(), G, g, entry, first, q_len, k_len, Q, K, V, inputs, mask, dY,
                   grads.Q, grads.K, grads.V, d_inputs, shared, state_of, final_of, initial_of,
-                  workspace);
+                  saved_of, workspace);
   };
   // Each thread's items share one workspace: the delta rules then allocate their rebuilt
   // forward data once per thread and call, not once per item (same bits either way).

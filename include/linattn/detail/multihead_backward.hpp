@@ -8,6 +8,8 @@
 #include <linattn/errors.hpp>
 #include <linattn/gradients.hpp>
 #include <linattn/rule_gradients.hpp>
+#include <linattn/rule_saved_forward.hpp>
+#include <linattn/saved_forward.hpp>
 #include <linattn/tensor_view.hpp>
 #include <linattn/types.hpp>
 #include <linattn/write_rules.hpp>
@@ -17,6 +19,7 @@
 #include <array>
 #include <cstddef>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -42,14 +45,19 @@ Eigen::Map<const RowMatrix<Scalar>> input_gradient(const RuleInputGradients<Scal
   }
 }
 
+/// The layer's backward without a saved forward: it rebuilds the chunk-boundary states.
+struct NoSavedForward {};
+
 /// The backward of one (sequence s, key/value head g) item. `state_of(j)` gives the initial
 /// head state query head j of the group read (null: stateless), `final_of(j)` the final-state
 /// gradient it carries back (null: none; given for one head of a shared state only) and
 /// `initial_of(j)` where its initial-state gradient goes (null: stateless); `shared` says the
-/// group's heads share one state, whose gradient is then summed in head order. `workspace`: the
+/// group's heads share one state, whose gradient is then summed in head order. `saved_of(j)`:
+/// the SavedForward of a stateless causal forward that head j's backward reads instead of
+/// rebuilding the states (a callable returning const NoSavedForward*: none). `workspace`: the
 /// delta rules' rebuilt forward data, kept by the caller across the items one thread runs.
 template <class Attention, class MaskArg, class Inputs, class DInputs, class StateOf, class FinalOf,
-          class InitialOf>
+          class InitialOf, class SavedOf>
 void backward_item(const Attention& attn, Index G, Index g, Index entry, Index first, Index q_len,
                    Index k_len, const TensorView<const typename Attention::scalar_type>& Q,
                    const TensorView<const typename Attention::scalar_type>& K,
@@ -59,11 +67,13 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
                    const TensorView<typename Attention::scalar_type>& dK,
                    const TensorView<typename Attention::scalar_type>& dV, const DInputs& d_inputs,
                    bool shared, const StateOf& state_of, const FinalOf& final_of,
-                   const InitialOf& initial_of,
+                   const InitialOf& initial_of, const SavedOf& saved_of,
                    BackwardWorkspace<typename Attention::scalar_type>& workspace) {
   using Scalar = typename Attention::scalar_type;
   using Rule = typename Attention::rule_type;
   constexpr std::size_t N = Rule::token_inputs;
+  constexpr bool from_saved =
+      !std::is_same_v<std::remove_cvref_t<decltype(saved_of(Index(0)))>, const NoSavedForward*>;
   if (q_len == 0 || k_len == 0) {
     // No query reads a key: the rows' gradients are zero and a carried state's gradient is the
     // final state's gradient passed through (no token changes the state).
@@ -109,7 +119,14 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
     StateGradient<Scalar>& d0 = add_initial || initial == nullptr ? d0_head : *initial;
     std::apply(
         [&](const auto&... x) {
-          if constexpr (Rule::kind == WriteKind::additive) {
+          if constexpr (from_saved) {
+            // A stateless causal forward's saved states (multihead_saved_forward.hpp).
+            if constexpr (Rule::kind == WriteKind::additive)
+              parallel_backward_into(attn, *saved_of(j), q, k, v, linattn::Mask::causal, dy, out);
+            else
+              parallel_backward_into(attn, *saved_of(j), q, k, v, x..., linattn::Mask::causal, dy,
+                                     out, d_in_head);
+          } else if constexpr (Rule::kind == WriteKind::additive) {
             if (state == nullptr)
               parallel_backward_into(attn, q, k, v, linattn::Mask(mask), dy, out);
             else
