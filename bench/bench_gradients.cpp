@@ -145,6 +145,21 @@ void BM_train(benchmark::State& state) {
   state.counters["threads"] = threads;
 }
 
+// The four phases' counters of train_saved and train_layer (times summed over the iterations).
+void set_phase_counters(benchmark::State& state, double fwd, double save, double bwd,
+                        double recompute) {
+  const double iters = static_cast<double>(state.iterations());
+  state.counters["fwd_ms"] = 1e3 * fwd / iters;
+  state.counters["save_fwd_ms"] = 1e3 * save / iters;
+  state.counters["bwd_ms"] = 1e3 * bwd / iters;
+  state.counters["recompute_ms"] = 1e3 * recompute / iters;
+  state.counters["bwd_over_fwd"] = bwd / fwd;
+  state.counters["save_over_fwd"] = save / fwd;
+  state.counters["step_over_fwd"] = (save + bwd) / fwd;
+  state.counters["recompute_over_fwd"] = recompute / fwd;
+  state.counters["recompute_step_over_fwd"] = (fwd + recompute) / fwd;
+}
+
 void BM_train_saved(benchmark::State& state) {
   const Index d = state.range(0), T = state.range(1);
   const Attention attn;
@@ -184,16 +199,7 @@ void BM_train_saved(benchmark::State& state) {
     state.SetIterationTime(t4 - t0);
   }
   benchmark::DoNotOptimize(checksum);
-  const double iters = static_cast<double>(state.iterations());
-  state.counters["fwd_ms"] = 1e3 * fwd / iters;
-  state.counters["save_fwd_ms"] = 1e3 * save / iters;
-  state.counters["bwd_ms"] = 1e3 * bwd / iters;
-  state.counters["recompute_ms"] = 1e3 * recompute / iters;
-  state.counters["bwd_over_fwd"] = bwd / fwd;
-  state.counters["save_over_fwd"] = save / fwd;
-  state.counters["step_over_fwd"] = (save + bwd) / fwd;
-  state.counters["recompute_over_fwd"] = recompute / fwd;
-  state.counters["recompute_step_over_fwd"] = (fwd + recompute) / fwd;
+  set_phase_counters(state, fwd, save, bwd, recompute);
   state.counters["saved_B/token"] =
       static_cast<double>(linattn::saved_forward_bytes(attn, T, d, d)) / static_cast<double>(T);
   state.counters["scratch_B/token"] =
@@ -246,16 +252,7 @@ void BM_train_layer(benchmark::State& state) {
     state.SetIterationTime(t4 - t0);
   }
   benchmark::DoNotOptimize(checksum);
-  const double iters = static_cast<double>(state.iterations());
-  state.counters["fwd_ms"] = 1e3 * fwd / iters;
-  state.counters["save_fwd_ms"] = 1e3 * save / iters;
-  state.counters["bwd_ms"] = 1e3 * bwd / iters;
-  state.counters["recompute_ms"] = 1e3 * recompute / iters;
-  state.counters["bwd_over_fwd"] = bwd / fwd;
-  state.counters["save_over_fwd"] = save / fwd;
-  state.counters["step_over_fwd"] = (save + bwd) / fwd;
-  state.counters["recompute_over_fwd"] = recompute / fwd;
-  state.counters["recompute_step_over_fwd"] = (fwd + recompute) / fwd;
+  set_phase_counters(state, fwd, save, bwd, recompute);
   state.counters["saved_B/token"] = static_cast<double>(saved.bytes()) / static_cast<double>(T);
   state.counters["T"] = static_cast<double>(T);
   state.counters["d"] = static_cast<double>(d);

@@ -216,19 +216,9 @@ void parallel_saving_into(const MultiHeadAttention<Attention>& layer,
                           ? double(Q.times()) / double(std::max<Index>(sequences, 1))
                           : double(Q.times());
   const double flops = 4.0 * double(r) * double(heads.value_dim) * rows * double(G);
-  detail::FirstItemError errors(items);
-  auto range = [&](Index begin, Index end) {
-    for (Index item = begin; item < end; ++item) {
-      try {
-        run(item);
-      } catch (...) {
-        errors.record(item);
-      }
-    }
-  };
-  detail::parallel_ranges(items, layer.executor(), flops, range);
   try {
-    errors.rethrow();
+    // Every item runs; the lowest failing item's exception is rethrown (as the layer's forward).
+    detail::parallel_for(items, layer.executor(), flops, run);
   } catch (...) {
     detail::LayerSavedForwardAccess::mark_empty(saved);
     throw;
