@@ -9,7 +9,9 @@ prints one table with the ratio (plain PyTorch time / linattn time; > 1: linattn
 
 With --backward each side runs forward and backward (the loss sum(o)): linattn's backward
 against PyTorch's autograd through the same chunked loop; the gradients of every input are
-checked to agree first.
+checked to agree first. linattn's step is also timed with lt.set_saved_forward(False) (the
+backward rebuilds the chunk states instead of reading the ones the forward kept): the column
+"no-save ms", and "save gain" = that time / the default step's.
 
 Both sides run float32 on the same thread count (torch.set_num_threads), B = 1, H = 8. Each
 row first checks that the two agree (a relative error well under 1e-3), then takes the median
@@ -165,7 +167,9 @@ def main():
     lengths = [1024, 4096, 16384] if args.full else [1024, 4096]
     threads = [1, 2]
     B, H = 1, 8
-    print(f"{'op':24} {'D':>4} {'T':>6} {'thr':>3} {'linattn ms':>11} {'torch ms':>10} {'ratio':>6}")
+    extra = f" {'no-save ms':>11} {'save gain':>9}" if args.backward else ""
+    print(f"{'op':24} {'D':>4} {'T':>6} {'thr':>3} {'linattn ms':>11} {'torch ms':>10} "
+          f"{'ratio':>6}{extra}")
     torch.set_grad_enabled(args.backward)
     for D in dims:
         for T in lengths:
@@ -188,8 +192,14 @@ def main():
                     torch.set_num_threads(n)
                     t_ours = median_seconds(ours, args.reps)
                     t_theirs = median_seconds(theirs, args.reps)
+                    extra = ""
+                    if args.backward:
+                        lt.set_saved_forward(False)
+                        t_nosave = median_seconds(ours, args.reps)
+                        lt.set_saved_forward(True)
+                        extra = f" {t_nosave * 1e3:11.1f} {t_nosave / t_ours:9.2f}"
                     print(f"{name:24} {D:4d} {T:6d} {n:3d} {t_ours * 1e3:11.1f} "
-                          f"{t_theirs * 1e3:10.1f} {t_theirs / t_ours:6.2f}", flush=True)
+                          f"{t_theirs * 1e3:10.1f} {t_theirs / t_ours:6.2f}{extra}", flush=True)
 
 
 if __name__ == "__main__":

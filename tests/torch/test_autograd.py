@@ -401,3 +401,175 @@ def test_bad_backward_inputs_raise_with_a_message():
     (dq,) = torch.autograd.grad((o * o).sum(), qq, create_graph=True)  # d_o = 2 o needs a graph
     with pytest.raises(RuntimeError, match="once_differentiable"):
         dq.sum().backward()
+
+
+# ---- the saved forward: chunk_* ops keep their chunk states for the backward ---------------------
+
+def saved_bytes(o):
+    """Bytes of the chunk states o's node kept for its backward (0 when it kept none)."""
+    saved = o.grad_fn.saved_forwards
+    return 0 if saved is None else saved.bytes
+
+
+def step(rule, inputs, w_o, w_s, saving, **kw):
+    """(o, final state, gradients, bytes kept) of one forward and backward of the chunk op with
+    set_saved_forward(saving); the bytes are read between the forward and the backward."""
+    previous = lt.set_saved_forward(saving)
+    try:
+        leaves = [None if x is None else x.detach().clone().requires_grad_() for x in inputs]
+        q, k, v, g, beta, h0 = leaves
+        o, ht = call(rule, "chunk", q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                     **kw)
+        kept = saved_bytes(o)
+        S, z = ht if isinstance(ht, tuple) else (ht, None)  # normalize: an (S, z) pair
+        loss = (o.double() * w_o).sum() + (S.double() * w_s).sum()
+        if z is not None:
+            loss = loss + (z.double() * w_s[:, :1, :, 0]).sum()
+        loss.backward()
+        assert o.grad_fn.saved_forwards is None, "the backward must free the saved states"
+        final = S if z is None else torch.cat([S.flatten(), z.flatten()])
+        return o, final, [None if x is None else x.grad for x in leaves], kept
+    finally:
+        lt.set_saved_forward(previous)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("case", ["batch", "packed_head_first", "options"])
+def test_saved_forward_gives_the_recomputing_gradients_bit_for_bit(rule, dtype, case):
+    # The backward from the saved chunk states runs the same arithmetic as the one that rebuilds
+    # them with the forward's own kernel (linattn/saved_forward.hpp), so every output and
+    # gradient must be identical: torch.equal, no tolerance. That holds for the write rules at
+    # any width; linear_attn's two backwards share the register kernel where V is a multiple of
+    # the packet width (16 is, for float and double on SSE2 to AVX-512) and agree to rounding
+    # elsewhere (docs/gradients.md), so it gets V = 16 and the rules an odd V = 5.
+    H, K, V = 2, 8, (16 if rule == "linear_attn" else 5)
+    kw = {}
+    if case == "packed_head_first":
+        cu = torch.tensor([0, 40, 40, 107, 108])  # uneven, one empty, several backward chunks
+        q, k, v, g, beta, _ = make_inputs(rule, 1, 108, H, K, V, seed=30)
+        h0 = make_inputs(rule, 4, 1, H, K, V, seed=31)[5]
+        q, k, v, g, beta = (hf(x) for x in (q, k, v, g, beta))
+        kw = dict(cu_seqlens=cu, head_first=True)
+        o_shape, s_shape = (1, H, 108, V), (4, H, K, V)
+    else:
+        q, k, v, g, beta, h0 = make_inputs(rule, 2, 100, H, K, V, seed=32)
+        o_shape, s_shape = (2, 100, H, V), (2, H, K, V)
+        if case == "options":  # the ops' own options: normalize, the in-kernel L2 norm, a scale
+            kw = dict(scale=0.7)
+            if rule == "linear_attn":
+                q, k = q.abs(), k.abs()  # positive features: a positive denominator
+                kw["normalize"] = True
+            if rule in DELTA:
+                k = 3 * k
+                kw["use_qk_l2norm_in_kernel"] = True
+    w_o, w_s = loss_weights(o_shape, s_shape, seed=33)
+    inputs = [None if x is None else x.to(dtype) for x in (q, k, v, g, beta, h0)]
+    if rule == "linear_attn" and kw.get("normalize"):
+        inputs[5] = None  # a normalized initial state is a (S, z) pair; start empty
+    o1, s1, g1, kept = step(rule, inputs, w_o, w_s, True, **kw)
+    o0, s0, g0, none = step(rule, inputs, w_o, w_s, False, **kw)
+    assert kept > 0 and none == 0
+    assert torch.equal(o1, o0) and torch.equal(s1, s0), "the saving forward changed the outputs"
+    for name, a, b in zip("q k v g beta h0".split(), g1, g0):
+        if a is not None:
+            assert torch.equal(a, b), f"{rule} {dtype} {case} d{name} differs"
+
+
+@pytest.mark.parametrize("rule", ["linear_attn", "simple_gla", "gla"])
+def test_saved_forward_holds_the_documented_bytes(rule):
+    # linear_attn and the gated ops keep S (K x V) and z (K) before every backward chunk of 32
+    # rows, per sequence and head: N H ceil(T / 32) (K V + K) scalars (docs/pytorch.md).
+    N, T, H, K, V = 2, 100, 3, 8, 5
+    q, k, v, g, beta, h0 = make_inputs(rule, N, T, H, K, V, seed=34, dtype=torch.float32)
+    q.requires_grad_()
+    o, _ = call(rule, "chunk", q, k, v, g, beta)
+    assert saved_bytes(o) == N * H * -(-T // 32) * (K * V + K) * 4
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_a_retained_graph_rebuilds_the_freed_states(rule):
+    # The first backward uses the saved states and frees them; a second one through the
+    # retained graph rebuilds them, with the same gradients.
+    q, k, v, g, beta, h0 = make_inputs(rule, 2, 70, 2, 4, 3, seed=35, dtype=torch.float32)
+    q.requires_grad_()
+    o, _ = call(rule, "chunk", q, k, v, g, beta, initial_state=h0)
+    assert saved_bytes(o) > 0
+    loss = (o * o).sum()
+    (first,) = torch.autograd.grad(loss, q, retain_graph=True)
+    assert o.grad_fn.saved_forwards is None
+    (second,) = torch.autograd.grad(loss, q)
+    assert torch.equal(first, second)
+
+
+def test_nothing_is_saved_where_no_backward_follows(monkeypatch):
+    # Only a chunk_* op whose backward autograd will call keeps states: not under no_grad, not
+    # when no input requires grad, not for fused_recurrent_* (no chunk states) and not after
+    # set_saved_forward(False).
+    asked = []
+    forward = _ext.forward
+
+    def spy(*args):
+        asked.append(args[-1])  # the save flag
+        return forward(*args)
+
+    monkeypatch.setattr(_ext, "forward", spy)
+    q, k, v, _, _, _ = make_inputs("linear_attn", 1, 40, 2, 4, 3, seed=36, dtype=torch.float32)
+    qg = q.clone().requires_grad_()
+    lt.chunk_linear_attn(qg, k, v, normalize=False)
+    lt.chunk_linear_attn(q, k, v, normalize=False)
+    with torch.no_grad():
+        lt.chunk_linear_attn(qg, k, v, normalize=False)
+    o, _ = lt.fused_recurrent_linear_attn(qg, k, v)
+    assert o.grad_fn.saved_forwards is None
+    previous = lt.set_saved_forward(False)
+    assert previous is True and not lt.saved_forward_enabled()
+    try:
+        lt.chunk_linear_attn(qg, k, v, normalize=False)
+    finally:
+        lt.set_saved_forward(True)
+    assert asked == [True, False, False, False, False]
+
+
+def test_saved_states_of_another_call_are_refused():
+    q, k, v, g, _, _ = make_inputs("simple_gla", 2, 40, 2, 4, 3, seed=37, dtype=torch.float32)
+    settings = (None, None, None, None, 0.5, True, False, False, False, False)
+    o, _, _, saved = _ext.forward("simple_gla", q, k, v, g, *settings, True)
+    assert saved is not None and saved.bytes > 0
+    do = torch.ones_like(o)
+    back = ("simple_gla", q, k, v, g) + settings[:5] + (False, False, False)
+    _ext.backward(*back, do, None, None, saved)  # its own call: accepted
+    with pytest.raises(ValueError, match="saved forward is for simple_gla with N=2 H=2 T=40"):
+        _ext.backward("simple_gla", q[:, :39], k[:, :39], v[:, :39], g[:, :39],
+                      *back[5:], do[:, :39], None, None, saved)
+    with pytest.raises(ValueError, match="this backward is for simple_gla .* scale=0.25"):
+        _ext.backward(*back[:9], 0.25, *back[10:], do, None, None, saved)
+    with pytest.raises(ValueError, match="this backward is for linear_attn"):
+        _ext.backward("linear_attn", q, k, v, None, *back[5:], do, None, None, saved)
+    # The token-by-token forward keeps nothing: its handle is None.
+    assert _ext.forward("simple_gla", q, k, v, g, None, None, None, None, 0.5, False, False,
+                        False, False, False, True)[3] is None
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_the_backward_reads_the_saved_states(rule):
+    # The backward takes the states from the handle, not from the inputs: a handle filled by a
+    # forward of other values (same shapes: accepted, values are not checked) gives other
+    # gradients, and the handle of these values the recomputing backward's.
+    q, k, v, g, beta, _ = make_inputs(rule, 1, 70, 2, 8, 16, seed=38, dtype=torch.float32)
+    other = make_inputs(rule, 1, 70, 2, 8, 16, seed=39, dtype=torch.float32)
+    settings = (None, None, None, 0.5)
+    flags = (False, False, False)  # normalize, qk_l2norm, head_first
+
+    def fwd(q, k, v, g, beta):
+        return _ext.forward(rule, q, k, v, g, beta, *settings, True, False, *flags, True)
+
+    o, _, _, mine = fwd(q, k, v, g, beta)
+    _, _, _, theirs = fwd(*other[:5])
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(40))
+    back = (rule, q, k, v, g, beta) + settings + flags + (do, None, None)
+    recomputed = _ext.backward(*back)
+    from_mine = _ext.backward(*back, mine)
+    from_theirs = _ext.backward(*back, theirs)
+    assert all(torch.equal(a, b) for a, b in zip(recomputed[:3], from_mine[:3]))
+    assert not torch.equal(recomputed[0], from_theirs[0])  # dq reads the saved states

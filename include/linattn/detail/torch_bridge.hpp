@@ -10,6 +10,8 @@
 #include <linattn/normalization.hpp>
 #include <linattn/options.hpp>
 #include <linattn/rule_gradients.hpp>
+#include <linattn/rule_saved_forward.hpp>
+#include <linattn/saved_forward.hpp>
 #include <linattn/tensor_view.hpp>
 #include <linattn/types.hpp>
 #include <linattn/write_rules.hpp>
@@ -23,12 +25,18 @@
 #include <Eigen/Core>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+namespace linattn::detail::torch_bridge {
+struct SavedForwardsAccess;
+}  // namespace linattn::detail::torch_bridge
 
 namespace linattn::fla {
 
@@ -72,6 +80,46 @@ struct Gradients {
   at::Tensor dq, dk, dv;
   std::optional<at::Tensor> d_initial_state, d_initial_z;
   std::optional<at::Tensor> dg, dbeta;
+};
+
+/// What a chunked forward keeps for its backward: one linattn SavedForward (the state before
+/// every backward chunk; for the delta rules the forward kernel's per-chunk data, see
+/// linattn/saved_forward.hpp) per (sequence, head), so that backward() skips the sweep that
+/// rebuilds those states. Filled by run(op, inputs, settings, &saved) with settings.chunked
+/// (the token-by-token forward keeps nothing: it has no chunk states); read by backward(op,
+/// inputs, settings, saved, ...), which checks that it belongs to this op, these settings and
+/// these sizes (not the values: the backward must get the forward's inputs). Memory per
+/// sequence, head and token: (K V + K) / 32 scalars for linear_attn and the gated ops (2,064 B
+/// at K = V = 128 in float32, beside the 1,536 B of that token's q, k and v), K V / C + 2 V
+/// for the delta rules (C their chunk: 5 KiB at K = V = 128).
+class SavedForwards {
+ public:
+  /// True until a chunked forward fills it, and after clear().
+  [[nodiscard]] bool empty() const noexcept { return f32_.empty() && f64_.empty(); }
+  /// Bytes the saved states hold (all sequences and heads).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t total = 0;
+    for (const auto& s : f32_) total += s.bytes();
+    for (const auto& s : f64_) total += s.bytes();
+    return total;
+  }
+  /// Frees the saved states.
+  void clear() noexcept {
+    f32_ = {};
+    f64_ = {};
+    offsets_ = {};
+  }
+
+ private:
+  friend struct detail::torch_bridge::SavedForwardsAccess;
+  std::vector<linattn::SavedForward<float>> f32_;
+  std::vector<linattn::SavedForward<double>> f64_;
+  // What the backward checks it against (op, settings, sizes, sequence offsets).
+  Op op_ = Op::linear_attn;
+  Index N_ = 0, H_ = 0, T_ = 0, K_ = 0, V_ = 0;
+  double scale_ = 1;
+  bool normalize_ = false, qk_l2norm_ = false;
+  std::vector<Index> offsets_;
 };
 
 [[nodiscard]] inline const char* op_name(Op op) noexcept {
@@ -433,10 +481,59 @@ ConstRowsView<Scalar> read_qk(const at::Tensor& t, Index b, Index h, Index first
   return rows;
 }
 
+struct SavedForwardsAccess {
+  template <class Scalar>
+  static std::vector<SavedForward<Scalar>>& items(fla::SavedForwards& s) noexcept {
+    if constexpr (std::is_same_v<Scalar, double>) return s.f64_; else return s.f32_;
+  }
+  template <class Scalar>
+  static const std::vector<SavedForward<Scalar>>& items(const fla::SavedForwards& s) noexcept {
+    if constexpr (std::is_same_v<Scalar, double>) return s.f64_; else return s.f32_;
+  }
+  // Sizes `s` for one SavedForward per (sequence, head) of `p` in Scalar (each item keeps its
+  // allocation when `s` is reused for the same sizes) and records what the backward checks.
+  template <class Scalar>
+  static void prepare(fla::SavedForwards& s, Op op, const Prepared& p, const Settings& settings) {
+    if constexpr (std::is_same_v<Scalar, double>) s.f32_ = {}; else s.f64_ = {};
+    items<Scalar>(s).resize(static_cast<std::size_t>(p.N * p.H));
+    s.op_ = op;
+    s.N_ = p.N, s.H_ = p.H, s.T_ = p.T, s.K_ = p.K, s.V_ = p.V;
+    s.scale_ = p.scale;
+    s.normalize_ = settings.normalize;
+    s.qk_l2norm_ = settings.qk_l2norm;
+    s.offsets_ = p.offsets;
+  }
+  // Throws c10::ValueError unless `s` was filled by a forward of this op, settings and sizes.
+  template <class Scalar>
+  static void check(const fla::SavedForwards& s, Op op, const Prepared& p, const Settings& settings) {
+    const auto describe = [](Op o, Index N, Index H, Index T, Index K, Index V, double scale,
+                             bool normalize, bool l2, bool is_double) {
+      std::ostringstream os;
+      os << fla::op_name(o) << " with N=" << N << " H=" << H << " T=" << T << " K=" << K
+         << " V=" << V << " scale=" << scale << " normalize=" << normalize
+         << " qk_l2norm=" << l2 << " in " << (is_double ? "float64" : "float32");
+      return os.str();
+    };
+    const bool same = s.op_ == op && s.N_ == p.N && s.H_ == p.H && s.T_ == p.T && s.K_ == p.K &&
+                      s.V_ == p.V && s.scale_ == p.scale && s.normalize_ == settings.normalize &&
+                      s.qk_l2norm_ == settings.qk_l2norm && s.offsets_ == p.offsets &&
+                      items<Scalar>(s).size() == static_cast<std::size_t>(p.N * p.H);
+    TORCH_CHECK_VALUE(same, "linattn: the saved forward is for ",
+                      describe(s.op_, s.N_, s.H_, s.T_, s.K_, s.V_, s.scale_, s.normalize_,
+                               s.qk_l2norm_, !s.f64_.empty()),
+                      (s.offsets_ != p.offsets && s.N_ == p.N ? " (other cu_seqlens)" : ""),
+                      ", this backward is for ",
+                      describe(op, p.N, p.H, p.T, p.K, p.V, p.scale, settings.normalize,
+                               settings.qk_l2norm, std::is_same_v<Scalar, double>));
+  }
+};
+
 // Runs op over every (sequence, head) pair of `p` in Scalar, on torch's intra-op threads (one
-// task per pair, its buffers allocated once per task). See fla::run for the contract.
+// task per pair, its buffers allocated once per task). With `saved` (and a chunked forward)
+// each pair's forward keeps its chunk states in its own SavedForward (same bits in the
+// outputs). See fla::run for the contract.
 template <Op op, class Scalar>
-fla::Result forward(const Prepared& p, const Settings& s) {
+fla::Result forward(const Prepared& p, const Settings& s, fla::SavedForwards* saved = nullptr) {
   using Rule = typename RuleOf<op>::type;
   using Attention = RuleAttention<Identity, Rule, Scalar>;
   const Attention attn(Identity{}, options_for(s.normalize, p.scale));
@@ -459,54 +556,71 @@ fla::Result forward(const Prepared& p, const Settings& s) {
   }
   // Unnormalized, o is linear in q: the rows read out are multiplied by scale instead of q.
   const Scalar out_factor = s.normalize ? Scalar(1) : static_cast<Scalar>(p.scale);
-
-  at::parallel_for(0, p.N * p.H, 1, [&](int64_t begin, int64_t end) {
-    RowMatrix<Scalar> qb, kb, vb, gb, bb, ob;
-    ColVector<Scalar> norms;
-    for (int64_t task = begin; task < end; ++task) {
-      const Index n = task / p.H, h = task % p.H;
-      const Index b = p.batch_of(n), first = p.first_of(n), len = p.length_of(n);
-      auto state = initial_state(attn, p, n, h);
-      if (len > 0) {
-        const ConstRowsView<Scalar> Q = read_qk<Scalar>(p.q, b, h, first, len, qb, s.qk_l2norm, norms);
-        const ConstRowsView<Scalar> Kr = read_qk<Scalar>(p.k, b, h, first, len, kb, s.qk_l2norm, norms);
-        const ConstRowsView<Scalar> Vr = read_rows<Scalar>(p.v, b, h, first, len, vb);
-        if (!direct_out) ob.resize(len, p.V);
-        RowsView<Scalar> out = direct_out
-            ? tensor_view_of<Scalar>(o).head_rows(b, h, first, len)
-            : RowsView<Scalar>(ob.data(), len, p.V, Eigen::OuterStride<>(p.V));
-        auto run = [&](const auto&... inputs) {
-          if (s.chunked)
-            attn.prefill_into(state, Q, Kr, Vr, inputs..., out);
-          else
-            attn.recurrent_into(state, Q, Kr, Vr, inputs..., out);
-        };
-        if constexpr (Rule::kind == WriteKind::additive) {
-          run();
-        } else if constexpr (Rule::kind == WriteKind::gated) {
-          run(read_token_rows<Scalar>(p.g, b, h, first, len, gb));
-        } else if constexpr (Rule::kind == WriteKind::delta) {
-          run(read_token_rows<Scalar>(p.beta, b, h, first, len, bb));
-        } else {  // linattn takes beta then log_alpha; fla's g is log_alpha
-          run(read_token_rows<Scalar>(p.beta, b, h, first, len, bb),
-              read_token_rows<Scalar>(p.g, b, h, first, len, gb));
-        }
-        if (direct_out) {
-          if (out_factor != Scalar(1)) out *= out_factor;
-        } else {
-          write_rows<Scalar>(o, b, h, first, ob, out_factor);
-        }
-      }
-      if (ht.defined()) {
-        Eigen::Map<RowMatrix<Scalar>>(ht.data_ptr<Scalar>() + (n * p.H + h) * p.K * p.V, p.K, p.V) =
-            state.S();
-        if constexpr (Rule::keeps_normalizer) {
-          if (zt.defined())
-            Eigen::Map<ColVector<Scalar>>(zt.data_ptr<Scalar>() + (n * p.H + h) * p.K, p.K) = state.z();
-        }
-      }
+  // The token-by-token forward has no chunk states to keep: its backward rebuilds them.
+  std::vector<SavedForward<Scalar>>* saved_items = nullptr;
+  if (saved != nullptr) {
+    saved->clear();
+    if (s.chunked) {
+      SavedForwardsAccess::prepare<Scalar>(*saved, op, p, s);
+      saved_items = &SavedForwardsAccess::items<Scalar>(*saved);
     }
-  });
+  }
+
+  try {
+    at::parallel_for(0, p.N * p.H, 1, [&](int64_t begin, int64_t end) {
+      RowMatrix<Scalar> qb, kb, vb, gb, bb, ob;
+      ColVector<Scalar> norms;
+      for (int64_t task = begin; task < end; ++task) {
+        const Index n = task / p.H, h = task % p.H;
+        const Index b = p.batch_of(n), first = p.first_of(n), len = p.length_of(n);
+        auto state = initial_state(attn, p, n, h);
+        if (len > 0) {
+          const ConstRowsView<Scalar> Q = read_qk<Scalar>(p.q, b, h, first, len, qb, s.qk_l2norm, norms);
+          const ConstRowsView<Scalar> Kr = read_qk<Scalar>(p.k, b, h, first, len, kb, s.qk_l2norm, norms);
+          const ConstRowsView<Scalar> Vr = read_rows<Scalar>(p.v, b, h, first, len, vb);
+          if (!direct_out) ob.resize(len, p.V);
+          RowsView<Scalar> out = direct_out
+              ? tensor_view_of<Scalar>(o).head_rows(b, h, first, len)
+              : RowsView<Scalar>(ob.data(), len, p.V, Eigen::OuterStride<>(p.V));
+          auto run = [&](const auto&... inputs) {
+            if (saved_items != nullptr)
+              prefill_saving_into(attn, state, Q, Kr, Vr, inputs..., out,
+                                  (*saved_items)[static_cast<std::size_t>(task)]);
+            else if (s.chunked)
+              attn.prefill_into(state, Q, Kr, Vr, inputs..., out);
+            else
+              attn.recurrent_into(state, Q, Kr, Vr, inputs..., out);
+          };
+          if constexpr (Rule::kind == WriteKind::additive) {
+            run();
+          } else if constexpr (Rule::kind == WriteKind::gated) {
+            run(read_token_rows<Scalar>(p.g, b, h, first, len, gb));
+          } else if constexpr (Rule::kind == WriteKind::delta) {
+            run(read_token_rows<Scalar>(p.beta, b, h, first, len, bb));
+          } else {  // linattn takes beta then log_alpha; fla's g is log_alpha
+            run(read_token_rows<Scalar>(p.beta, b, h, first, len, bb),
+                read_token_rows<Scalar>(p.g, b, h, first, len, gb));
+          }
+          if (direct_out) {
+            if (out_factor != Scalar(1)) out *= out_factor;
+          } else {
+            write_rows<Scalar>(o, b, h, first, ob, out_factor);
+          }
+        }
+        if (ht.defined()) {
+          Eigen::Map<RowMatrix<Scalar>>(ht.data_ptr<Scalar>() + (n * p.H + h) * p.K * p.V, p.K, p.V) =
+              state.S();
+          if constexpr (Rule::keeps_normalizer) {
+            if (zt.defined())
+              Eigen::Map<ColVector<Scalar>>(zt.data_ptr<Scalar>() + (n * p.H + h) * p.K, p.K) = state.z();
+          }
+        }
+      }
+    });
+  } catch (...) {
+    if (saved != nullptr) saved->clear();  // a forward that throws keeps nothing
+    throw;
+  }
   return result;
 }
 
@@ -546,12 +660,20 @@ std::pair<at::Tensor, at::Tensor> make_token_gradient(const Prepared& p, Index c
 // continuing each initial state, with the final state's gradient (dht, dzt) carried in, and
 // through the in-kernel L2 norm of q and k when the forward used it. The same backward serves
 // the chunk and the fused_recurrent forward: both compute the same function.
+// With `saved` (filled by the chunked forward of these inputs), each pair's backward starts from
+// its saved chunk states instead of rebuilding them (the same bits; see linattn/saved_forward.hpp).
 template <Op op, class Scalar>
 fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& d_o_user,
-                        const at::Tensor& dht, const at::Tensor& dzt) {
+                        const at::Tensor& dht, const at::Tensor& dzt,
+                        const fla::SavedForwards* saved = nullptr) {
   using Rule = typename RuleOf<op>::type;
   using Attention = RuleAttention<Identity, Rule, Scalar>;
   const Attention attn(Identity{}, options_for(s.normalize, p.scale));
+  const std::vector<SavedForward<Scalar>>* saved_items = nullptr;
+  if (saved != nullptr && !saved->empty()) {
+    SavedForwardsAccess::check<Scalar>(*saved, op, p, s);
+    saved_items = &SavedForwardsAccess::items<Scalar>(*saved);
+  }
   check_tensor(d_o_user, "the output gradient");
   TORCH_CHECK_VALUE(d_o_user.dim() == 4, "linattn: the output gradient must be 4-D like o, got ",
                     d_o_user.sizes());
@@ -597,7 +719,6 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
     for (int64_t task = begin; task < end; ++task) {
       const Index n = task / p.H, h = task % p.H;
       const Index b = p.batch_of(n), first = p.first_of(n), len = p.length_of(n);
-      const auto state = initial_state(attn, p, n, h);
       if (has_final) {
         final_gradient.S = dht.defined() ? read_state<Scalar>(dht, n, h, false)
                                          : RowMatrix<Scalar>::Zero(p.K, p.V);
@@ -613,20 +734,37 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
         yb *= dy_factor;
         auto rows = [&](const at::Tensor& t) { return tensor_view_of<Scalar>(t).head_rows(b, h, first, len); };
         const GradientsRef<Scalar> out{rows(dq), rows(dk), rows(dv)};
+        // The backward from this pair's saved forward when there is one, else the one that
+        // rebuilds the chunk states from the initial state.
+        auto gradients = [&](const auto&... inputs) {
+          if (saved_items != nullptr) {
+            const SavedForward<Scalar>& item = (*saved_items)[static_cast<std::size_t>(task)];
+            if constexpr (Rule::kind == WriteKind::additive)
+              prefill_backward_into(attn, item, Q, Kr, Vr, yb, carried, out, initial);
+            else
+              prefill_backward_into(attn, item, Q, Kr, Vr, inputs..., yb, carried, out, d_in, initial);
+          } else {
+            const auto state = initial_state(attn, p, n, h);
+            if constexpr (Rule::kind == WriteKind::additive)
+              prefill_backward_into(attn, state, Q, Kr, Vr, yb, carried, out, initial);
+            else if constexpr (Rule::kind == WriteKind::gated)
+              prefill_backward_into(attn, state, Q, Kr, Vr, inputs..., yb, carried, out, d_in, initial);
+            else
+              prefill_backward_into(attn, state, Q, Kr, Vr, inputs..., yb, carried, out, d_in, initial,
+                                    &workspace);
+          }
+        };
         if constexpr (Rule::kind == WriteKind::additive) {
-          prefill_backward_into(attn, state, Q, Kr, Vr, yb, carried, out, initial);
+          gradients();
         } else if constexpr (Rule::kind == WriteKind::gated) {
-          prefill_backward_into(attn, state, Q, Kr, Vr, read_token_rows<Scalar>(p.g, b, h, first, len, gb),
-                                yb, carried, out, d_in, initial);
+          gradients(read_token_rows<Scalar>(p.g, b, h, first, len, gb));
           write_rows<Scalar>(dg, b, h, first, d_in.log_gate, Scalar(1));
         } else if constexpr (Rule::kind == WriteKind::delta) {
-          prefill_backward_into(attn, state, Q, Kr, Vr, read_token_rows<Scalar>(p.beta, b, h, first, len, bb),
-                                yb, carried, out, d_in, initial, &workspace);
+          gradients(read_token_rows<Scalar>(p.beta, b, h, first, len, bb));
           write_rows<Scalar>(dbeta, b, h, first, d_in.beta, Scalar(1));
         } else {  // linattn takes beta then log_alpha; fla's g is log_alpha
-          prefill_backward_into(attn, state, Q, Kr, Vr, read_token_rows<Scalar>(p.beta, b, h, first, len, bb),
-                                read_token_rows<Scalar>(p.g, b, h, first, len, gb), yb, carried, out,
-                                d_in, initial, &workspace);
+          gradients(read_token_rows<Scalar>(p.beta, b, h, first, len, bb),
+                    read_token_rows<Scalar>(p.g, b, h, first, len, gb));
           write_rows<Scalar>(dbeta, b, h, first, d_in.beta, Scalar(1));
           write_rows<Scalar>(dg, b, h, first, d_in.log_alpha, Scalar(1));
         }

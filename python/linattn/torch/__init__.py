@@ -12,6 +12,13 @@ for q, k, v, the gates g (and g_gamma, through the sum), beta, initial_state (an
 final state's gradient carried in when the loss uses it; through the in-kernel L2 norm of
 use_qk_l2norm_in_kernel too. Gradients are computed in float32 (float64 for float64 inputs) and
 returned in each input's dtype. Double backward is not supported.
+
+Saved forward: when autograd will need the gradients (grad mode on, an input requiring grad), a
+chunk_* op keeps its chunk-boundary states for the backward, which then skips the sweep that
+rebuilds them (the same gradients, bit for bit; a training step costs less). They cost about
+(K V + K) / 32 scalars per token and head (2 KiB at K = V = 128 in float32; 5 KiB for the delta
+rules) until the backward has run, which frees them. ``set_saved_forward(False)`` turns this off
+(the backward then rebuilds the states, as the fused_recurrent_* ops' backward always does).
 """
 
 from typing import Optional, Tuple, Union
@@ -21,6 +28,7 @@ import torch
 from . import _ext
 
 __all__ = [
+    "set_saved_forward", "saved_forward_enabled",
     "chunk_linear_attn", "fused_recurrent_linear_attn",
     "chunk_simple_gla", "fused_recurrent_simple_gla",
     "chunk_gla", "fused_recurrent_gla",
@@ -32,11 +40,28 @@ _Tensor = torch.Tensor
 _State = Union[_Tensor, Tuple[_Tensor, _Tensor]]
 
 
+_saving = True
+
+
+def set_saved_forward(enabled: bool) -> bool:
+    """Whether chunk_* ops keep their chunk states for the backward (the default, True) or let
+    the backward rebuild them (False: less memory between forward and backward, a slower
+    backward); returns the previous setting. The gradients are the same either way."""
+    global _saving
+    previous, _saving = _saving, bool(enabled)
+    return previous
+
+
+def saved_forward_enabled() -> bool:
+    """The setting of set_saved_forward."""
+    return _saving
+
+
 class _Spec:
     """The non-tensor arguments of one call (kept on the autograd context)."""
 
     def __init__(self, rule, scale, chunked, output_final_state, normalize, qk_l2norm,
-                 head_first):
+                 head_first, save):
         self.rule = rule
         self.scale = scale
         self.chunked = chunked
@@ -44,6 +69,7 @@ class _Spec:
         self.normalize = normalize
         self.qk_l2norm = qk_l2norm
         self.head_first = head_first
+        self.save = save  # keep the chunk states for the backward
 
 
 def _cast(grad, like):
@@ -55,10 +81,12 @@ class _Op(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec, q, k, v, g, beta, h0, z0, cu_seqlens):
-        o, ht, zt = _ext.forward(spec.rule, q, k, v, g, beta, h0, z0, cu_seqlens, spec.scale,
-                                 spec.chunked, spec.output_final_state, spec.normalize,
-                                 spec.qk_l2norm, spec.head_first)
+        o, ht, zt, saved = _ext.forward(spec.rule, q, k, v, g, beta, h0, z0, cu_seqlens,
+                                        spec.scale, spec.chunked, spec.output_final_state,
+                                        spec.normalize, spec.qk_l2norm, spec.head_first,
+                                        spec.save)
         ctx.spec = spec
+        ctx.saved_forwards = saved  # the chunk states (_ext.SavedForwards) or None
         ctx.save_for_backward(q, k, v, g, beta, h0, z0, cu_seqlens)
         return o, ht, zt
 
@@ -69,9 +97,13 @@ class _Op(torch.autograd.Function):
         its input's dtype; dht and dzt (the final states' gradients) are None when unused."""
         q, k, v, g, beta, h0, z0, cu_seqlens = ctx.saved_tensors
         s = ctx.spec
+        # The saved states are used once and freed here: the node (and so the context) may
+        # live on after the backward, e.g. while the caller holds o. A second backward through
+        # a retained graph rebuilds the states (the same gradients).
+        saved, ctx.saved_forwards = ctx.saved_forwards, None
         dq, dk, dv, dg, dbeta, dh0, dz0 = _ext.backward(
             s.rule, q, k, v, g, beta, h0, z0, cu_seqlens, s.scale, s.normalize, s.qk_l2norm,
-            s.head_first, do, dht, dzt)
+            s.head_first, do, dht, dzt, saved)
         return (None, _cast(dq, q), _cast(dk, k), _cast(dv, v), _cast(dg, g), _cast(dbeta, beta),
                 _cast(dh0, h0), _cast(dz0, z0), None)
 
@@ -100,8 +132,12 @@ def _run(rule, q, k, v, g=None, beta=None, scale=None, initial_state=None,
         h0, z0 = initial_state
     if scale is None:
         scale = k.shape[-1] ** -0.5
+    # Keep the chunk states only when autograd will call the backward.
+    save = (_saving and chunked and torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad
+                    for t in (q, k, v, g, beta, h0, z0)))
     spec = _Spec(rule, float(scale), chunked, bool(output_final_state), normalize, qk_l2norm,
-                 head_first)
+                 head_first, save)
     o, ht, zt = _Op.apply(spec, q, k, v, g, beta, h0, z0, cu_seqlens)
     if not output_final_state:
         return o, None
