@@ -405,8 +405,9 @@ struct HeadGradients {
   StateGradient<Scalar> initial;
 };
 
-// `from_saved` (stateless only): the backward from the head's own saved forward
-// (saved_forward.hpp, rule_saved_forward.hpp) instead of the recomputing one.
+// `from_saved`: the backward from the head's own saved forward (saved_forward.hpp,
+// rule_saved_forward.hpp; continuing a copy of `state` when there is one) instead of the
+// recomputing one.
 template <class Attention, std::size_t N = Attention::rule_type::token_inputs>
 HeadGradients<typename Attention::scalar_type, N> single_head_backward(
     const Attention& attn, const typename Attention::State* state,
@@ -421,14 +422,22 @@ HeadGradients<typename Attention::scalar_type, N> single_head_backward(
   RowMatrix<Scalar> y(q.rows(), v.cols());
   std::apply(
       [&](const auto&... x) {
-        if (from_saved) parallel_saving_into(attn, q, k, v, x..., Mask::causal, y, saved);
+        if (from_saved && state != nullptr) {
+          auto copy = *state;
+          prefill_saving_into(attn, copy, q, k, v, x..., y, saved);
+        } else if (from_saved) {
+          parallel_saving_into(attn, q, k, v, x..., Mask::causal, y, saved);
+        }
         if constexpr (Rule::kind == WriteKind::additive) {
-          auto g = from_saved        ? parallel_backward(attn, saved, q, k, v, Mask::causal, dy)
+          auto g = from_saved && state != nullptr ? prefill_backward(attn, saved, q, k, v, dy, fin)
+                   : from_saved       ? parallel_backward(attn, saved, q, k, v, Mask::causal, dy)
                    : state != nullptr ? prefill_backward(attn, *state, q, k, v, dy, fin)
                                       : parallel_backward(attn, q, k, v, Mask::causal, dy);
           out.Q = g.Q, out.K = g.K, out.V = g.V, out.initial = g.initial;
         } else {
-          auto g = from_saved        ? parallel_backward(attn, saved, q, k, v, x..., Mask::causal, dy)
+          auto g = from_saved && state != nullptr
+                       ? prefill_backward(attn, saved, q, k, v, x..., dy, fin)
+                   : from_saved       ? parallel_backward(attn, saved, q, k, v, x..., Mask::causal, dy)
                    : state != nullptr ? prefill_backward(attn, *state, q, k, v, x..., dy, fin)
                                       : parallel_backward(attn, q, k, v, x..., Mask::causal, dy);
           out.Q = g.Q, out.K = g.K, out.V = g.V, out.initial = g.initial;
@@ -519,12 +528,51 @@ void poison_pad_rows(RuleProblem<Attention>& p, const std::vector<Index>& length
     }
 }
 
+// The layer's carried saving forward (from a copy of `state`) and its backward from the saved
+// forward; checks the forward's output and states against layer.prefill_into's, bit for bit.
+template <class Attention>
+void layer_saved_prefill_step(const MultiHeadAttention<Attention>& layer,
+                              const typename MultiHeadAttention<Attention>::State& state,
+                              RuleProblem<Attention>& p,
+                              const BatchStateGradient<typename Attention::scalar_type>* fin,
+                              BatchStateGradient<typename Attention::scalar_type>& initial,
+                              const SequenceLayout& layout, std::span<const Index> slots) {
+  using Scalar = typename Attention::scalar_type;
+  std::vector<Scalar> plain(p.dY.size(), std::numeric_limits<Scalar>::quiet_NaN()), kept = plain;
+  const auto out = [&](std::vector<Scalar>& buf) { return view<Scalar>(p.layout, buf.data(), p.B, p.T, p.Hq, p.dv); };
+  auto after_plain = state, after_saved = state;
+  LayerSavedForward<Scalar> saved;
+  const auto g = p.grads();
+  std::apply(
+      [&](const auto&... in) {
+        layer.prefill_into(after_plain, p.q(), p.k(), p.v(), in..., out(plain), layout, slots);
+        prefill_saving_into(layer, after_saved, p.q(), p.k(), p.v(), in..., out(kept), saved, layout,
+                            slots);
+        std::apply(
+            [&](const auto&... d) {
+              prefill_backward_into(layer, saved, p.q(), p.k(), p.v(), in..., p.dy(), fin, g, d...,
+                                    initial, layout, slots);
+            },
+            p.d_ins());
+      },
+      p.ins());
+  INFO("the carried saving forward's output and states are the layer's prefill_into's, bit for bit");
+  CHECK(kept == plain);
+  for (Index i = 0; i < state.size(); ++i)
+    for (Index h = 0; h < state.heads(); ++h) {
+      CHECK(after_saved.sequence(i).head(h).S() == after_plain.sequence(i).head(h).S());
+      if constexpr (detail::head_keeps_z<typename Attention::State>())
+        CHECK(after_saved.sequence(i).head(h).z() == after_plain.sequence(i).head(h).z());
+    }
+}
+
 // Runs the layer on `p` in `kind` (batch: all rows; packed: offsets with an empty sequence;
 // padded: lengths with an empty sequence, pad rows poisoned with NaN) stateless or from random
-// initial states at reversed slots (position 0 unused), and checks every sequence.
+// initial states at reversed slots (position 0 unused), and checks every sequence; `from_saved`
+// (carried only): through the layer's carried saving forward and the backward from it.
 template <class Attention>
 void check_rule_layout(const RuleCase<Attention>& c, Layout l, SequenceLayout::Kind kind,
-                       bool carried, Index Hkv) {
+                       bool carried, Index Hkv, bool from_saved = false) {
   using Scalar = typename Attention::scalar_type;
   constexpr std::size_t N = Attention::rule_type::token_inputs;
   const Index Hq = 4, dk = 5, dv = 3, T = 19;
@@ -554,11 +602,15 @@ void check_rule_layout(const RuleCase<Attention>& c, Layout l, SequenceLayout::K
     poison(initial);
     std::vector<Index> slots;
     for (Index s = 0; s < sequences; ++s) slots.push_back(sequences - s);
-    layer_prefill_backward(layer, state, p, &fin, initial, layout, slots);
+    if (from_saved)
+      layer_saved_prefill_step(layer, state, p, &fin, initial, layout, slots);
+    else
+      layer_prefill_backward(layer, state, p, &fin, initial, layout, slots);
     for (Index s = 0; s < sequences; ++s) {
       const Index position = slots[std::size_t(s)];
       if (seq_len(s) > 0) {
-        check_rule_sequence(layer, p, &state, &fin, &initial, position, seq_entry(s), seq_first(s), seq_len(s));
+        check_rule_sequence(layer, p, &state, &fin, &initial, position, seq_entry(s), seq_first(s),
+                            seq_len(s), from_saved);
       } else {
         INFO("an empty sequence passes the final state's gradient through");
         for (Index h = 0; h < state.heads(); ++h) {
@@ -766,6 +818,46 @@ TEST_CASE("segments: the layer's carried state and its gradient between two call
     }, ins);
     layer_prefill_backward(layer, S1, parts, &fin, initial_2, SequenceLayout::batch(), {}, split, T - split);
     layer_prefill_backward(layer, S0, parts, &initial_2, initial_1, SequenceLayout::batch(), {}, 0, split);
+    // The same segments through the carried saved forward: two saving prefills continue one
+    // state, then the two backwards from the saved forwards, which need neither S0 nor S1.
+    RuleProblem<Attention> saved_parts = whole;
+    BatchStateGradient<double> saved_initial_1(S0), saved_initial_2(S0);
+    {
+      auto state = S0;
+      std::array<LayerSavedForward<double>, 2> saved;
+      const std::array<Index, 2> t0{0, split}, len{split, T - split};
+      std::vector<double> y(whole.dY.size());
+      const auto yv = view<double>(saved_parts.layout, y.data(), B, T, Hq, dv);
+      const auto g = saved_parts.grads();
+      for (std::size_t part = 0; part < 2; ++part) {
+        auto seg = saved_parts.ins();
+        for (auto& x : seg) x = rows_of(x, t0[part], len[part]);
+        std::apply([&](const auto&... in) {
+          prefill_saving_into(layer, state, rows_of(saved_parts.q(), t0[part], len[part]),
+                              rows_of(saved_parts.k(), t0[part], len[part]),
+                              rows_of(saved_parts.v(), t0[part], len[part]), in...,
+                              rows_of(yv, t0[part], len[part]), saved[part]);
+        }, seg);
+      }
+      for (std::size_t part : {std::size_t(1), std::size_t(0)}) {
+        auto seg = saved_parts.ins();
+        auto d_seg = saved_parts.d_ins();
+        for (auto& x : seg) x = rows_of(x, t0[part], len[part]);
+        for (auto& x : d_seg) x = rows_of(x, t0[part], len[part]);
+        const GradientViews<double> gr{rows_of(g.Q, t0[part], len[part]), rows_of(g.K, t0[part], len[part]),
+                                       rows_of(g.V, t0[part], len[part])};
+        std::apply([&](const auto&... in) {
+          std::apply([&](const auto&... d) {
+            prefill_backward_into(layer, saved[part], rows_of(saved_parts.q(), t0[part], len[part]),
+                                  rows_of(saved_parts.k(), t0[part], len[part]),
+                                  rows_of(saved_parts.v(), t0[part], len[part]), in...,
+                                  rows_of(saved_parts.dy(), t0[part], len[part]),
+                                  part == 1 ? &fin : &saved_initial_2, gr, d...,
+                                  part == 1 ? saved_initial_2 : saved_initial_1);
+          }, d_seg);
+        }, seg);
+      }
+    }
     const double C = 4, r = double(layer.feature_dim());
     const double units = 2.0 * (T + C + r + dv) * T;
     const double u = linattn_test::unit_roundoff<double>();
@@ -774,18 +866,22 @@ TEST_CASE("segments: the layer's carried state and its gradient between two call
       const auto Bm = Eigen::Map<const Eigen::ArrayXd>(b.data(), Index(b.size()));
       return ((A - Bm).abs() <= units * u * (1 + Bm.abs().maxCoeff())).all();
     };
-    CHECK(near(parts.dQ, whole.dQ));
-    CHECK(near(parts.dK, whole.dK));
-    CHECK(near(parts.dV, whole.dV));
-    for (std::size_t i = 0; i < N; ++i) CHECK(near(parts.d_in[i], whole.d_in[i]));
-    for (Index i = 0; i < B; ++i)
-      for (Index h = 0; h < S0.heads(); ++h) {
-        const auto& a = initial_1.head(i, h);
-        const auto& b = initial_whole.head(i, h);
-        CHECK(((a.S - b.S).array().abs() <= units * u * (1 + b.S.cwiseAbs().maxCoeff())).all());
-        if (b.z.size() > 0)
-          CHECK(((a.z - b.z).array().abs() <= units * u * (1 + b.z.cwiseAbs().maxCoeff())).all());
-      }
+    for (const auto* pp : {&parts, &saved_parts}) {
+      INFO((pp == &parts ? "recomputing segments" : "segments from carried saved forwards"));
+      CHECK(near(pp->dQ, whole.dQ));
+      CHECK(near(pp->dK, whole.dK));
+      CHECK(near(pp->dV, whole.dV));
+      for (std::size_t i = 0; i < N; ++i) CHECK(near(pp->d_in[i], whole.d_in[i]));
+    }
+    for (const auto* init : {&initial_1, &saved_initial_1})
+      for (Index i = 0; i < B; ++i)
+        for (Index h = 0; h < S0.heads(); ++h) {
+          const auto& a = init->head(i, h);
+          const auto& b = initial_whole.head(i, h);
+          CHECK(((a.S - b.S).array().abs() <= units * u * (1 + b.S.cwiseAbs().maxCoeff())).all());
+          if (b.z.size() > 0)
+            CHECK(((a.z - b.z).array().abs() <= units * u * (1 + b.z.cwiseAbs().maxCoeff())).all());
+        }
   });
 }
 
@@ -953,6 +1049,19 @@ TEMPLATE_TEST_CASE("the layer's saved forward: the forward's output, each head's
   });
 }
 
+TEMPLATE_TEST_CASE("the layer's carried saved forward: prefill_into's outputs and states, each head's saved backward",
+                   "[multihead][gradients][saved_forward]", float, double) {
+  const Layout l = GENERATE(Layout::batch_first, Layout::head_first);
+  const auto kind = GENERATE(SequenceLayout::Kind::batch, SequenceLayout::Kind::packed,
+                             SequenceLayout::Kind::padded);
+  const Index Hkv = GENERATE(1, 2, 4);
+  for_each_rule<TestType>([&](const auto& c) {
+    INFO(c.name << (l == Layout::batch_first ? ", batch-first" : ", head-first") << ", layout "
+                << int(kind) << ", H_kv = " << Hkv);
+    check_rule_layout(c, l, kind, true, Hkv, true);
+  });
+}
+
 TEST_CASE("the layer's saved forward with random features keeps one per query head",
           "[multihead][gradients][saved_forward]") {
   // Log-scaled maps do not share a group's state (MultiHeadAttention::shares_states), so each
@@ -971,6 +1080,36 @@ TEST_CASE("the layer's saved forward with random features keeps one per query he
   CHECK(saved.heads() == Hq);
   for (Index b = 0; b < B; ++b)
     check_rule_sequence(layer, p, nullptr, nullptr, nullptr, 0, b, 0, T, true);
+}
+
+TEST_CASE("the layer's carried saved forward with random features keeps one per query head",
+          "[multihead][gradients][saved_forward]") {
+  using Attention = LinearAttention<PositiveRandomFeatures<double>, double>;
+  Options opt;
+  opt.chunk_size = 4;
+  const Index Hq = 4, Hkv = 2, dk = 3, dv = 2, B = 2, T = 11;
+  const Attention attn(PositiveRandomFeatures<double>(dk, 6, 17), opt);
+  const RuleCase<Attention> c{"positive random features", attn, {}};
+  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, attn);
+  RuleProblem<Attention> p(c, Layout::batch_first, B, T, Hq, Hkv, dk, dv, 1451);
+  auto state = layer.make_state(B);
+  for (Index i = 0; i < B; ++i)
+    for (Index h = 0; h < state.heads(); ++h) fill_state(state.sequence(i).head(h), std::uint64_t(1460 + 10 * i + h));
+  // Warm the states with a first prefill so that they carry a log-scale, as in decode.
+  {
+    auto warm = state;
+    std::vector<double> y(p.dY.size());
+    layer.prefill_into(warm, p.q(), p.k(), p.v(), view<double>(p.layout, y.data(), B, T, Hq, dv));
+    state = warm;
+  }
+  BatchStateGradient<double> fin(state), initial(state);
+  for (Index i = 0; i < B; ++i)
+    for (Index h = 0; h < state.heads(); ++h) fill_gradient(fin.head(i, h), std::uint64_t(1480 + 10 * i + h));
+  poison(initial);
+  const std::vector<Index> slots{1, 0};
+  layer_saved_prefill_step(layer, state, p, &fin, initial, SequenceLayout::batch(), slots);
+  for (Index b = 0; b < B; ++b)
+    check_rule_sequence(layer, p, &state, &fin, &initial, slots[std::size_t(b)], b, 0, T, true);
 }
 
 TEST_CASE("the layer's saved forward and its backward are bit-identical on any number of threads",
@@ -996,6 +1135,23 @@ TEST_CASE("the layer's saved forward and its backward are bit-identical on any n
     for (Index s = 0; s < B; ++s)
       for (Index h = 0; h < Hkv; ++h)
         CHECK(saved_threaded.head(s, h).states() == saved_serial.head(s, h).states());
+    // The carried saving forward and its backward, from random states.
+    auto state = layer.make_state(B);
+    for (Index i = 0; i < B; ++i)
+      for (Index h = 0; h < state.heads(); ++h) fill_state(state.sequence(i).head(h), std::uint64_t(1510 + 10 * i + h));
+    BatchStateGradient<float> fin(state), initial_serial(state), initial_threaded(state);
+    for (Index i = 0; i < B; ++i)
+      for (Index h = 0; h < state.heads(); ++h) fill_gradient(fin.head(i, h), std::uint64_t(1540 + 10 * i + h));
+    layer.set_executor(nullptr);
+    layer_saved_prefill_step(layer, state, serial, &fin, initial_serial, SequenceLayout::batch(), {});
+    layer.set_executor(&pool);
+    layer_saved_prefill_step(layer, state, threaded, &fin, initial_threaded, SequenceLayout::batch(), {});
+    CHECK(threaded.dQ == serial.dQ);
+    CHECK(threaded.dK == serial.dK);
+    CHECK(threaded.dV == serial.dV);
+    for (std::size_t i = 0; i < N; ++i) CHECK(threaded.d_in[i] == serial.d_in[i]);
+    for (Index i = 0; i < B; ++i)
+      for (Index h = 0; h < state.heads(); ++h) CHECK(initial_threaded.head(i, h).S == initial_serial.head(i, h).S);
   });
 }
 
@@ -1058,6 +1214,36 @@ TEST_CASE("the layer's saved forward names what does not fit", "[multihead][grad
     CHECK_THROWS_AS(parallel_saving_into(layer, p.q(), p.k(), p.v(), in, Mask::causal, wrong, saved),
                     ShapeError);
     CHECK(saved.sequences() == 0);
+  }
+  SECTION("carried: the states and the state gradients are checked") {
+    auto state = layer.make_state(B + 1);
+    CHECK_THROWS_WITH(prefill_saving_into(layer, state, p.q(), p.k(), p.v(), in, o, saved),
+                      Catch::Contains("the inputs hold 2 sequences but the batch state 3"));
+    CHECK(saved.sequences() == 0);
+    const std::vector<Index> slots{2, 0};
+    prefill_saving_into(layer, state, p.q(), p.k(), p.v(), in, o, saved, SequenceLayout::batch(), slots);
+    BatchStateGradient<double> fin(state), initial(state), other(B + 1, 2, layer.feature_dim(), d, true);
+    const auto back = [&](const BatchStateGradient<double>* f, BatchStateGradient<double>& init,
+                          std::vector<Index> sl) {
+      prefill_backward_into(layer, saved, p.q(), p.k(), p.v(), in, p.dy(), f, p.grads(), d_in, init,
+                            SequenceLayout::batch(), sl);
+    };
+    CHECK_NOTHROW(back(&fin, initial, slots));
+    CHECK_THROWS_WITH(back(&fin, other, slots),
+                      Catch::Contains("the initial states' gradient has heads=2") &&
+                          Catch::Contains("this layer's states have heads=1"));
+    CHECK_THROWS_WITH(back(&other, initial, slots),
+                      Catch::Contains("the final states' gradient has sequences=3 heads=2"));
+    CHECK_THROWS_AS(back(&initial, initial, slots), std::invalid_argument);
+    CHECK_THROWS_WITH(back(&fin, initial, {}),
+                      Catch::Contains("2 sequences but the initial states' gradient 3"));
+    CHECK_THROWS_WITH(back(&fin, initial, {3, 0}),
+                      Catch::Contains("slot 3 is outside the initial states' gradient of size 3"));
+    CHECK_THROWS_WITH(back(&fin, initial, {1, 1}), Catch::Contains("slot 1 is given twice"));
+    LayerSavedForward<double> empty;
+    CHECK_THROWS_WITH(prefill_backward_into(layer, empty, p.q(), p.k(), p.v(), in, p.dy(), &fin,
+                                            p.grads(), d_in, initial, SequenceLayout::batch(), slots),
+                      Catch::Contains("it is empty"));
   }
 }
 

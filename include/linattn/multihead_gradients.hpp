@@ -168,9 +168,42 @@ T argument_or(const Tuple& all, T fallback) {
     return fallback;
 }
 
+// The state gradients of a carried backward from a saved forward (no state to compare them
+// with): shaped for this layer's state heads, like each other, two objects, and positions for
+// the call's sequences (or slots).
+template <class Attention, class Scalar>
+void check_state_gradients(const MultiHeadAttention<Attention>& layer,
+                           const BatchStateGradient<Scalar>& initial,
+                           const BatchStateGradient<Scalar>* final_gradients, Index sequences,
+                           std::span<const Index> slots) {
+  const bool z = head_keeps_z<typename Attention::State>();
+  const auto describe = [](const BatchStateGradient<Scalar>& g) {
+    return "heads=" + std::to_string(g.heads()) + " r=" + std::to_string(g.feature_dim()) +
+           " dv=" + std::to_string(g.value_dim()) + (g.keeps_z() ? " with z" : " without z");
+  };
+  if (initial.heads() != layer.state_heads() || initial.feature_dim() != layer.feature_dim() ||
+      initial.value_dim() != layer.heads().value_dim || initial.keeps_z() != z)
+    throw_shape_error("the initial states' gradient has ", describe(initial),
+                      " but this layer's states have heads=", layer.state_heads(), " r=",
+                      layer.feature_dim(), " dv=", layer.heads().value_dim,
+                      z ? " with z" : " without z");
+  if (final_gradients != nullptr) {
+    if (final_gradients == &initial)
+      throw std::invalid_argument("linattn: the final and initial states' gradients must be "
+                                  "two objects (the backward reads one while writing the other)");
+    if (final_gradients->size() != initial.size() ||
+        describe(*final_gradients) != describe(initial))
+      throw_shape_error("the final states' gradient has sequences=", final_gradients->size(), " ",
+                        describe(*final_gradients), " but the initial states' gradient sequences=",
+                        initial.size(), " ", describe(initial));
+  }
+  check_slot_list(initial.size(), sequences, slots, "the initial states' gradient");
+}
+
 // Checks everything, then runs the items (see the file comment). `state` null: stateless.
 // `saved` (a LayerSavedForward, multihead_saved_forward.hpp; null with Saved = NoSavedForward:
-// none) holds a stateless causal forward's saved states per (sequence, state head).
+// none) holds a causal forward's saved states per (sequence, state head); with `initial` (and
+// no state: the saved forward replaces it) the backward is the carried one.
 template <class Attention, class MaskArg, std::size_t N, class Saved = NoSavedForward>
 void layer_backward(const MultiHeadAttention<Attention>& layer,
                     const BatchState<typename Attention::State>* state,
@@ -207,6 +240,8 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
         throw std::invalid_argument("linattn: the final and initial states' gradients must be "
                                     "two objects (the backward reads one while writing the other)");
     }
+  } else if (initial != nullptr) {
+    check_state_gradients(layer, *initial, final_gradients, sequences, slots);
   }
   constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
   constexpr bool from_saved = !std::is_same_v<Saved, NoSavedForward>;

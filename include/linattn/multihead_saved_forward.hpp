@@ -9,6 +9,10 @@
 ///   parallel_saving_into(layer, Q, K, V, in..., Mask::causal, out, saved, layout = batch());
 ///   parallel_backward_into(layer, saved, Q, K, V, in..., Mask::causal, dY,
 ///                          GradientViews<float>{dQ, dK, dV}, d_in..., layout = batch());
+///   prefill_saving_into(layer, state, Q, K, V, in..., out, saved, layout, slots);  // carried
+///   prefill_backward_into(layer, saved, Q, K, V, in..., dY, final_gradients,
+///                         GradientViews<float>{dQ, dK, dV}, d_in..., initial_gradients,
+///                         layout, slots);
 ///
 /// Every rule (Additive, Decay, Gated, Delta, GatedDelta), both layouts, grouped-query heads,
 /// batch / packed / padded layouts (SequenceLayout), the layer's executor.
@@ -31,8 +35,13 @@
 /// Complexity: the forward (for G > 1, twice the state updates of the layer's forward, whose
 /// grouped call runs them once) plus r (dv + 1) scalars copied per saved chunk; the backward about
 /// 8 r dv + B (3 r + 2 dv) flops per token and query head (additive; B the backward's chunk)
-/// against 10 r dv + B (4 r + 3 dv) recomputing. Not offered (yet): carried states
-/// (prefill_into); the recomputing prefill_backward_into covers them.
+/// against 10 r dv + B (4 r + 3 dv) recomputing.
+///
+/// Carried states (training in segments): prefill_saving_into(layer, state, Q, K, V, in..., out,
+/// saved, layout, slots) is layer.prefill_into keeping the chunk states from the states it
+/// continues, and prefill_backward_into(layer, saved, Q, K, V, in..., dY, final_gradients,
+/// grads, d_in..., initial_gradients, layout, slots) its backward, which needs neither the
+/// states before the call nor a sweep that rebuilds the chunk states.
 
 #include <linattn/errors.hpp>
 #include <linattn/executor.hpp>
@@ -45,6 +54,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -223,6 +233,132 @@ void parallel_saving_into(const MultiHeadAttention<Attention>& layer,
     detail::LayerSavedForwardAccess::mark_empty(saved);
     throw;
   }
+}
+
+/// prefill_saving_into(layer, state, Q, K, V, in..., out, saved, layout = batch(), slots = {}):
+/// layer.prefill_into(state, Q, K, V, in..., out, layout, slots) (the same bits in out and in
+/// the states afterwards) keeping each sequence's and state head's chunk-boundary states, from
+/// the state it continued, in `saved` for prefill_backward_into below. For training in
+/// segments: the backward then needs neither the states before the call nor the sweep that
+/// rebuilds the chunk states from them. A group that shares a state reads it with G query
+/// heads: the first head's saving forward advances the state, the other G - 1 heads read a copy
+/// of the state as it was (one r x dv copy per item) in one grouped call. Throws as
+/// layer.prefill_into (every item runs; the lowest failing item's exception is rethrown, and the
+/// states of the items that ran are advanced, as there); `saved` is then left empty.
+template <class Attention, class... Args>
+void prefill_saving_into(const MultiHeadAttention<Attention>& layer,
+                         BatchState<typename Attention::State>& state,
+                         std::type_identity_t<TensorView<const typename Attention::scalar_type>> Q,
+                         std::type_identity_t<TensorView<const typename Attention::scalar_type>> K,
+                         std::type_identity_t<TensorView<const typename Attention::scalar_type>> V,
+                         Args&&... args) {
+  using Scalar = typename Attention::scalar_type;
+  using Rule = typename Attention::rule_type;
+  constexpr std::size_t N = Rule::token_inputs;
+  static_assert(sizeof...(Args) >= N + 2 && sizeof...(Args) <= N + 4,
+                "prefill_saving_into takes the layer, the state, Q, K, V, the rule's per-token "
+                "input views, the output, the LayerSavedForward and optionally a SequenceLayout "
+                "and slots");
+  const auto all = std::forward_as_tuple(args...);
+  const auto inputs = detail::token_views<N, Scalar>(all);
+  const TensorView<Scalar> out = std::get<N>(all);
+  LayerSavedForward<Scalar>& saved = std::get<N + 1>(all);
+  const SequenceLayout layout = detail::argument_or<N + 2>(all, SequenceLayout::batch());
+  const std::span<const Index> slots = detail::argument_or<N + 3>(all, std::span<const Index>());
+  const HeadConfig& heads = layer.heads();
+  const Index r = layer.feature_dim();
+  detail::LayerSavedForwardAccess::mark_empty(saved);
+  detail::check_views(heads, r, Q, K, V, out, layout, true);
+  for (std::size_t i = 0; i < N; ++i)
+    detail::check_token_view(inputs[i], K, heads.kv_heads, r, Rule::kind == WriteKind::gated);
+  const Index sequences = layout.count(Q.batches());
+  detail::check_slots(state, layer, sequences, slots);
+
+  constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
+  const Index G = layer.group_size(), Hkv = heads.kv_heads, H = layer.state_heads();
+  detail::LayerSavedForwardAccess::resize(saved, sequences, H);
+  const bool padded = layout.kind() == SequenceLayout::Kind::padded;
+  const bool full_rows = layout.kind() == SequenceLayout::Kind::batch;
+  const Attention& attn = layer.attention();
+  const auto run = [&](Index item) {
+    const Index s = item / Hkv, g = item % Hkv, h0 = g * G;
+    const Index entry = layout.batch_entry(s), first = layout.first_row(s);
+    const Index n = full_rows ? Q.times() : layout.length(s, Q.times());
+    const Index position = slots.empty() ? s : slots[static_cast<std::size_t>(s)];
+    if (padded) detail::zero_rows(out.slice(entry, n, out.times() - n, h0, G));
+    const auto k = K.head_rows(entry, g, first, n);
+    const auto v = V.head_rows(entry, g, first, n);
+    const auto in = detail::rows_inputs(inputs, entry, g, first, n);
+    std::apply(
+        [&](const auto&... x) {
+          if constexpr (shared) {
+            auto& head = state.sequence(position).head(g);
+            // The other G - 1 heads read the state as it was before the first head's forward.
+            std::optional<typename Attention::State> before;
+            if (G > 1) before.emplace(head);
+            auto o = out.head_rows(entry, h0, first, n);
+            prefill_saving_into(attn, head, Q.head_rows(entry, h0, first, n), k, v, x..., o,
+                                detail::LayerSavedForwardAccess::item(saved, s, g));
+            if (G > 1)
+              attn.prefill_into(*before, Q.slice(entry, first, n, h0 + 1, G - 1), k, v, x...,
+                                out.slice(entry, first, n, h0 + 1, G - 1));
+          } else {
+            for (Index j = 0; j < G; ++j) {
+              auto o = out.head_rows(entry, h0 + j, first, n);
+              prefill_saving_into(attn, state.sequence(position).head(h0 + j),
+                                  Q.head_rows(entry, h0 + j, first, n), k, v, x..., o,
+                                  detail::LayerSavedForwardAccess::item(saved, s, h0 + j));
+            }
+          }
+        },
+        in);
+  };
+  const double rows = layout.kind() == SequenceLayout::Kind::packed
+                          ? double(Q.times()) / double(std::max<Index>(sequences, 1))
+                          : double(Q.times());
+  const double flops = 4.0 * double(r) * double(heads.value_dim) * rows * double(G);
+  try {
+    detail::parallel_for(sequences * Hkv, layer.executor(), flops, run);
+  } catch (...) {
+    detail::LayerSavedForwardAccess::mark_empty(saved);
+    throw;
+  }
+}
+
+/// prefill_backward_into(layer, saved, Q, K, V, in..., dY, final_gradients, grads, d_in...,
+/// initial_gradients, layout = batch(), slots = {}): the backward of the layer's
+/// prefill_saving_into that filled `saved` (same inputs, layout and slots), as
+/// multihead_gradients.hpp's prefill_backward_into from the states before that call, without
+/// needing them: final_gradients (const BatchStateGradient*, null: none) by position in,
+/// dQ, dK, dV into `grads`, the per-token inputs' gradients into d_in..., and the gradients of
+/// the states the forward continued into initial_gradients by position (positions named by no
+/// slot untouched). Both gradient objects are shaped for the layer's state heads
+/// (BatchStateGradient(state)) and must be two objects. Throws ShapeError for views, layouts,
+/// slots, gradient objects or a saved forward that do not fit (naming them), otherwise as the
+/// layer's backward.
+template <class Attention, class... Args>
+void prefill_backward_into(
+    const MultiHeadAttention<Attention>& layer,
+    const LayerSavedForward<typename Attention::scalar_type>& saved,
+    std::type_identity_t<TensorView<const typename Attention::scalar_type>> Q,
+    std::type_identity_t<TensorView<const typename Attention::scalar_type>> K,
+    std::type_identity_t<TensorView<const typename Attention::scalar_type>> V, Args&&... args) {
+  using Scalar = typename Attention::scalar_type;
+  constexpr std::size_t N = Attention::rule_type::token_inputs;
+  static_assert(sizeof...(Args) >= 2 * N + 4 && sizeof...(Args) <= 2 * N + 6,
+                "prefill_backward_into from a saved forward takes the layer, the "
+                "LayerSavedForward, Q, K, V, the rule's per-token input views, dY, the final "
+                "states' gradient (or nullptr), the GradientViews, the per-token inputs' gradient "
+                "views, the initial states' gradient and optionally a SequenceLayout and slots");
+  const auto all = std::forward_as_tuple(args...);
+  const BatchStateGradient<Scalar>* final_gradients = std::get<N + 1>(all);
+  BatchStateGradient<Scalar>& initial = std::get<2 * N + 3>(all);
+  detail::layer_backward<Attention>(
+      layer, nullptr, Q, K, V, detail::token_views<N, Scalar>(all), Mask::causal,
+      TensorView<const Scalar>(std::get<N>(all)), final_gradients,
+      GradientViews<Scalar>(std::get<N + 2>(all)), detail::views_at<N + 3, N, Scalar>(all),
+      &initial, detail::argument_or<2 * N + 4>(all, SequenceLayout::batch()),
+      detail::argument_or<2 * N + 5>(all, std::span<const Index>()), &saved);
 }
 
 /// parallel_backward_into(layer, saved, Q, K, V, in..., Mask::causal, dY, grads, d_in...,

@@ -53,8 +53,8 @@ struct NoSavedForward {};
 /// gradient it carries back (null: none; given for one head of a shared state only) and
 /// `initial_of(j)` where its initial-state gradient goes (null: stateless); `shared` says the
 /// group's heads share one state, whose gradient is then summed in head order. `saved_of(j)`:
-/// the SavedForward of a stateless causal forward that head j's backward reads instead of
-/// rebuilding the states (a callable returning const NoSavedForward*: none). `workspace`: the
+/// the SavedForward of a causal forward (stateless, or carried when initial_of(j) is not null)
+/// that head j's backward reads instead of rebuilding the states (a callable returning const NoSavedForward*: none). `workspace`: the
 /// delta rules' rebuilt forward data, kept by the caller across the items one thread runs.
 template <class Attention, class MaskArg, class Inputs, class DInputs, class StateOf, class FinalOf,
           class InitialOf, class SavedOf>
@@ -120,12 +120,21 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
     std::apply(
         [&](const auto&... x) {
           if constexpr (from_saved) {
-            // A stateless causal forward's saved states (multihead_saved_forward.hpp).
-            if constexpr (Rule::kind == WriteKind::additive)
-              parallel_backward_into(attn, *saved_of(j), q, k, v, linattn::Mask::causal, dy, out);
-            else
-              parallel_backward_into(attn, *saved_of(j), q, k, v, x..., linattn::Mask::causal, dy,
-                                     out, d_in_head);
+            // A causal forward's saved states (multihead_saved_forward.hpp): stateless, or
+            // carried (an initial-state gradient to write).
+            if constexpr (Rule::kind == WriteKind::additive) {
+              if (initial == nullptr)
+                parallel_backward_into(attn, *saved_of(j), q, k, v, linattn::Mask::causal, dy, out);
+              else
+                prefill_backward_into(attn, *saved_of(j), q, k, v, dy, final_of(j), out, d0);
+            } else {
+              if (initial == nullptr)
+                parallel_backward_into(attn, *saved_of(j), q, k, v, x..., linattn::Mask::causal, dy,
+                                       out, d_in_head);
+              else
+                prefill_backward_into(attn, *saved_of(j), q, k, v, x..., dy, final_of(j), out,
+                                      d_in_head, d0);
+            }
           } else if constexpr (Rule::kind == WriteKind::additive) {
             if (state == nullptr)
               parallel_backward_into(attn, q, k, v, linattn::Mask(mask), dy, out);

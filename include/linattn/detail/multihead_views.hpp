@@ -67,6 +67,28 @@ void check_token_view(const TensorView<const Scalar>& in, const TensorView<const
                       "] (one value per token and key/value head)");
 }
 
+/// `positions` (the size of `what`, a batch state or its gradient) is `sequences`, or `slots`
+/// names `sequences` distinct positions in it.
+inline void check_slot_list(Index positions, Index sequences, std::span<const Index> slots,
+                            const char* what) {
+  if (slots.empty()) {
+    if (positions != sequences)
+      throw_shape_error("the inputs hold ", sequences, " sequences but ", what, " ", positions,
+                        " (pass slots to use a subset)");
+    return;
+  }
+  if (static_cast<Index>(slots.size()) != sequences)
+    throw_shape_error("the inputs hold ", sequences, " sequences but ", slots.size(),
+                      " slots were given");
+  // Slots must be distinct: two batch rows on one state would race and double-count.
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] < 0 || slots[i] >= positions)
+      throw_shape_error("slot ", slots[i], " is outside ", what, " of size ", positions);
+    for (std::size_t j = 0; j < i; ++j)
+      if (slots[j] == slots[i]) throw_shape_error("slot ", slots[i], " is given twice");
+  }
+}
+
 /// The layer's state holds `sequences` sequences (or `slots` names distinct positions in it)
 /// and was made by this layer (state heads, dims, identity).
 template <class State, class Layer>
@@ -80,22 +102,7 @@ void check_slots(const State& state, const Layer& layer, Index sequences,
                       " but this layer needs heads=", layer.state_heads(), " r=",
                       layer.feature_dim(), " dk=", h.key_dim, " dv=", h.value_dim);
   state.empty_head().check_identity(layer.attention().state_identity());
-  if (slots.empty()) {
-    if (state.size() != sequences)
-      throw_shape_error("the inputs hold ", sequences, " sequences but the batch state ",
-                        state.size(), " (pass slots to use a subset)");
-    return;
-  }
-  if (static_cast<Index>(slots.size()) != sequences)
-    throw_shape_error("the inputs hold ", sequences, " sequences but ", slots.size(),
-                      " slots were given");
-  // Slots must be distinct: two batch rows on one state would race and double-count.
-  for (std::size_t i = 0; i < slots.size(); ++i) {
-    if (slots[i] < 0 || slots[i] >= state.size())
-      throw_shape_error("slot ", slots[i], " is outside the batch state of size ", state.size());
-    for (std::size_t j = 0; j < i; ++j)
-      if (slots[j] == slots[i]) throw_shape_error("slot ", slots[i], " is given twice");
-  }
+  check_slot_list(state.size(), sequences, slots, "the batch state");
 }
 
 /// The first N arguments of a call as read-only views.
