@@ -162,10 +162,12 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--ops", nargs="*", help="only these ops")
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
+    parser.add_argument("--threads", type=int, nargs="*", default=[1, 2],
+                        help="torch thread counts (default 1 2)")
     args = parser.parse_args()
     dims = [64, 128]
     lengths = [1024, 4096, 16384] if args.full else [1024, 4096]
-    threads = [1, 2]
+    threads = args.threads
     B, H = 1, 8
     extra = f" {'no-save ms':>11} {'save gain':>9}" if args.backward else ""
     print(f"{'op':24} {'D':>4} {'T':>6} {'thr':>3} {'linattn ms':>11} {'torch ms':>10} "

@@ -53,6 +53,7 @@
 #include <linattn/tensor_view.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <optional>
 #include <span>
@@ -152,6 +153,95 @@ struct LayerSavedForwardAccess {
 
 }  // namespace detail
 
+namespace detail {
+
+/// The layer's saving forward, stateless (`state` null: layer.parallel_into, causal) or
+/// continuing the states at `slots` (layer.prefill_into): checks, then one item per (sequence,
+/// key/value head) on the layer's executor. A shared state is saved by the group's first head
+/// and the other G - 1 heads read it in one grouped call (the bits of one call per head, as the
+/// layer's forward), from a copy of the state as it was when it is carried; unshared states are
+/// each saved by their own head. A throw leaves `saved` empty.
+template <class Attention, std::size_t N>
+void layer_saving_forward(const MultiHeadAttention<Attention>& layer,
+                          BatchState<typename Attention::State>* state,
+                          const TensorView<const typename Attention::scalar_type>& Q,
+                          const TensorView<const typename Attention::scalar_type>& K,
+                          const TensorView<const typename Attention::scalar_type>& V,
+                          const std::array<TensorView<const typename Attention::scalar_type>, N>& inputs,
+                          const TensorView<typename Attention::scalar_type>& out,
+                          LayerSavedForward<typename Attention::scalar_type>& saved,
+                          const SequenceLayout& layout, std::span<const Index> slots) {
+  using Scalar = typename Attention::scalar_type;
+  using Rule = typename Attention::rule_type;
+  const HeadConfig& heads = layer.heads();
+  const Index r = layer.feature_dim();
+  LayerSavedForwardAccess::mark_empty(saved);
+  check_views(heads, r, Q, K, V, out, layout, true);
+  for (std::size_t i = 0; i < N; ++i)
+    check_token_view(inputs[i], K, heads.kv_heads, r, Rule::kind == WriteKind::gated);
+  const Index sequences = layout.count(Q.batches());
+  if (state != nullptr) check_slots(*state, layer, sequences, slots);
+
+  constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
+  const Index G = layer.group_size(), Hkv = heads.kv_heads, H = layer.state_heads();
+  LayerSavedForwardAccess::resize(saved, sequences, H);
+  const bool padded = layout.kind() == SequenceLayout::Kind::padded;
+  const bool full_rows = layout.kind() == SequenceLayout::Kind::batch;
+  const Attention& attn = layer.attention();
+  const auto run = [&](Index item) {
+    const Index s = item / Hkv, g = item % Hkv, h0 = g * G;
+    const Index entry = layout.batch_entry(s), first = layout.first_row(s);
+    const Index n = full_rows ? Q.times() : layout.length(s, Q.times());
+    const Index position = slots.empty() ? s : slots[static_cast<std::size_t>(s)];
+    if (padded) zero_rows(out.slice(entry, n, out.times() - n, h0, G));
+    const auto k = K.head_rows(entry, g, first, n);
+    const auto v = V.head_rows(entry, g, first, n);
+    const auto in = rows_inputs(inputs, entry, g, first, n);
+    std::apply(
+        [&](const auto&... x) {
+          std::optional<typename Attention::State> before;  // a shared carried state as it was
+          for (Index j = 0; j < (shared ? 1 : G); ++j) {
+            const Index sh = shared ? g : h0 + j;
+            const auto q = Q.head_rows(entry, h0 + j, first, n);
+            auto o = out.head_rows(entry, h0 + j, first, n);
+            SavedForward<Scalar>& keep = LayerSavedForwardAccess::item(saved, s, sh);
+            if (state == nullptr) {
+              parallel_saving_into(attn, q, k, v, x..., Mask::causal, o, keep);
+            } else {
+              auto& head = state->sequence(position).head(sh);
+              if (shared && G > 1) before.emplace(head);
+              prefill_saving_into(attn, head, q, k, v, x..., o, keep);
+            }
+          }
+          if constexpr (shared) {
+            if (G > 1) {
+              const auto rest_q = Q.slice(entry, first, n, h0 + 1, G - 1);
+              const auto rest_out = out.slice(entry, first, n, h0 + 1, G - 1);
+              if (state == nullptr)
+                attn.parallel_into(rest_q, k, v, x..., Mask::causal, rest_out);
+              else
+                attn.prefill_into(*before, rest_q, k, v, x..., rest_out);
+            }
+          }
+        },
+        in);
+  };
+  // 4 r dv flops per token and query head (the forward's), for the executor's grain decision.
+  const double rows = layout.kind() == SequenceLayout::Kind::packed
+                          ? double(Q.times()) / double(std::max<Index>(sequences, 1))
+                          : double(Q.times());
+  const double flops = 4.0 * double(r) * double(heads.value_dim) * rows * double(G);
+  try {
+    // Every item runs; the lowest failing item's exception is rethrown (as the layer's forward).
+    parallel_for(sequences * Hkv, layer.executor(), flops, run);
+  } catch (...) {
+    LayerSavedForwardAccess::mark_empty(saved);
+    throw;
+  }
+}
+
+}  // namespace detail
+
 /// parallel_saving_into(layer, Q, K, V, in..., Mask::causal, out, saved, layout = batch()):
 /// layer.parallel_into(Q, K, V, in..., Mask::causal, out, layout) (same bits in out) keeping
 /// each sequence's and state head's chunk-boundary states in `saved` for the backward. A saved
@@ -165,8 +255,7 @@ void parallel_saving_into(const MultiHeadAttention<Attention>& layer,
                           std::type_identity_t<TensorView<const typename Attention::scalar_type>> V,
                           Args&&... args) {
   using Scalar = typename Attention::scalar_type;
-  using Rule = typename Attention::rule_type;
-  constexpr std::size_t N = Rule::token_inputs;
+  constexpr std::size_t N = Attention::rule_type::token_inputs;
   static_assert(sizeof...(Args) == N + 3 || sizeof...(Args) == N + 4,
                 "parallel_saving_into takes the layer, Q, K, V, the rule's per-token input views, "
                 "Mask::causal, the output, the LayerSavedForward and optionally a SequenceLayout");
@@ -174,65 +263,10 @@ void parallel_saving_into(const MultiHeadAttention<Attention>& layer,
   static_assert(std::is_same_v<std::remove_cvref_t<std::tuple_element_t<N, decltype(all)>>,
                                CausalMask>,
                 "a saved forward is causal: pass Mask::causal before the output");
-  const auto inputs = detail::token_views<N, Scalar>(all);
-  const TensorView<Scalar> out = std::get<N + 1>(all);
-  LayerSavedForward<Scalar>& saved = std::get<N + 2>(all);
-  const SequenceLayout layout = detail::argument_or<N + 3>(all, SequenceLayout::batch());
-  const HeadConfig& heads = layer.heads();
-  const Index r = layer.feature_dim();
-  detail::LayerSavedForwardAccess::mark_empty(saved);
-  detail::check_views(heads, r, Q, K, V, out, layout, true);
-  for (std::size_t i = 0; i < N; ++i)
-    detail::check_token_view(inputs[i], K, heads.kv_heads, r, Rule::kind == WriteKind::gated);
-
-  constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
-  const Index G = layer.group_size(), Hkv = heads.kv_heads, H = layer.state_heads();
-  const Index sequences = layout.count(Q.batches());
-  detail::LayerSavedForwardAccess::resize(saved, sequences, H);
-  const bool padded = layout.kind() == SequenceLayout::Kind::padded;
-  const bool full_rows = layout.kind() == SequenceLayout::Kind::batch;
-  const Attention& attn = layer.attention();
-  // Item (sequence s, key/value head g): the group's G query heads. A shared state is saved by
-  // the group's first head and the others read it in one grouped call (the bits of one call per
-  // head, as the layer's forward); unshared states are each saved by their own head.
-  const auto run = [&](Index item) {
-    const Index s = item / Hkv, g = item % Hkv, h0 = g * G;
-    const Index entry = layout.batch_entry(s), first = layout.first_row(s);
-    const Index n = full_rows ? Q.times() : layout.length(s, Q.times());
-    if (padded) detail::zero_rows(out.slice(entry, n, out.times() - n, h0, G));
-    const auto k = K.head_rows(entry, g, first, n);
-    const auto v = V.head_rows(entry, g, first, n);
-    const auto in = detail::rows_inputs(inputs, entry, g, first, n);
-    std::apply(
-        [&](const auto&... x) {
-          for (Index j = 0; j < (shared ? 1 : G); ++j) {
-            auto o = out.head_rows(entry, h0 + j, first, n);
-            SavedForward<Scalar>& keep =
-                detail::LayerSavedForwardAccess::item(saved, s, shared ? g : h0 + j);
-            parallel_saving_into(attn, Q.head_rows(entry, h0 + j, first, n), k, v, x...,
-                                 Mask::causal, o, keep);
-          }
-          if constexpr (shared) {
-            if (G > 1)
-              attn.parallel_into(Q.slice(entry, first, n, h0 + 1, G - 1), k, v, x...,
-                                 Mask::causal, out.slice(entry, first, n, h0 + 1, G - 1));
-          }
-        },
-        in);
-  };
-  const Index items = sequences * Hkv;
-  // 4 r dv flops per token and query head (the forward's), for the executor's grain decision.
-  const double rows = layout.kind() == SequenceLayout::Kind::packed
-                          ? double(Q.times()) / double(std::max<Index>(sequences, 1))
-                          : double(Q.times());
-  const double flops = 4.0 * double(r) * double(heads.value_dim) * rows * double(G);
-  try {
-    // Every item runs; the lowest failing item's exception is rethrown (as the layer's forward).
-    detail::parallel_for(items, layer.executor(), flops, run);
-  } catch (...) {
-    detail::LayerSavedForwardAccess::mark_empty(saved);
-    throw;
-  }
+  detail::layer_saving_forward<Attention>(
+      layer, nullptr, Q, K, V, detail::token_views<N, Scalar>(all),
+      TensorView<Scalar>(std::get<N + 1>(all)), std::get<N + 2>(all),
+      detail::argument_or<N + 3>(all, SequenceLayout::batch()), {});
 }
 
 /// prefill_saving_into(layer, state, Q, K, V, in..., out, saved, layout = batch(), slots = {}):
@@ -240,9 +274,9 @@ void parallel_saving_into(const MultiHeadAttention<Attention>& layer,
 /// the states afterwards) keeping each sequence's and state head's chunk-boundary states, from
 /// the state it continued, in `saved` for prefill_backward_into below. For training in
 /// segments: the backward then needs neither the states before the call nor the sweep that
-/// rebuilds the chunk states from them. A group that shares a state reads it with G query
-/// heads: the first head's saving forward advances the state, the other G - 1 heads read a copy
-/// of the state as it was (one r x dv copy per item) in one grouped call. Throws as
+/// rebuilds the chunk states. A group that shares a state reads it with G query heads: the
+/// first head's saving forward advances the state, the other G - 1 heads read a copy of the
+/// state as it was (one r x dv copy per item) in one grouped call. Throws as
 /// layer.prefill_into (every item runs; the lowest failing item's exception is rethrown, and the
 /// states of the items that ran are advanced, as there); `saved` is then left empty.
 template <class Attention, class... Args>
@@ -253,76 +287,17 @@ void prefill_saving_into(const MultiHeadAttention<Attention>& layer,
                          std::type_identity_t<TensorView<const typename Attention::scalar_type>> V,
                          Args&&... args) {
   using Scalar = typename Attention::scalar_type;
-  using Rule = typename Attention::rule_type;
-  constexpr std::size_t N = Rule::token_inputs;
+  constexpr std::size_t N = Attention::rule_type::token_inputs;
   static_assert(sizeof...(Args) >= N + 2 && sizeof...(Args) <= N + 4,
                 "prefill_saving_into takes the layer, the state, Q, K, V, the rule's per-token "
                 "input views, the output, the LayerSavedForward and optionally a SequenceLayout "
                 "and slots");
   const auto all = std::forward_as_tuple(args...);
-  const auto inputs = detail::token_views<N, Scalar>(all);
-  const TensorView<Scalar> out = std::get<N>(all);
-  LayerSavedForward<Scalar>& saved = std::get<N + 1>(all);
-  const SequenceLayout layout = detail::argument_or<N + 2>(all, SequenceLayout::batch());
-  const std::span<const Index> slots = detail::argument_or<N + 3>(all, std::span<const Index>());
-  const HeadConfig& heads = layer.heads();
-  const Index r = layer.feature_dim();
-  detail::LayerSavedForwardAccess::mark_empty(saved);
-  detail::check_views(heads, r, Q, K, V, out, layout, true);
-  for (std::size_t i = 0; i < N; ++i)
-    detail::check_token_view(inputs[i], K, heads.kv_heads, r, Rule::kind == WriteKind::gated);
-  const Index sequences = layout.count(Q.batches());
-  detail::check_slots(state, layer, sequences, slots);
-
-  constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
-  const Index G = layer.group_size(), Hkv = heads.kv_heads, H = layer.state_heads();
-  detail::LayerSavedForwardAccess::resize(saved, sequences, H);
-  const bool padded = layout.kind() == SequenceLayout::Kind::padded;
-  const bool full_rows = layout.kind() == SequenceLayout::Kind::batch;
-  const Attention& attn = layer.attention();
-  const auto run = [&](Index item) {
-    const Index s = item / Hkv, g = item % Hkv, h0 = g * G;
-    const Index entry = layout.batch_entry(s), first = layout.first_row(s);
-    const Index n = full_rows ? Q.times() : layout.length(s, Q.times());
-    const Index position = slots.empty() ? s : slots[static_cast<std::size_t>(s)];
-    if (padded) detail::zero_rows(out.slice(entry, n, out.times() - n, h0, G));
-    const auto k = K.head_rows(entry, g, first, n);
-    const auto v = V.head_rows(entry, g, first, n);
-    const auto in = detail::rows_inputs(inputs, entry, g, first, n);
-    std::apply(
-        [&](const auto&... x) {
-          if constexpr (shared) {
-            auto& head = state.sequence(position).head(g);
-            // The other G - 1 heads read the state as it was before the first head's forward.
-            std::optional<typename Attention::State> before;
-            if (G > 1) before.emplace(head);
-            auto o = out.head_rows(entry, h0, first, n);
-            prefill_saving_into(attn, head, Q.head_rows(entry, h0, first, n), k, v, x..., o,
-                                detail::LayerSavedForwardAccess::item(saved, s, g));
-            if (G > 1)
-              attn.prefill_into(*before, Q.slice(entry, first, n, h0 + 1, G - 1), k, v, x...,
-                                out.slice(entry, first, n, h0 + 1, G - 1));
-          } else {
-            for (Index j = 0; j < G; ++j) {
-              auto o = out.head_rows(entry, h0 + j, first, n);
-              prefill_saving_into(attn, state.sequence(position).head(h0 + j),
-                                  Q.head_rows(entry, h0 + j, first, n), k, v, x..., o,
-                                  detail::LayerSavedForwardAccess::item(saved, s, h0 + j));
-            }
-          }
-        },
-        in);
-  };
-  const double rows = layout.kind() == SequenceLayout::Kind::packed
-                          ? double(Q.times()) / double(std::max<Index>(sequences, 1))
-                          : double(Q.times());
-  const double flops = 4.0 * double(r) * double(heads.value_dim) * rows * double(G);
-  try {
-    detail::parallel_for(sequences * Hkv, layer.executor(), flops, run);
-  } catch (...) {
-    detail::LayerSavedForwardAccess::mark_empty(saved);
-    throw;
-  }
+  detail::layer_saving_forward<Attention>(
+      layer, &state, Q, K, V, detail::token_views<N, Scalar>(all),
+      TensorView<Scalar>(std::get<N>(all)), std::get<N + 1>(all),
+      detail::argument_or<N + 2>(all, SequenceLayout::batch()),
+      detail::argument_or<N + 3>(all, std::span<const Index>()));
 }
 
 /// prefill_backward_into(layer, saved, Q, K, V, in..., dY, final_gradients, grads, d_in...,
