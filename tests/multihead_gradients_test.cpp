@@ -1065,7 +1065,7 @@ TEMPLATE_TEST_CASE("the layer's carried saved forward: prefill_into's outputs an
 TEST_CASE("the layer's saved forward with random features keeps one per query head",
           "[multihead][gradients][saved_forward]") {
   // Log-scaled maps do not share a group's state (MultiHeadAttention::shares_states), so each
-  // query head keeps its own saved forward.
+  // query head keeps its own saved forward, stateless or carried.
   using Attention = LinearAttention<PositiveRandomFeatures<double>, double>;
   Options opt;
   opt.chunk_size = 4;
@@ -1074,42 +1074,32 @@ TEST_CASE("the layer's saved forward with random features keeps one per query he
   const RuleCase<Attention> c{"positive random features", attn, {}};
   const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, attn);
   static_assert(!MultiHeadAttention<Attention>::shares_states);
-  RuleProblem<Attention> p(c, Layout::batch_first, B, T, Hq, Hkv, dk, dv, 1401);
-  LayerSavedForward<double> saved;
-  layer_saved_step(layer, p, saved, SequenceLayout::batch());
-  CHECK(saved.heads() == Hq);
-  for (Index b = 0; b < B; ++b)
-    check_rule_sequence(layer, p, nullptr, nullptr, nullptr, 0, b, 0, T, true);
-}
-
-TEST_CASE("the layer's carried saved forward with random features keeps one per query head",
-          "[multihead][gradients][saved_forward]") {
-  using Attention = LinearAttention<PositiveRandomFeatures<double>, double>;
-  Options opt;
-  opt.chunk_size = 4;
-  const Index Hq = 4, Hkv = 2, dk = 3, dv = 2, B = 2, T = 11;
-  const Attention attn(PositiveRandomFeatures<double>(dk, 6, 17), opt);
-  const RuleCase<Attention> c{"positive random features", attn, {}};
-  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, attn);
-  RuleProblem<Attention> p(c, Layout::batch_first, B, T, Hq, Hkv, dk, dv, 1451);
-  auto state = layer.make_state(B);
-  for (Index i = 0; i < B; ++i)
-    for (Index h = 0; h < state.heads(); ++h) fill_state(state.sequence(i).head(h), std::uint64_t(1460 + 10 * i + h));
-  // Warm the states with a first prefill so that they carry a log-scale, as in decode.
-  {
-    auto warm = state;
-    std::vector<double> y(p.dY.size());
-    layer.prefill_into(warm, p.q(), p.k(), p.v(), view<double>(p.layout, y.data(), B, T, Hq, dv));
-    state = warm;
+  SECTION("stateless") {
+    RuleProblem<Attention> p(c, Layout::batch_first, B, T, Hq, Hkv, dk, dv, 1401);
+    LayerSavedForward<double> saved;
+    layer_saved_step(layer, p, saved, SequenceLayout::batch());
+    CHECK(saved.heads() == Hq);
+    for (Index b = 0; b < B; ++b)
+      check_rule_sequence(layer, p, nullptr, nullptr, nullptr, 0, b, 0, T, true);
   }
-  BatchStateGradient<double> fin(state), initial(state);
-  for (Index i = 0; i < B; ++i)
-    for (Index h = 0; h < state.heads(); ++h) fill_gradient(fin.head(i, h), std::uint64_t(1480 + 10 * i + h));
-  poison(initial);
-  const std::vector<Index> slots{1, 0};
-  layer_saved_prefill_step(layer, state, p, &fin, initial, SequenceLayout::batch(), slots);
-  for (Index b = 0; b < B; ++b)
-    check_rule_sequence(layer, p, &state, &fin, &initial, slots[std::size_t(b)], b, 0, T, true);
+  SECTION("carried, from states that carry a log-scale") {
+    RuleProblem<Attention> p(c, Layout::batch_first, B, T, Hq, Hkv, dk, dv, 1451);
+    auto state = layer.make_state(B);
+    for (Index i = 0; i < B; ++i)
+      for (Index h = 0; h < state.heads(); ++h) fill_state(state.sequence(i).head(h), std::uint64_t(1460 + 10 * i + h));
+    {  // a first prefill gives the states a log-scale, as in decode
+      std::vector<double> y(p.dY.size());
+      layer.prefill_into(state, p.q(), p.k(), p.v(), view<double>(p.layout, y.data(), B, T, Hq, dv));
+    }
+    BatchStateGradient<double> fin(state), initial(state);
+    for (Index i = 0; i < B; ++i)
+      for (Index h = 0; h < state.heads(); ++h) fill_gradient(fin.head(i, h), std::uint64_t(1480 + 10 * i + h));
+    poison(initial);
+    const std::vector<Index> slots{1, 0};
+    layer_saved_prefill_step(layer, state, p, &fin, initial, SequenceLayout::batch(), slots);
+    for (Index b = 0; b < B; ++b)
+      check_rule_sequence(layer, p, &state, &fin, &initial, slots[std::size_t(b)], b, 0, T, true);
+  }
 }
 
 TEST_CASE("the layer's saved forward and its backward are bit-identical on any number of threads",
