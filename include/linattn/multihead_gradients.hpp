@@ -191,8 +191,10 @@ void check_state_gradients(const MultiHeadAttention<Attention>& layer,
     if (final_gradients == &initial)
       throw std::invalid_argument("linattn: the final and initial states' gradients must be "
                                   "two objects (the backward reads one while writing the other)");
-    if (final_gradients->size() != initial.size() ||
-        describe(*final_gradients) != describe(initial))
+    const BatchStateGradient<Scalar>& f = *final_gradients;
+    if (f.size() != initial.size() || f.heads() != initial.heads() ||
+        f.feature_dim() != initial.feature_dim() || f.value_dim() != initial.value_dim() ||
+        f.keeps_z() != initial.keeps_z())
       throw_shape_error("the final states' gradient has sequences=", final_gradients->size(), " ",
                         describe(*final_gradients), " but the initial states' gradient sequences=",
                         initial.size(), " ", describe(initial));

@@ -54,8 +54,9 @@ struct NoSavedForward {};
 /// `initial_of(j)` where its initial-state gradient goes (null: stateless); `shared` says the
 /// group's heads share one state, whose gradient is then summed in head order. `saved_of(j)`:
 /// the SavedForward of a causal forward (stateless, or carried when initial_of(j) is not null)
-/// that head j's backward reads instead of rebuilding the states (a callable returning const NoSavedForward*: none). `workspace`: the
-/// delta rules' rebuilt forward data, kept by the caller across the items one thread runs.
+/// that head j's backward reads instead of rebuilding the states (a callable returning const
+/// NoSavedForward*: none). `workspace`: the delta rules' rebuilt forward data, kept by the
+/// caller across the items one thread runs.
 template <class Attention, class MaskArg, class Inputs, class DInputs, class StateOf, class FinalOf,
           class InitialOf, class SavedOf>
 void backward_item(const Attention& attn, Index G, Index g, Index entry, Index first, Index q_len,

@@ -529,8 +529,8 @@ struct SavedForwardsAccess {
 };
 
 // Runs op over every (sequence, head) pair of `p` in Scalar, on torch's intra-op threads (one
-// task per pair, its buffers allocated once per task). With `saved` (and a chunked forward)
-// each pair's forward keeps its chunk states in its own SavedForward (same bits in the
+// task per pair, its buffers allocated once per task). With `saved` (empty; and a chunked
+// forward) each pair's forward keeps its chunk states in its own SavedForward (same bits in the
 // outputs). See fla::run for the contract.
 template <Op op, class Scalar>
 fla::Result forward(const Prepared& p, const Settings& s, fla::SavedForwards* saved = nullptr) {
@@ -556,14 +556,12 @@ fla::Result forward(const Prepared& p, const Settings& s, fla::SavedForwards* sa
   }
   // Unnormalized, o is linear in q: the rows read out are multiplied by scale instead of q.
   const Scalar out_factor = s.normalize ? Scalar(1) : static_cast<Scalar>(p.scale);
-  // The token-by-token forward has no chunk states to keep: its backward rebuilds them.
+  // The token-by-token forward has no chunk states to keep (fla::run has emptied `saved`): its
+  // backward rebuilds them.
   std::vector<SavedForward<Scalar>>* saved_items = nullptr;
-  if (saved != nullptr) {
-    saved->clear();
-    if (s.chunked) {
-      SavedForwardsAccess::prepare<Scalar>(*saved, op, p, s);
-      saved_items = &SavedForwardsAccess::items<Scalar>(*saved);
-    }
+  if (saved != nullptr && s.chunked) {
+    SavedForwardsAccess::prepare<Scalar>(*saved, op, p, s);
+    saved_items = &SavedForwardsAccess::items<Scalar>(*saved);
   }
 
   try {
