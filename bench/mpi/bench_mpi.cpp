@@ -6,6 +6,7 @@
 //   mpirun -np 2 bench_mpi [--tokens 65536] [--heads 8] [--dim 128] [--rule additive]
 //                          [--split even|balanced] [--carry-cost 0.35] [--repeat 3]
 //                          [--schedule automatic|summaries|pipeline|hybrid] [--stage 1|0]
+//                          [--backward 1]
 //
 // Rules: additive, decay, gated, delta, gated_delta. Every rank holds only its slice of the
 // [1, T, H, d] buffers (distinct random data per head and token). A timed call is the slowest
@@ -15,9 +16,14 @@
 // with the schedule that ran (--schedule automatic: the one Carry's default picks), the one
 // Schedule::automatic picks for this call and split (automatic=), what each rank exchanged
 // (ExchangeStats) and each rank's own time.
+// --backward 1 times the layer's backward instead (mpi::prefill_backward_into, linattn/
+// mpi_gradients.hpp; schedules automatic, summaries or pipeline) against the single-process layer
+// backward (multihead_gradients.hpp), both from the states before the sequence (zero) with dY
+// given and no final-state gradient: lines "bench_mpi_backward rule=... call=... schedule=...".
 // This is not a Google Benchmark program: the timing must span processes.
 
 #include <linattn/mpi.hpp>
+#include <linattn/mpi_gradients.hpp>
 
 #include <mpi.h>
 
@@ -38,6 +44,7 @@ struct Config {
   double carry_cost = 0.35;
   int repeat = 3;
   bool stage = true;  // Carry::stage_token_major
+  bool backward = false;
 };
 
 Config parse(int argc, char** argv) {
@@ -53,6 +60,7 @@ Config parse(int argc, char** argv) {
     else if (key == "--repeat") c.repeat = std::atoi(value.c_str());
     else if (key == "--schedule") c.schedule = value;
     else if (key == "--stage") c.stage = value != "0";
+    else if (key == "--backward") c.backward = value != "0";
     else throw std::invalid_argument("bench_mpi: unknown option " + key);
   }
   return c;
@@ -100,6 +108,74 @@ Timing best_of(int repeat, Call&& call) {
   return best;
 }
 
+// The layer's backward: the single process (one rank) and the sequence-parallel one, each the
+// best of c.repeat calls. B and Gt: the per-token inputs (beta, log-gates) as in run().
+template <class Layer>
+void run_backward(const Config& c, const Layer& layer, int rank, int ranks,
+                  const std::vector<Index>& lengths, const TensorView<const float>& Q,
+                  const TensorView<const float>& K, const TensorView<const float>& V,
+                  const TensorView<const float>& B, const TensorView<const float>& Gt) {
+  using Rule = typename Layer::attention_type::rule_type;
+  constexpr int inputs = Rule::token_inputs;
+  const Index H = c.heads, d = c.dim, T = Q.times();
+  std::vector<float> dy(std::size_t(T * H * d)), dq(dy.size()), dk(dy.size()), dv(dy.size()),
+      db(std::size_t(T * H)), dg(db.size());
+  Index first = 0;
+  for (int p = 0; p < rank; ++p) first += lengths[std::size_t(p)];
+  fill(dy, first * H * d, 6, -1, 1);
+  const auto view = [&](std::vector<float>& x, Index width) {
+    return TensorView<float>::batch_first(x.data(), 1, T, H, width);
+  };
+  const GradientViews<float> grads{view(dq, d), view(dk, d), view(dv, d)};
+  const auto dY = TensorView<const float>::batch_first(dy.data(), 1, T, H, d);
+  const auto dB = view(db, 1), dGt = view(dg, 1);
+  const auto state = layer.make_state(1);
+  BatchStateGradient<float> initial(state);
+  mpi::Schedule schedule = mpi::Schedule::automatic;
+  if (c.schedule == "summaries") schedule = mpi::Schedule::summaries;
+  else if (c.schedule == "pipeline") schedule = mpi::Schedule::pipeline;
+  else if (c.schedule != "automatic")
+    throw std::invalid_argument("bench_mpi --backward: schedule automatic, summaries or pipeline");
+  constexpr bool gated = Rule::kind == WriteKind::gated;
+  const auto print = [&](const char* what, const char* ran, const Timing& t) {
+    if (rank != 0) return;
+    std::printf("bench_mpi_backward rule=%s ranks=%d T=%ld H=%ld d=%ld call=%s schedule=%s "
+                "seconds=%.4f call_seconds=",
+                c.rule.c_str(), ranks, long(c.tokens), long(H), long(d), what, ran, t.seconds);
+    for (std::size_t i = 0; i < t.calls.size(); ++i) std::printf("%s%.4f", i ? "," : "", t.calls[i]);
+    std::printf("\n");
+    std::fflush(stdout);
+  };
+  if (ranks == 1) {
+    print("single_process", "none", best_of(c.repeat, [&] {
+      if constexpr (inputs == 0)
+        prefill_backward_into(layer, state, Q, K, V, dY, nullptr, grads, initial);
+      else if constexpr (inputs == 1)
+        prefill_backward_into(layer, state, Q, K, V, gated ? Gt : B, dY, nullptr, grads,
+                              gated ? dGt : dB, initial);
+      else
+        prefill_backward_into(layer, state, Q, K, V, B, Gt, dY, nullptr, grads, dB, dGt, initial);
+      return mpi::ExchangeStats{};
+    }));
+  }
+  const bool piped =
+      schedule == mpi::Schedule::pipeline ||
+      (schedule == mpi::Schedule::automatic &&
+       linattn::detail::backward_pipeline_pays(H, ranks, linattn::detail::backward_costs<Rule>()));
+  print("sequence_parallel", piped ? "pipeline" : "summaries", best_of(c.repeat, [&] {
+    if constexpr (inputs == 0)
+      mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state, Q, K, V, dY, nullptr, grads, initial,
+                                 schedule);
+    else if constexpr (inputs == 1)
+      mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state, Q, K, V, gated ? Gt : B, dY, nullptr,
+                                 grads, gated ? dGt : dB, initial, schedule);
+    else
+      mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state, Q, K, V, B, Gt, dY, nullptr, grads,
+                                 dB, dGt, initial, schedule);
+    return mpi::ExchangeStats{};
+  }));
+}
+
 template <class Attention>
 void run(const Config& c, const Attention& attention, int rank, int ranks) {
   using Layer = MultiHeadAttention<Attention>;
@@ -124,6 +200,10 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
   const auto O = TensorView<float>::batch_first(out.data(), 1, T, H, d);
   const auto B = view(beta, T, 1), Gt = view(gate, T, 1);
   const Layer layer({H, H, d, d}, attention);
+  if (c.backward) {
+    run_backward(c, layer, rank, ranks, lengths, Q, K, V, B, Gt);
+    return;
+  }
   mpi::Carry carry;
   if (c.schedule == "summaries") carry.schedule = mpi::Schedule::summaries;
   else if (c.schedule == "pipeline") carry.schedule = mpi::Schedule::pipeline;

@@ -28,6 +28,7 @@
 /// attention or dims throw mpi::RankMismatchError.
 
 #include <linattn/attention.hpp>
+#include <linattn/detail/mpi_backward_pipeline.hpp>
 #include <linattn/detail/mpi_exchange.hpp>
 #include <linattn/detail/mpi_prefill.hpp>
 #include <linattn/detail/mpi_rule_backward.hpp>
@@ -186,19 +187,34 @@ template <class Phi, linattn::detail::GradientRule Rule, class Scalar, class DQ,
 }
 
 /// mpi::prefill_backward_into(comm, layer, state, Q, K, V, in..., dY, final_gradients, grads,
-/// d_in..., initial_gradients): the multi-head layer's backward of a sequence-parallel prefill
-/// (every rule), each rank holding its slice of the tokens of every sequence of a batch layout
-/// ([B, T_p, H, d] views; T_p may differ between ranks and be 0). The gradients of this rank's
-/// rows go into `grads` and d_in... (as multihead_gradients.hpp's prefill_backward_into) and,
-/// for every sequence b and state head h, the gradient with respect to the state this rank's
-/// slice starts from into initial_gradients.head(b, h) (on rank 0: the batch's initial states).
-/// `state` (the states before the sequence) is read on rank 0, `final_gradients` (null: zero)
-/// on the last rank; other ranks pass the layer's make_state(B) and null. Math: per query head,
-/// the single-head distributed backward above; the G heads of a group add their shares of the
-/// key/value head's gradients (and of a shared state's: head 0 of the group carries the final
-/// gradient, by linearity) in head order, so the same P and slices give the same bits.
-/// Collective; the items run in one order on every rank (no executor: their collectives must
-/// match). Cost: B H_q single-head distributed backwards of T_p tokens.
+/// d_in..., initial_gradients[, schedule]): the multi-head layer's backward of a
+/// sequence-parallel prefill (every rule), each rank holding its slice of the tokens of every
+/// sequence of a batch layout ([B, T_p, H, d] views; T_p may differ between ranks and be 0).
+/// The gradients of this rank's rows go into `grads` and d_in... (as multihead_gradients.hpp's
+/// prefill_backward_into) and, for every sequence b and state head h, the gradient with respect
+/// to the state this rank's slice starts from into initial_gradients.head(b, h) (on rank 0: the
+/// batch's initial states). `state` (the states before the sequence) is read on rank 0,
+/// `final_gradients` (null: zero) on the last rank; other ranks pass the layer's make_state(B)
+/// and null. Equal to the single-process layer backward to rounding; the same P, slices and
+/// schedule give the same bits. Collective; the items (one per sequence and query head) run in
+/// one order on every rank (no executor: their messages must match).
+///
+/// `schedule` (every rank the same; default Schedule::automatic):
+/// - Schedule::summaries: per item, the single-head distributed backward above (the G heads of
+///   a group add their shares of the key/value head's gradients, and of a shared state's: head
+///   0 of the group carries the final gradient, by linearity, in head order). Cost per rank:
+///   B H_q times a summary and two recomputing backwards of T_p tokens; B H_q rounds of
+///   collectives.
+/// - Schedule::pipeline: two wavefronts over the items (detail/mpi_backward_pipeline.hpp): a
+///   saving forward from the state rank p-1 sends, then the backward from the saved states
+///   with the state gradient rank p+1 sends. Cost per rank: (B H_q + P - 1) slots of one forward
+///   and one saved backward of T_p tokens, point-to-point messages of r dv + r scalars, and
+///   memory for the B H_q items' saved forwards of T_p tokens.
+/// - Schedule::automatic: the pipeline where the cost model (detail::backward_costs) says its
+///   slots take less time, e.g. on 2 ranks always; else the summaries.
+/// - Schedule::hybrid: std::invalid_argument (the backward has none), on every rank.
+/// Throws as the single-process backward, on every rank (naming the rank whose input was
+/// wrong); the gradient views' contents are then unspecified.
 template <class Attention, class... Args>
 void prefill_backward_into(
     MPI_Comm comm, const MultiHeadAttention<Attention>& layer,
@@ -210,11 +226,11 @@ void prefill_backward_into(
   using Rule = typename Attention::rule_type;
   namespace ld = linattn::detail;
   constexpr std::size_t N = Rule::token_inputs;
-  static_assert(sizeof...(Args) == 2 * N + 4,
+  static_assert(sizeof...(Args) == 2 * N + 4 || sizeof...(Args) == 2 * N + 5,
                 "mpi::prefill_backward_into takes comm, the layer, the state, Q, K, V, the rule's "
                 "per-token input views, dY, the final states' gradient (or nullptr), the "
-                "GradientViews, the per-token inputs' gradient views and the initial states' "
-                "gradient");
+                "GradientViews, the per-token inputs' gradient views, the initial states' "
+                "gradient and optionally an mpi::Schedule");
   const auto all = std::forward_as_tuple(args...);
   const auto inputs = ld::token_views<N, Scalar>(all);
   const TensorView<const Scalar> dY = std::get<N>(all);
@@ -222,6 +238,14 @@ void prefill_backward_into(
   const GradientViews<Scalar> grads = std::get<N + 2>(all);
   const auto d_inputs = ld::views_at<N + 3, N, Scalar>(all);
   BatchStateGradient<Scalar>& initial = std::get<2 * N + 3>(all);
+  Schedule schedule = Schedule::automatic;
+  if constexpr (sizeof...(Args) == 2 * N + 5) {
+    static_assert(std::is_same_v<std::remove_cvref_t<std::tuple_element_t<2 * N + 4, decltype(all)>>,
+                                 Schedule>,
+                  "mpi::prefill_backward_into: the argument after the initial states' gradient "
+                  "must be an mpi::Schedule");
+    schedule = std::get<2 * N + 4>(all);
+  }
   int rank = 0, P = 1;
   ld::check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
   ld::check_mpi(MPI_Comm_size(comm, &P), "MPI_Comm_size");
@@ -230,7 +254,16 @@ void prefill_backward_into(
   const HeadConfig& heads = layer.heads();
   const Index r = layer.feature_dim();
   ld::RankRecord mine;
+  ld::describe_attention(layer.attention(), heads.key_dim, heads.value_dim, mine.config);
+  mine.config.call = 5;
+  mine.config.schedule = static_cast<std::int32_t>(schedule);
+  mine.config.sequences = Q.batches();
+  mine.config.q_heads = heads.q_heads;
+  mine.config.kv_heads = heads.kv_heads;
   try {
+    if (schedule == Schedule::hybrid)
+      throw std::invalid_argument("linattn::mpi::prefill_backward_into: the backward has no "
+                                  "hybrid schedule (automatic, summaries or pipeline)");
     ld::check_views(heads, r, Q, K, V, dY, SequenceLayout::batch(), true);
     for (std::size_t i = 0; i < N; ++i) {
       ld::check_token_view(inputs[i], K, heads.kv_heads, r, Rule::kind == WriteKind::gated);
@@ -246,7 +279,18 @@ void prefill_backward_into(
   } catch (...) {
     ld::record_failure(mine);
   }
-  if (auto failure = ld::first_failure(ld::gather_records(comm, mine, P))) detail::raise(*failure);
+  const auto records = ld::gather_records(comm, mine, P);
+  if (auto failure = ld::first_failure(records)) detail::raise(*failure);
+  if (auto mismatch = ld::first_disagreement(records)) detail::raise(*mismatch);
+  const Index items = Q.batches() * heads.q_heads;
+  if (schedule == Schedule::pipeline ||
+      (schedule == Schedule::automatic &&
+       ld::backward_pipeline_pays(items, P, ld::backward_costs<Rule>()))) {
+    if (auto failure = ld::run_backward_pipeline(comm, rank, P, layer, state, Q, K, V, inputs, dY,
+                                                 final_gradients, grads, d_inputs, initial))
+      detail::raise(*failure);
+    return;
+  }
   constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
   const Index G = layer.group_size(), T = Q.times();
   const auto& attn = layer.attention();

@@ -418,6 +418,14 @@ void check_layer(const Attention& attn, const std::array<std::array<double, 3>, 
     for (int p = 0; p < rank; ++p) first += lengths[std::size_t(p)];
     const Index n = lengths[std::size_t(rank)];
     INFO("rank " << rank << " of " << P << ", rows " << first << " + " << n);
+    // Each schedule against the whole sequence's backward, and automatic: the bits of the
+    // schedule the cost model picks for B H_q items on P ranks.
+    Grads picked = make();
+    const bool pipeline_pays = linattn::detail::backward_pipeline_pays(
+        B * Hq, P, linattn::detail::backward_costs<typename Attention::rule_type>());
+    for (const mpi::Schedule schedule :
+         {mpi::Schedule::summaries, mpi::Schedule::pipeline, mpi::Schedule::automatic}) {
+    INFO("schedule " << int(schedule));
     const auto run = [&](Grads& g) {
       const auto vd = views(g, first, n);
       const auto& gv = vd.first;
@@ -430,7 +438,7 @@ void check_layer(const Attention& attn, const std::array<std::array<double, 3>, 
           mpi::prefill_backward_into(MPI_COMM_WORLD, layer, rank == 0 ? state : other,
                                      token_rows(Q, first, n), token_rows(K, first, n),
                                      token_rows(V, first, n), x..., token_rows(dY, first, n),
-                                     rank == P - 1 ? &fin : nullptr, gv, dx..., initial);
+                                     rank == P - 1 ? &fin : nullptr, gv, dx..., initial, schedule);
         }, d);
       }, mine_in);
     };
@@ -459,6 +467,14 @@ void check_layer(const Attention& attn, const std::array<std::array<double, 3>, 
     CHECK(again.K == got.K);
     CHECK(again.V == got.V);
     for (std::size_t i = 0; i < N; ++i) CHECK(again.in[i] == got.in[i]);
+    if (schedule == (pipeline_pays ? mpi::Schedule::pipeline : mpi::Schedule::summaries)) picked = got;
+    if (schedule == mpi::Schedule::automatic) {
+      CHECK(got.Q == picked.Q);
+      CHECK(got.K == picked.K);
+      CHECK(got.V == picked.V);
+      for (std::size_t i = 0; i < N; ++i) CHECK(got.in[i] == picked.in[i]);
+    }
+    }
   }
 }
 

@@ -25,7 +25,7 @@ namespace linattn::detail {
 
 /// The configuration every rank must agree on (only the slice length may differ).
 struct CallConfig {
-  std::int32_t call = 0;  // 1: one head (RuleAttention), 2: a multi-head layer, 3: backward
+  std::int32_t call = 0;  // 1: one head, 2: a layer, 3, 4: one head's backward, 5: a layer's
   std::int32_t scalar_bytes = 0;
   std::int32_t normalization = 0;  // Normalization::Kind
   std::int32_t initial_rank = 0;   // Carry::initial_rank as given
@@ -180,7 +180,8 @@ inline std::optional<Failure> first_disagreement(const std::vector<RankRecord>& 
             "carry options; only the slice length may differ)";
       found = Failure{FailureKind::rank_mismatch, os.str()};
     };
-    compare("the call (1: one head, 2: a multi-head layer, 3: the additive backward)", c0.call, ck.call);
+    compare("the call (1: one head, 2: a multi-head layer, 3: the additive backward, 4: a write "
+            "rule's backward, 5: the layer's backward)", c0.call, ck.call);
     compare("the scalar type (bytes)", c0.scalar_bytes, ck.scalar_bytes);
     compare("the write rule", std::string(c0.rule), std::string(ck.rule));
     compare("the write rule's parameter", c0.rule_parameter, ck.rule_parameter);
