@@ -8,6 +8,9 @@
 #   bash scripts/bench_mpi.sh               build, run, print the summary line
 #   bash scripts/bench_mpi.sh --all-rules   also Decay, Gated, Delta and GatedDelta (one line each)
 #   bash scripts/bench_mpi.sh --raw         also print the benchmark's own lines
+#   bash scripts/bench_mpi.sh --backward    the layer's backward instead (every rule, one line
+#                                           each: 1 process, then 2 ranks under the summaries
+#                                           and pipeline schedules; T = BACKWARD_TOKENS, 8192)
 #
 # Environment: BUILD_DIR (default build-bench, shared with scripts/bench.sh), TOKENS (65536),
 # REPEAT (3: best of), RANKS (2), CARRY_COST (0.35: rank 0's extra share in the balanced split,
@@ -22,11 +25,13 @@ set -euo pipefail
 
 all_rules=0
 raw=0
+backward=0
 for arg in "$@"; do
   case "$arg" in
     --all-rules) all_rules=1 ;;
     --raw) raw=1 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --backward) backward=1 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "bench_mpi.sh: unknown option '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -66,6 +71,34 @@ run() {  # run <ranks> <args...>: the benchmark's lines
 field() {  # field <name> <line>
   sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2"
 }
+
+if [ "$backward" -eq 1 ]; then
+  # The layer's backward (bench_mpi --backward): the single process before and after the split
+  # runs (the faster of the two, as below), then each schedule on $ranks ranks.
+  btokens="${BACKWARD_TOKENS:-8192}"
+  for rule in additive decay gated delta gated_delta; do
+    b() {  # b <ranks> <args...>: the benchmark's lines
+      mpirun "${flags[@]}" -np "$1" "$build/bench_mpi" --backward 1 --tokens "$btokens" \
+        --repeat "$repeat" --rule "$rule" "${@:2}"
+    }
+    one="$(b 1 --schedule pipeline | grep call=single_process)"
+    summaries="$(b "$ranks" --schedule summaries | grep call=sequence_parallel)"
+    piped="$(b "$ranks" --schedule pipeline | grep call=sequence_parallel)"
+    auto="$(b "$ranks" --schedule automatic | grep call=sequence_parallel)"
+    again="$(b 1 --schedule pipeline | grep call=single_process)"
+    [ "$raw" -eq 1 ] && printf '%s\n%s\n%s\n%s\n%s\n' "$one" "$summaries" "$piped" "$auto" "$again"
+    awk -v rule="$rule" -v T="$btokens" -v P="$ranks" -v a="$(field seconds "$one")" \
+        -v b="$(field seconds "$again")" -v ts="$(field seconds "$summaries")" \
+        -v tp="$(field seconds "$piped")" -v ta="$(field seconds "$auto")" \
+        -v picks="$(field schedule "$auto")" 'BEGIN {
+      t1 = (a < b) ? a : b
+      printf "mpi backward: layer T=%d H=8 d=128 %s (float): 1 process %.3f s; %d ranks: " \
+             "summaries %.3f s (%.2fx), pipeline %.3f s (%.2fx); automatic picks %s: %.3f s (%.2fx)\n",
+             T, rule, t1, P, ts, t1 / ts, tp, t1 / tp, picks, ta, t1 / ta
+    }'
+  done
+  exit 0
+fi
 
 rules=(additive)
 [ "$all_rules" -eq 1 ] && rules=(additive decay gated delta gated_delta)
