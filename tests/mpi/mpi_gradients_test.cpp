@@ -18,6 +18,8 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -547,6 +549,65 @@ TEST_CASE("the rules' and the layer's sequence-parallel backward: bad input on o
     message = e.what();
   }
   CHECK_THAT(message, Catch::Contains("rank 1") && Catch::Contains("dQ"));
+  CHECK(same_on_every_rank(message));
+}
+
+}  // namespace mpi_gradients_test
+
+namespace mpi_gradients_test {
+
+TEST_CASE("the layer's pipelined backward: a failure in the wavefront throws the same on every "
+          "rank, and the next call runs",
+          "[mpi][gradients][multihead]") {
+  const int rank = world().rank, P = world().size;
+  const Index n = 5, d = 4, dv = 3, H = 2;
+  const MultiHeadAttention<RuleAttention<EluPlusOne, Decay, double>> layer(
+      HeadConfig{H, 1, d, dv}, RuleAttention<EluPlusOne, Decay, double>(EluPlusOne{}, Decay(0.9)));
+  const RowMatrix<double> q = random_matrix<double>(n, H * d, 7001), k = random_matrix<double>(n, d, 7002),
+                          v = random_matrix<double>(n, dv, 7003), dy = random_matrix<double>(n, H * dv, 7004);
+  RowMatrix<double> bad_v = v;
+  bad_v(2, 1) = std::numeric_limits<double>::infinity();
+  std::vector<double> dq(std::size_t(n * H * d)), dk(std::size_t(n * d)), dvv(std::size_t(n * dv));
+  const auto state = layer.make_state(1);
+  BatchStateGradient<double> initial(state);
+  const GradientViews<double> grads{TensorView<double>::batch_first(dq.data(), 1, n, H, d),
+                                    TensorView<double>::batch_first(dk.data(), 1, n, 1, d),
+                                    TensorView<double>::batch_first(dvv.data(), 1, n, 1, dv)};
+  const auto call = [&](const RowMatrix<double>& values) {
+    mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state,
+                               TensorView<const double>::batch_first(q.data(), 1, n, H, d),
+                               TensorView<const double>::batch_first(k.data(), 1, n, 1, d),
+                               TensorView<const double>::batch_first(values.data(), 1, n, 1, dv),
+                               TensorView<const double>::batch_first(dy.data(), 1, n, H, dv), nullptr,
+                               grads, initial, mpi::Schedule::pipeline);
+  };
+  // The middle rank's (P / 2) slice holds an Inf value: its state after the slice is not
+  // finite, in the forward wavefront, after the ranks before it sent their states on.
+  for (int failing : {0, P / 2, P - 1}) {
+    INFO("failing rank " << failing);
+    std::string message;
+    try {
+      call(rank == failing ? bad_v : v);
+    } catch (const std::domain_error& e) {
+      message = e.what();
+    }
+    CHECK_THAT(message, Catch::Contains("not finite") && Catch::Contains("rank " + std::to_string(failing)));
+    CHECK(same_on_every_rank(message));
+    CHECK_NOTHROW(call(v));  // no message of the failed call is left in flight
+  }
+  // The backward has no hybrid schedule: invalid_argument on every rank.
+  std::string message;
+  try {
+    mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state,
+                               TensorView<const double>::batch_first(q.data(), 1, n, H, d),
+                               TensorView<const double>::batch_first(k.data(), 1, n, 1, d),
+                               TensorView<const double>::batch_first(v.data(), 1, n, 1, dv),
+                               TensorView<const double>::batch_first(dy.data(), 1, n, H, dv), nullptr,
+                               grads, initial, mpi::Schedule::hybrid);
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  CHECK_THAT(message, Catch::Contains("hybrid"));
   CHECK(same_on_every_rank(message));
 }
 
