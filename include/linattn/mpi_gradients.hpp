@@ -211,7 +211,8 @@ template <class Phi, linattn::detail::GradientRule Rule, class Scalar, class DQ,
 ///   and one saved backward of T_p tokens, point-to-point messages of r dv + r scalars, and
 ///   memory for the B H_q items' saved forwards of T_p tokens.
 /// - Schedule::automatic: the pipeline where the cost model (detail::backward_costs) says its
-///   slots take less time, e.g. on 2 ranks always; else the summaries.
+///   slots take less time (on 2 ranks: from 2 items; Decay and Gated from 1); else the
+///   summaries.
 /// - Schedule::hybrid: std::invalid_argument (the backward has none), on every rank.
 /// Throws as the single-process backward, on every rank (naming the rank whose input was
 /// wrong); the gradient views' contents are then unspecified.
