@@ -300,8 +300,6 @@ void prefill_backward_into(
       const auto k = K.head_rows(b, g, 0, T);
       const auto v = V.head_rows(b, g, 0, T);
       const auto in = ld::rows_inputs(inputs, b, g, 0, T);
-      auto dK = grads.K.head_rows(b, g, 0, T);
-      auto dV = grads.V.head_rows(b, g, 0, T);
       for (Index j = 0; j < G; ++j) {
         const Index h = g * G + j, sh = shared ? g : h;
         const StateGradient<Scalar>* fin =
@@ -323,23 +321,12 @@ void prefill_backward_into(
           d0.S += got.initial.S;
           if (d0.z.size() > 0) d0.z += got.initial.z;
         }
-        if (j == 0) {
-          dK = got.K;
-          dV = got.V;
-        } else {
-          dK += got.K;
-          dV += got.V;
-        }
-        if constexpr (N > 0) {
-          for (std::size_t i = 0; i < N; ++i) {
-            auto d_rows = d_inputs[i].head_rows(b, g, 0, T);
-            const auto share = ld::input_gradient<Rule>(got.inputs, i);
-            if (j == 0)
-              d_rows = share;
-            else
-              d_rows += share;
-          }
-        }
+        if constexpr (N > 0)
+          ld::add_group_share<Rule>(j, grads.K, grads.V, d_inputs, b, g, 0, T, got.K, got.V,
+                                    got.inputs);
+        else  // the additive backward's result has no per-token inputs
+          ld::add_group_share<Rule>(j, grads.K, grads.V, d_inputs, b, g, 0, T, got.K, got.V,
+                                    RuleInputGradients<Scalar>{});
       }
     }
 }

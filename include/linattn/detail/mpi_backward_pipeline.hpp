@@ -259,25 +259,9 @@ std::optional<Failure> run_backward_pipeline(
                 }
               },
               rows_inputs(inputs, b, g, 0, T));
-          // Into the model's rows: the group's first head writes the key/value head's
-          // gradients, the others add theirs in head order (the same bits on every run).
           grads.Q.head_rows(b, h, 0, T) = dQ_head;
-          auto dk_rows = grads.K.head_rows(b, g, 0, T);
-          auto dv_rows = grads.V.head_rows(b, g, 0, T);
-          if (j == 0) {
-            dk_rows = dK_head;
-            dv_rows = dV_head;
-          } else {
-            dk_rows += dK_head;
-            dv_rows += dV_head;
-          }
-          for (std::size_t k_in = 0; k_in < N; ++k_in) {
-            auto d_rows = d_inputs[k_in].head_rows(b, g, 0, T);
-            if (j == 0)
-              d_rows = input_gradient<Rule>(d_in_head, k_in);
-            else
-              d_rows += input_gradient<Rule>(d_in_head, k_in);
-          }
+          add_group_share<Rule>(j, grads.K, grads.V, d_inputs, b, g, 0, T, dK_head, dV_head,
+                                d_in_head);
         } else {
           before.S = after.S;
           before.z = after.z;

@@ -45,6 +45,33 @@ Eigen::Map<const RowMatrix<Scalar>> input_gradient(const RuleInputGradients<Scal
   }
 }
 
+/// Query head j's share of its key/value head's gradients (dK, dV and the per-token inputs'
+/// d_in) into the model's rows [first, first + n) of sequence `entry`, key/value head g: the
+/// group's first head (j = 0) writes them, the others add theirs in head order, so the sums
+/// have the same bits on every run and thread.
+template <class Rule, class Scalar, std::size_t N>
+void add_group_share(Index j, const TensorView<Scalar>& dK, const TensorView<Scalar>& dV,
+                     const std::array<TensorView<Scalar>, N>& d_inputs, Index entry, Index g,
+                     Index first, Index n, const RowMatrix<Scalar>& dK_head,
+                     const RowMatrix<Scalar>& dV_head, const RuleInputGradients<Scalar>& d_in) {
+  auto dk_rows = dK.head_rows(entry, g, first, n);
+  auto dv_rows = dV.head_rows(entry, g, first, n);
+  if (j == 0) {
+    dk_rows = dK_head;
+    dv_rows = dV_head;
+  } else {
+    dk_rows += dK_head;
+    dv_rows += dV_head;
+  }
+  for (std::size_t i = 0; i < N; ++i) {
+    auto d_rows = d_inputs[i].head_rows(entry, g, first, n);
+    if (j == 0)
+      d_rows = input_gradient<Rule>(d_in, i);
+    else
+      d_rows += input_gradient<Rule>(d_in, i);
+  }
+}
+
 /// The layer's backward without a saved forward: it rebuilds the chunk-boundary states.
 struct NoSavedForward {};
 
@@ -98,8 +125,6 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
   const auto k = K.head_rows(entry, g, first, k_len);
   const auto v = V.head_rows(entry, g, first, k_len);
   const auto in = rows_inputs(inputs, entry, g, first, k_len);
-  auto dk_rows = dK.head_rows(entry, g, first, k_len);
-  auto dv_rows = dV.head_rows(entry, g, first, k_len);
   // Every query head's gradients go through contiguous buffers of their own, copied (first
   // head) or added (the others, in head order: the same bits on any thread) into the model's
   // rows: Eigen's products round differently into a strided destination on some instruction
@@ -152,23 +177,10 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
         },
         in);
     dq_rows = dQ_head;
-    if (j == 0) {
-      dk_rows = dK_head;
-      dv_rows = dV_head;
-    } else {
-      dk_rows += dK_head;
-      dv_rows += dV_head;
-    }
+    add_group_share<Rule>(j, dK, dV, d_inputs, entry, g, first, k_len, dK_head, dV_head, d_in_head);
     if (add_initial) {
       initial->S += d0_head.S;
       if (initial->z.size() > 0) initial->z += d0_head.z;
-    }
-    for (std::size_t i = 0; i < N; ++i) {
-      auto d_rows = d_inputs[i].head_rows(entry, g, first, k_len);
-      if (j == 0)
-        d_rows = input_gradient<Rule>(d_in_head, i);
-      else
-        d_rows += input_gradient<Rule>(d_in_head, i);
     }
   }
 }
