@@ -552,6 +552,60 @@ TEST_CASE("head-major staging copies token-major rows exactly and writes back on
   }
 }
 
+TEST_CASE("head-major staging of a packed layout's items: groups of different lengths, an "
+          "empty item left alone, within a reservation that allocates nothing more",
+          "[slices]") {
+  // Sequences of 7, 0 and 12 rows packed into T = 19 token-major rows of H = 2 state heads
+  // (G = 1): items (s, h) in sequence-major order, as the MPI layer binds them.
+  const Index H = 2, d = 3, T = 19;
+  const std::array<Index, 4> offsets{0, 7, 7, 19};
+  std::vector<float> q(std::size_t(T * H * d)), k(q.size()), v(q.size()), out(q.size(), -1.0f);
+  for (std::size_t i = 0; i < q.size(); ++i) {
+    q[i] = float(i) + 0.5f;
+    k[i] = -float(i);
+    v[i] = float(i) * 0.25f;
+  }
+  std::vector<detail::SliceItem<float>> items(std::size_t(3 * H));
+  for (Index s = 0; s < 3; ++s)
+    for (Index h = 0; h < H; ++h) {
+      auto& item = items[std::size_t(s * H + h)];
+      const Index first = offsets[std::size_t(s)], n = offsets[std::size_t(s) + 1] - first;
+      item.queries.push_back({q.data() + first * H * d + h * d, n, d, H * d});
+      item.outputs.push_back({out.data() + first * H * d + h * d, n, d, H * d});
+      item.keys = {k.data() + first * H * d + h * d, n, d, H * d};
+      item.values = {v.data() + first * H * d + h * d, n, d, H * d};
+    }
+  const float* empty_keys = items[2].keys.data;
+  detail::HeadMajorStage<float> stage;
+  stage.reserve(items.size() * 3, items.size(), items.size(), 3 * T * H * d, T * H * d);
+  const auto* reserved = stage.copy_in.data();
+  stage.stage(items);
+  REQUIRE(stage.active);
+  CHECK(stage.groups.size() == 2);          // the empty sequence's items form no group
+  CHECK(stage.copy_in.data() == reserved);  // no reallocation past the reservation
+  CHECK(items[2].keys.data == empty_keys);  // left alone
+  bool inputs_equal = true;
+  for (Index s = 0; s < 3; ++s)
+    for (Index h = 0; h < H; ++h) {
+      const auto& item = items[std::size_t(s * H + h)];
+      const Index first = offsets[std::size_t(s)];
+      if (item.keys.rows > 0) CHECK(item.keys.stride == d);
+      for (Index t = 0; t < item.keys.rows; ++t)
+        for (Index c = 0; c < d; ++c) {
+          const auto at = std::size_t(((first + t) * H + h) * d + c);
+          inputs_equal = inputs_equal && item.keys.data[t * d + c] == k[at] &&
+                         item.values.data[t * d + c] == v[at] &&
+                         item.queries[0].data[t * d + c] == q[at];
+          item.outputs[0].data[t * d + c] = float(at);
+        }
+    }
+  CHECK(inputs_equal);
+  stage.finish();
+  bool outputs_equal = true;
+  for (std::size_t i = 0; i < out.size(); ++i) outputs_equal = outputs_equal && out[i] == float(i);
+  CHECK(outputs_equal);
+}
+
 TEST_CASE("stage buffers are aligned, grow only when asked for more, and keep their block",
           "[slices]") {
   const auto address = [](const float* p) { return reinterpret_cast<std::uintptr_t>(p); };

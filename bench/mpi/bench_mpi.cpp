@@ -6,11 +6,11 @@
 //   mpirun -np 2 bench_mpi [--tokens 65536] [--heads 8] [--dim 128] [--rule additive]
 //                          [--split even|balanced] [--carry-cost 0.35] [--repeat 3]
 //                          [--schedule automatic|summaries|pipeline|hybrid] [--stage 1|0]
-//                          [--backward 1]
+//                          [--backward 1] [--documents N]
 //
 // Rules: additive, decay, gated, delta, gated_delta. Every rank holds only its slice of the
 // [1, T, H, d] buffers (distinct random data per head and token). A timed call is the slowest
-// rank's wall time between two barriers; the best of --repeat calls is reported. One line per
+// rank's wall time between two barriers (the states' reset to zero before it is not timed); the best of --repeat calls is reported. One line per
 // measurement on rank 0:
 //   bench_mpi rule=additive ranks=2 split=balanced T=65536 H=8 d=128 ... schedule=summaries ...
 // with the schedule that ran (--schedule automatic: the one Carry's default picks), the one
@@ -20,6 +20,9 @@
 // mpi_gradients.hpp; schedules automatic, summaries or pipeline) against the single-process layer
 // backward (multihead_gradients.hpp), both from the states before the sequence (zero) with dY
 // given and no final-state gradient: lines "bench_mpi_backward rule=... call=... schedule=...".
+// --documents N (N > 0) packs N documents of uneven lengths (0.5 to 1.5 times T / N, from a
+// fixed hash) into the T tokens: both calls take SequenceLayout::packed(offsets), and a
+// document may lie on one rank or cross into the next (lines add documents=N).
 // This is not a Google Benchmark program: the timing must span processes.
 
 #include <linattn/mpi.hpp>
@@ -45,7 +48,29 @@ struct Config {
   int repeat = 3;
   bool stage = true;  // Carry::stage_token_major
   bool backward = false;
+  Index documents = 0;  // > 0: a packed layout of this many documents
 };
+
+// The packed layout's offsets: `documents` lengths of 0.5 to 1.5 times T / documents from a
+// fixed hash, scaled to sum to T (the same on every rank).
+std::vector<Index> document_offsets(Index T, Index documents) {
+  std::vector<double> weight(static_cast<std::size_t>(documents));
+  double sum = 0;
+  for (Index i = 0; i < documents; ++i) {
+    std::uint64_t x = std::uint64_t(i + 1) * 0x9E3779B97F4A7C15ULL;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ULL;
+    x ^= x >> 29;
+    sum += weight[std::size_t(i)] = 0.5 + double(x >> 11) * 0x1.0p-53;
+  }
+  std::vector<Index> offsets{0};
+  double at = 0;
+  for (Index i = 0; i < documents; ++i) {
+    at += weight[std::size_t(i)];
+    offsets.push_back(i + 1 == documents ? T : static_cast<Index>(double(T) * at / sum));
+  }
+  return offsets;
+}
 
 Config parse(int argc, char** argv) {
   Config c;
@@ -61,6 +86,7 @@ Config parse(int argc, char** argv) {
     else if (key == "--schedule") c.schedule = value;
     else if (key == "--stage") c.stage = value != "0";
     else if (key == "--backward") c.backward = value != "0";
+    else if (key == "--documents") c.documents = std::atol(value.c_str());
     else throw std::invalid_argument("bench_mpi: unknown option " + key);
   }
   return c;
@@ -85,15 +111,16 @@ struct Timing {
   mpi::ExchangeStats stats;
 };
 
-// Best of `repeat` calls of `call()`, each between barriers.
-template <class Call>
-Timing best_of(int repeat, Call&& call) {
+// Best of `repeat` calls of `call()`, each between barriers, each after an untimed `setup()`.
+template <class Call, class Setup = void (*)()>
+Timing best_of(int repeat, Call&& call, Setup&& setup = [] {}) {
   int ranks = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
   Timing best;
   best.seconds = 1e300;
   std::vector<double> calls;
   for (int i = 0; i < repeat; ++i) {
+    setup();
     MPI_Barrier(MPI_COMM_WORLD);
     const double t0 = MPI_Wtime();
     const mpi::ExchangeStats stats = call();
@@ -200,6 +227,11 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
   const auto O = TensorView<float>::batch_first(out.data(), 1, T, H, d);
   const auto B = view(beta, T, 1), Gt = view(gate, T, 1);
   const Layer layer({H, H, d, d}, attention);
+  const std::vector<Index> offsets = document_offsets(c.tokens, c.documents);
+  const SequenceLayout layout =
+      c.documents > 0 ? SequenceLayout::packed(offsets) : SequenceLayout::batch();
+  if (c.backward && c.documents > 0)
+    throw std::invalid_argument("bench_mpi: --documents is for the forward prefill");
   if (c.backward) {
     run_backward(c, layer, rank, ranks, lengths, Q, K, V, B, Gt);
     return;
@@ -211,15 +243,17 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
   else if (c.schedule != "automatic") throw std::invalid_argument("bench_mpi: unknown schedule " + c.schedule);
   carry.stage_token_major = c.stage;
   mpi::SequenceParallel<Layer> split(layer, MPI_COMM_WORLD, carry);
-  auto state = layer.make_state(1);
+  auto state = layer.make_state(std::max<Index>(1, c.documents));
+  const auto reset = [&] {
+    for (Index s = 0; s < state.size(); ++s) state.sequence(s).reset();
+  };
   const auto call_split = [&] {
-    state.sequence(0).reset();
     if constexpr (inputs == 0)
-      return split.prefill_into(state, Q, K, V, O);
+      return split.prefill_into(state, Q, K, V, O, layout);
     else if constexpr (inputs == 1)
-      return split.prefill_into(state, Q, K, V, Attention::rule_type::kind == WriteKind::gated ? Gt : B, O);
+      return split.prefill_into(state, Q, K, V, Attention::rule_type::kind == WriteKind::gated ? Gt : B, O, layout);
     else
-      return split.prefill_into(state, Q, K, V, B, Gt, O);
+      return split.prefill_into(state, Q, K, V, B, Gt, O, layout);
   };
   const auto print = [&](const char* what, const Timing& t) {
     if (rank != 0) return;
@@ -233,13 +267,14 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
     const auto model =
         linattn::detail::model_schedules(H, lengths, true, linattn::detail::carry_cost_of<Rule>(),
                                          linattn::detail::hybrid_fills<Rule>());
-    std::printf("bench_mpi rule=%s ranks=%d split=%s stage=%d T=%ld H=%ld d=%ld call=%s schedule=%s "
-                "automatic=%s seconds=%.4f tokens_per_second=%.0f summary_bytes=%zu "
-                "state_bytes=%zu sent_bytes=%zu received_bytes=%zu rank_seconds=",
-                c.rule.c_str(), ranks, c.split.c_str(), int(c.stage), long(c.tokens), long(H), long(d), what,
+    std::printf("bench_mpi rule=%s ranks=%d split=%s stage=%d T=%ld H=%ld d=%ld documents=%ld "
+                "call=%s schedule=%s automatic=%s seconds=%.4f tokens_per_second=%.0f "
+                "summary_bytes=%zu state_bytes=%zu sent_bytes=%zu received_bytes=%zu rank_seconds=",
+                c.rule.c_str(), ranks, c.split.c_str(), int(c.stage), long(c.tokens), long(H), long(d),
+                long(c.documents), what,
                 ranks == 1 && std::string(what) == "single_process" ? "none"
                                                                      : name(int(t.stats.schedule)),
-                name(int(model.pick)), t.seconds,
+                c.documents > 0 ? "summaries" : name(int(model.pick)), t.seconds,
                 double(c.tokens) / t.seconds, t.stats.summary_bytes, t.stats.state_bytes,
                 t.stats.sent_bytes(), t.stats.received_bytes);
     for (std::size_t p = 0; p < t.rank_seconds.size(); ++p)
@@ -254,18 +289,17 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
   if (ranks == 1) {
     // The baseline: the layer's own prefill of the whole sequence, no MPI in the call.
     const Timing single = best_of(c.repeat, [&] {
-      state.sequence(0).reset();
       if constexpr (inputs == 0)
-        layer.prefill_into(state, Q, K, V, O);
+        layer.prefill_into(state, Q, K, V, O, layout);
       else if constexpr (inputs == 1)
-        layer.prefill_into(state, Q, K, V, Attention::rule_type::kind == WriteKind::gated ? Gt : B, O);
+        layer.prefill_into(state, Q, K, V, Attention::rule_type::kind == WriteKind::gated ? Gt : B, O, layout);
       else
-        layer.prefill_into(state, Q, K, V, B, Gt, O);
+        layer.prefill_into(state, Q, K, V, B, Gt, O, layout);
       return mpi::ExchangeStats{};
-    });
+    }, reset);
     print("single_process", single);
   }
-  print("sequence_parallel", best_of(c.repeat, call_split));
+  print("sequence_parallel", best_of(c.repeat, call_split, reset));
 }
 
 }  // namespace

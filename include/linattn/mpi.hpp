@@ -298,7 +298,8 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
             work.tokens = K.rows();
           };
           return finish(linattn::detail::run_sequence_parallel(
-              comm_, attention_, K.cols(), V.cols(), config, nullptr, work_, prepare));
+              comm_, attention_, K.cols(), V.cols(), config, nullptr, work_, prepare,
+              [](auto&, Index, Index) {}));
         },
         std::forward<Args>(args)...);
   }
@@ -368,27 +369,50 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
   [[nodiscard]] MPI_Comm communicator() const noexcept { return comm_; }
   [[nodiscard]] const Carry& carry() const noexcept { return carry_; }
 
-  /// prefill_into(state, Q, K, V, in..., out, slots = {}): Q [B, T_p, H_q, dk],
+  /// prefill_into(state, Q, K, V, in..., out, layout = batch(), slots = {}): Q [B, T_p, H_q, dk],
   /// K [B, T_p, H_kv, dk], V [B, T_p, H_kv, dv], per-token input views [B, T_p, H_kv, 1 or r],
-  /// out [B, T_p, H_q, dv]; batch entry i continues the state at position slots[i] (or i).
-  /// Collective over the communicator; B, the heads and dims must agree across ranks, T_p not.
+  /// out [B, T_p, H_q, dv]; sequence i continues the state at position slots[i] (or i).
+  /// `layout` describes the whole sequence, rows [0, T) with T = T_0 + ... + T_{P-1}, the same
+  /// on every rank; rank p holds rows [T_0 + ... + T_{p-1}, ... + T_p) of it:
+  ///   batch()          every batch entry is one sequence of all T rows;
+  ///   packed(offsets)  B = 1, sequence s is rows [offsets[s], offsets[s+1]) of the whole
+  ///                    stream (offsets end at T): a sequence may lie on one rank, or cross
+  ///                    into the next ones, which then read its carry;
+  ///   padded(lengths)  sequence b is rows [0, lengths[b]) of entry b; this rank's rows at and
+  ///                    after it are padding (never read, outputs set to zero).
+  /// Collective over the communicator; B, the heads, dims and layout must agree across ranks,
+  /// T_p not. A layout other than batch() costs one more MPI_Allgather (of the T_p), and with
+  /// the summaries schedule every rank exchanges one summary per (sequence, state head),
+  /// whether its slice holds rows of that sequence or not.
   template <class... Args>
   ExchangeStats prefill_into(State& state, ConstView Q, ConstView K, ConstView V,
                              Args&&... args) {
     constexpr std::size_t N = Rule::token_inputs;
-    static_assert(sizeof...(Args) == N + 1 || sizeof...(Args) == N + 2,
+    static_assert(sizeof...(Args) >= N + 1 && sizeof...(Args) <= N + 3,
                   "prefill_into takes the state, Q, K, V, the rule's per-token input views, the "
-                  "output and optionally slots");
+                  "output and optionally a SequenceLayout and slots");
     auto all = std::forward_as_tuple(args...);
     const auto inputs = linattn::detail::token_views<N, Scalar>(all);
     const View out = std::get<N>(all);
+    SequenceLayout layout = SequenceLayout::batch();
     std::span<const Index> slots;
-    if constexpr (sizeof...(Args) == N + 2) slots = std::get<N + 1>(all);
+    if constexpr (sizeof...(Args) >= N + 2) {
+      using Next = std::remove_cvref_t<std::tuple_element_t<N + 1, decltype(all)>>;
+      if constexpr (std::is_same_v<Next, SequenceLayout>) {
+        layout = std::get<N + 1>(all);
+        if constexpr (sizeof...(Args) == N + 3) slots = std::get<N + 2>(all);
+      } else {
+        static_assert(sizeof...(Args) == N + 2,
+                      "prefill_into: the layout comes before the slots");
+        slots = std::get<N + 1>(all);
+      }
+    }
     const HeadConfig& heads = layer_.heads();
     const Index G = layer_.group_size(), r = layer_.feature_dim();
+    const bool whole_rows = layout.kind() == SequenceLayout::Kind::batch;
     linattn::detail::CallConfig config;
     config.call = 2;
-    config.sequences = Q.batches();
+    config.sequences = layout.count(Q.batches());
     config.q_heads = heads.q_heads;
     config.kv_heads = heads.kv_heads;
     linattn::detail::describe_attention(layer_.attention(), heads.key_dim, heads.value_dim,
@@ -396,15 +420,49 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
     config.initial_rank = carry_.initial_rank;
     config.broadcast_final = carry_.broadcast_final ? 1 : 0;
     config.schedule = static_cast<std::int32_t>(carry_.schedule);
+    config.layout = static_cast<std::int32_t>(layout.kind());
+    config.layout_hash = linattn::detail::layout_hash(config.layout, layout.values());
+    const Index S = layout.count(Q.batches()), H = heads.kv_heads;
+    // Before the ranks agree: every check a rank's own inputs can fail, the states, and (for a
+    // layout other than batch()) each head's per-token inputs over all of this rank's rows,
+    // bound and validated once; the items' rows follow from the agreed slice lengths (bind).
     const auto prepare = [&](auto& work) {
       linattn::detail::check_views(heads, r, Q, K, V, out, SequenceLayout::batch(), true);
+      check_layout_shape(layout, Q.batches());
       for (const auto& in : inputs)
         linattn::detail::check_token_view(in, K, heads.kv_heads, r,
                                           Rule::kind == WriteKind::gated);
-      linattn::detail::check_slots(state, layer_, Q.batches(), slots);
-      const Index B = Q.batches(), H = heads.kv_heads, T = K.times();
-      work.reset(B * H);
-      for (Index b = 0; b < B; ++b)
+      linattn::detail::check_slots(state, layer_, S, slots);
+      const Index T = K.times();
+      work.reset(S * H);
+      work.packed = layout.kind() == SequenceLayout::Kind::packed;
+      for (Index s = 0; s < S; ++s)
+        for (Index h = 0; h < H; ++h) {
+          const Index position = slots.empty() ? s : slots[std::size_t(s)];
+          work.states.push_back(&state.sequence(position).head(h));
+        }
+      work.tokens = T;
+      if (!whole_rows) {
+        const Index entries = Q.batches();
+        if (static_cast<Index>(head_inputs_.size()) < entries * H)
+          head_inputs_ = std::vector<linattn::detail::TokenInputs<Scalar>>(
+              static_cast<std::size_t>(entries * H));
+        for (Index b = 0; b < entries; ++b)
+          for (Index h = 0; h < H; ++h)
+            linattn::detail::bind_token_inputs<Scalar>(
+                layer_.attention().rule(), linattn::detail::rows_inputs(inputs, b, h, 0, T), T,
+                r, head_inputs_[std::size_t(b * H + h)]);
+        // The items' copies are made after the ranks agree (bind), in memory reserved now:
+        // at most this rank's rows of every head.
+        if (carry_.stage_token_major) {
+          const auto items = std::size_t(S * H);
+          stage_.reserve(items * std::size_t(G + 2), items * std::size_t(G), items,
+                         entries * T * (heads.q_heads * heads.key_dim + H * (heads.key_dim + heads.value_dim)),
+                         entries * T * heads.q_heads * heads.value_dim);
+        }
+        return;
+      }
+      for (Index b = 0; b < S; ++b)
         for (Index h = 0; h < H; ++h) {
           auto& item = work.items[std::size_t(b * H + h)];
           for (Index g = h * G; g < (h + 1) * G; ++g) {
@@ -416,26 +474,87 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
           linattn::detail::bind_token_inputs<Scalar>(
               layer_.attention().rule(), linattn::detail::rows_inputs(inputs, b, h, 0, T), T, r,
               item.inputs);
-          const Index position = slots.empty() ? b : slots[std::size_t(b)];
-          work.states.push_back(&state.sequence(position).head(h));
         }
-      work.tokens = T;
       if (carry_.stage_token_major) stage_.stage(work.items);
+    };
+    // After the ranks agree, with this rank's first row `start` in the whole sequence of
+    // `total` rows (agreed: the same verdict on every rank): each item's rows on this rank.
+    const auto bind = [&](auto& work, Index start, Index total) {
+      if (whole_rows) return;
+      layout.check(Q.batches(), total);
+      const Index T = K.times();
+      work.extent_begin.resize(std::size_t(S * H));
+      work.extent_end.resize(std::size_t(S * H));
+      for (Index s = 0; s < S; ++s) {
+        // The sequence's rows in the whole sequence, and the part this rank holds: local rows
+        // [first, first + n) of batch entry b.
+        const Index b = layout.batch_entry(s);
+        const Index begin = layout.first_row(s), end = begin + layout.length(s, total);
+        const Index first = std::clamp(begin - start, Index{0}, T),
+                    n = std::clamp(end - start, Index{0}, T) - first;
+        for (Index h = 0; h < H; ++h) {
+          const auto i = std::size_t(s * H + h);
+          auto& item = work.items[i];
+          work.extent_begin[i] = begin;
+          work.extent_end[i] = end;
+          if (layout.kind() == SequenceLayout::Kind::padded)
+            linattn::detail::zero_rows(out.slice(b, n, T - n, h * G, G));
+          for (Index g = h * G; g < (h + 1) * G; ++g) {
+            item.queries.push_back(
+                linattn::detail::RowsSpec<const Scalar>::of(Q.head_rows(b, g, first, n)));
+            item.outputs.push_back(
+                linattn::detail::RowsSpec<Scalar>::of(out.head_rows(b, g, first, n)));
+          }
+          item.keys = linattn::detail::RowsSpec<const Scalar>::of(K.head_rows(b, h, first, n));
+          item.values = linattn::detail::RowsSpec<const Scalar>::of(V.head_rows(b, h, first, n));
+          linattn::detail::narrow_token_inputs(head_inputs_[std::size_t(b * H + h)], first, n,
+                                               item.inputs);
+        }
+      }
+      if (carry_.stage_token_major) stage_.stage(work.items);  // within what prepare reserved
     };
     stage_.active = false;
     const auto result = linattn::detail::run_sequence_parallel(
         comm_, layer_.attention(), heads.key_dim, heads.value_dim, config, layer_.executor(),
-        work_, prepare);
+        work_, prepare, bind);
     if (result.failure) detail::raise(*result.failure);
     stage_.finish();
     return detail::stats_of(result.counts);
   }
 
  private:
+  // The checks of SequenceLayout::check that do not need the whole sequence's length.
+  static void check_layout_shape(const SequenceLayout& layout, Index B) {
+    const auto values = layout.values();
+    if (layout.kind() == SequenceLayout::Kind::packed) {
+      if (B != 1)
+        linattn::detail::throw_shape_error("a packed (offsets) layout needs batch size 1, got B=", B);
+      if (values.empty() || values.front() != 0)
+        linattn::detail::throw_shape_error("packed offsets must start at 0, got ", values.size(),
+                                           " offsets", values.empty() ? "" : " from ",
+                                           values.empty() ? Index{0} : values.front());
+      for (std::size_t i = 1; i < values.size(); ++i)
+        if (values[i] < values[i - 1])
+          linattn::detail::throw_shape_error("packed offsets must not decrease, got ",
+                                             values[i - 1], " then ", values[i], " at position ", i);
+    } else if (layout.kind() == SequenceLayout::Kind::padded) {
+      if (static_cast<Index>(values.size()) != B)
+        linattn::detail::throw_shape_error("padded layout has ", values.size(),
+                                           " lengths for batch size B=", B);
+      for (std::size_t i = 0; i < values.size(); ++i)
+        if (values[i] < 0)
+          linattn::detail::throw_shape_error("padded length ", values[i], " of sequence ", i,
+                                             " is negative");
+    }
+  }
+
   Layer layer_;
   MPI_Comm comm_;
   Carry carry_;
   linattn::detail::RankWork<HeadAttention> work_;
+  // A layout other than batch(): each (batch entry, state head)'s per-token inputs over this
+  // rank's rows, bound before the ranks agree; the items read their rows of them.
+  std::vector<linattn::detail::TokenInputs<Scalar>> head_inputs_;
   linattn::detail::HeadMajorStage<Scalar> stage_;
 };
 

@@ -325,6 +325,119 @@ TEST_CASE("multi-head layer, both schedules, every rule, both layouts, grouped h
       }
 }
 
+namespace {
+
+// The layer over a packed or padded layout of the whole sequence, split across the ranks:
+// every sequence's rows equal, bit for bit, the one-head split call of that sequence alone (each
+// rank passing the rows of it that its slice holds, possibly none) for each query head, under
+// the same schedule; so do the states each rank keeps and their token counts. Twice: the
+// second call continues the first's states (held by the last rank, the default). Padded rows
+// of the outputs are zero. Sequences cross ranks, lie on one rank, or are empty.
+template <class Attention, std::size_t N>
+void check_layer_layout(const char* name, const Attention& attention,
+                        const std::array<InputSpec, N>& specs, SequenceLayout::Kind kind,
+                        mpi::Schedule schedule) {
+  using Scalar = typename Attention::scalar_type;
+  const World w = world();
+  const bool packed = kind == SequenceLayout::Kind::packed;
+  const Index Hq = 4, Hkv = 2, G = Hq / Hkv, dk = 8, dv = 6, T = 61, B = packed ? 1 : 3;
+  const std::vector<Index> values =
+      packed ? std::vector<Index>{0, 5, 5, 30, 44, 61} : std::vector<Index>{61, 23, 0};
+  const SequenceLayout layout =
+      packed ? SequenceLayout::packed(values) : SequenceLayout::padded(values);
+  const Index S = layout.count(B);
+  MultiHeadAttention<Attention> layer({Hq, Hkv, dk, dv}, attention);
+  const Index r = layer.feature_dim();
+  const Layout buffers = Layout::batch_first;
+  const Buffer<Scalar> q(buffers, B, T, Hq, dk, random_matrix<Scalar>(1, B * T * Hq * dk, 2600));
+  const Buffer<Scalar> k(buffers, B, T, Hkv, dk, random_matrix<Scalar>(1, B * T * Hkv * dk, 2601));
+  const Buffer<Scalar> v(buffers, B, T, Hkv, dv, random_matrix<Scalar>(1, B * T * Hkv * dv, 2602));
+  std::vector<Buffer<Scalar>> in;
+  for (std::size_t i = 0; i < N; ++i) {
+    const Index c = specs[i].per_channel ? r : 1;
+    in.emplace_back(buffers, B, T, Hkv, c,
+                    uniform_matrix<Scalar>(1, B * T * Hkv * c, 2603 + i, specs[i].lo, specs[i].hi));
+  }
+  // The slots are reversed: sequence s continues position S - 1 - s.
+  std::vector<Index> slots(static_cast<std::size_t>(S));
+  for (Index s = 0; s < S; ++s) slots[std::size_t(s)] = S - 1 - s;
+  for (const auto& lengths : slicings_to_test(T, w.size)) {
+    const Slice my = slice_of(lengths, w.rank);
+    INFO(name << (packed ? ", packed" : ", padded") << ", rank " << w.rank << ", rows "
+              << my.offset << " + " << my.length << ", schedule " << int(schedule));
+    const mpi::Carry carry{mpi::kLastRank, false, schedule};
+    mpi::SequenceParallel<MultiHeadAttention<Attention>> split(layer, MPI_COMM_WORLD, carry);
+    auto state = layer.make_state(S);
+    std::vector<typename Attention::State> head_states;
+    for (Index i = 0; i < S * Hq; ++i) head_states.push_back(attention.make_state(dk, dv));
+    for (int call = 0; call < 2; ++call) {
+      Buffer<Scalar> out(buffers, B, T, Hq, dv, RowMatrix<Scalar>::Constant(1, B * T * Hq * dv, 7));
+      const mpi::ExchangeStats stats = [&]<std::size_t... I>(std::index_sequence<I...>) {
+        return split.prefill_into(state, q.rows(my.offset, my.length),
+                                  k.rows(my.offset, my.length), v.rows(my.offset, my.length),
+                                  in[I].rows(my.offset, my.length)...,
+                                  out.out_rows(my.offset, my.length), layout,
+                                  std::span<const Index>(slots));
+      }(std::make_index_sequence<N>{});
+      if (schedule != mpi::Schedule::automatic)
+        CHECK(stats.schedule == schedule);
+      else if (packed)  // a packed layout's automatic is the summaries
+        CHECK(stats.schedule == mpi::Schedule::summaries);
+      mpi::SequenceParallel<Attention> one(attention, MPI_COMM_WORLD,
+                                           mpi::Carry{mpi::kLastRank, false, stats.schedule});
+      for (Index s = 0; s < S; ++s) {
+        // Sequence s: rows [begin, end) of entry b of the whole sequence; this rank's part.
+        const Index b = layout.batch_entry(s), begin = layout.first_row(s),
+                    end = begin + layout.length(s, T);
+        const Index lo = std::clamp(begin, my.offset, my.offset + my.length),
+                    hi = std::clamp(end, my.offset, my.offset + my.length);
+        for (Index h = 0; h < Hq; ++h) {
+          const Index g = h / G;
+          auto& head_state = head_states[std::size_t(s * Hq + h)];
+          RowMatrix<Scalar> y(hi - lo, dv);
+          [&]<std::size_t... I>(std::index_sequence<I...>) {
+            one.prefill_into(head_state, q.cut(b, h, lo, hi - lo), k.cut(b, g, lo, hi - lo),
+                             v.cut(b, g, lo, hi - lo), in[I].cut(b, g, lo, hi - lo)..., y);
+          }(std::make_index_sequence<N>{});
+          CHECK(same_bits(out.cut(b, h, lo, hi - lo), y));
+          const auto& layer_head = state.sequence(slots[std::size_t(s)]).head(g);
+          CHECK(same_bits(layer_head.S(), head_state.S()));
+          CHECK(layer_head.tokens() == head_state.tokens());
+          if (!packed) {  // padding on this rank: zero; other ranks' rows: not written
+            const RowMatrix<Scalar> pad = out.cut(b, h, hi, my.offset + my.length - hi);
+            CHECK(pad.isZero(0));
+          }
+          CHECK((out.cut(b, h, 0, my.offset).array() == Scalar(7)).all());
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("multi-head layer over a packed or padded layout of the whole sequence: each "
+          "sequence equals its own one-head split call bit for bit, twice in a row",
+          "[mpi][multihead][layout]") {
+  for (const auto kind : {SequenceLayout::Kind::packed, SequenceLayout::Kind::padded})
+    for (mpi::Schedule s :
+         {mpi::Schedule::automatic, mpi::Schedule::summaries, mpi::Schedule::pipeline}) {
+      // The automatic schedule of a padded layout may be the hybrid, whose filled items have
+      // other bits than a one-head call; the packed layout's is the summaries.
+      if (s == mpi::Schedule::automatic && kind == SequenceLayout::Kind::padded) continue;
+      check_layer_layout("additive", LinearAttention<EluPlusOne>(), std::array<InputSpec, 0>{},
+                         kind, s);
+      check_layer_layout("decay", RuleAttention<EluPlusOne, Decay>(EluPlusOne{}, Decay(0.9)),
+                         std::array<InputSpec, 0>{}, kind, s);
+      check_layer_layout("gated (per-channel gates)", RuleAttention<EluPlusOne, Gated>(),
+                         std::array<InputSpec, 1>{InputSpec{true, -0.3, 0.0}}, kind, s);
+      check_layer_layout("gated_delta", RuleAttention<L2Normalize, GatedDelta>(),
+                         std::array<InputSpec, 2>{InputSpec{false, 0.0, 1.0},
+                                                  InputSpec{false, -0.2, 0.0}},
+                         kind, s);
+    }
+}
+
 TEST_CASE("layer objects that share a StageMemory hold its copies once and give the bits of "
           "objects with their own", "[mpi][multihead]") {
   // Two "layers" (objects) called one after the other on batch-first buffers (which stage):
@@ -557,6 +670,39 @@ TEST_CASE("ranks that disagree on the configuration all throw the same RankMisma
   });
   CHECK_THAT(m, Catch::Contains("the number of query heads"));
   good_call();
+  // A layer's sequence layout: ranks that pass other offsets, or another kind, disagree; a
+  // layout that does not fit the whole sequence (T = 5 rows per rank) fails on every rank.
+  const auto layer_call = [&](const SequenceLayout& layout) {
+    const Index T = 5, B = layout.kind() == SequenceLayout::Kind::padded ? Index(layout.values().size()) : 1;
+    MultiHeadAttention<LinearAttention<EluPlusOne>> layer({2, 2, 4, 4}, additive);
+    const RowMatrix<float> x = random_matrix<float>(B * T, 8, 3);
+    RowMatrix<float> out(B * T, 8);
+    auto state = layer.make_state(layout.count(B));
+    const auto in = TensorView<const float>::batch_first(x.data(), B, T, 2, 4);
+    mpi::SequenceParallel<MultiHeadAttention<LinearAttention<EluPlusOne>>>(layer, MPI_COMM_WORLD)
+        .prefill_into(state, in, in, in, TensorView<float>::batch_first(out.data(), B, T, 2, 4),
+                      layout);
+  };
+  const Index whole = 5 * w.size;
+  const std::vector<Index> offsets{0, 2, whole}, other{0, 3, whole}, lengths{whole, 1};
+  m = every_rank_throws<mpi::RankMismatchError>([&] {
+    layer_call(SequenceLayout::packed(w.rank == w.size - 1 ? other : offsets));
+  });
+  CHECK_THAT(m, Catch::Contains("the sequence layout's offsets or lengths"));
+  good_call();
+  m = every_rank_throws<mpi::RankMismatchError>([&] {
+    layer_call(w.rank == 1 ? SequenceLayout::padded(lengths) : SequenceLayout::packed(offsets));
+  });
+  CHECK_THAT(m, Catch::Contains("the sequence layout (0: batch, 1: packed, 2: padded): rank 0 has 1, rank 1 has 2"));
+  good_call();
+  const std::vector<Index> short_offsets{0, 2, whole - 1}, long_lengths{whole + 1, 1};
+  m = every_rank_throws<ShapeError>([&] { layer_call(SequenceLayout::packed(short_offsets)); });
+  CHECK_THAT(m, Catch::Contains("packed offsets must start at 0 and end at T=" + std::to_string(whole)));
+  good_call();
+  m = every_rank_throws<ShapeError>([&] { layer_call(SequenceLayout::padded(long_lengths)); });
+  CHECK_THAT(m, Catch::Contains("padded length " + std::to_string(whole + 1)));
+  good_call();
+  layer_call(SequenceLayout::packed(offsets));  // and the next call runs
   m = every_rank_throws<std::invalid_argument>(
       [&] { slice_call(additive, kBadDk, kBadDv, {w.size, false}); });
   CHECK_THAT(m, Catch::Contains("Carry::initial_rank is " + std::to_string(w.size)));

@@ -100,12 +100,15 @@ struct RowCopy {
   Index to_stride, cols;
 };
 
-/// Runs the copies row by row for rows [0, T), each row's pieces in their order in `pieces`,
-/// streaming when `stream`. O(T * sum of cols).
+/// Runs pieces[begin, end) row by row for rows [0, T), each row's pieces in their order,
+/// streaming when `stream` (the caller fences after its last streaming copy). O(T * sum of
+/// cols).
 template <class Scalar>
-void copy_rows(const std::vector<RowCopy<Scalar>>& pieces, Index T, bool stream) {
+void copy_rows(const std::vector<RowCopy<Scalar>>& pieces, std::size_t begin, std::size_t end,
+               Index T, bool stream) {
   for (Index row = 0; row < T; ++row)
-    for (const auto& p : pieces) {
+    for (std::size_t i = begin; i < end; ++i) {
+      const RowCopy<Scalar>& p = pieces[i];
       const Scalar* from = p.from + row * p.from_stride;
       Scalar* to = p.to + row * p.to_stride;
       if (stream)
@@ -113,7 +116,6 @@ void copy_rows(const std::vector<RowCopy<Scalar>>& pieces, Index T, bool stream)
       else
         std::copy_n(from, p.cols, to);
     }
-  if (stream) stream_fence();
 }
 
 /// True when some item's rows are not contiguous and more than one item shares the buffers:
@@ -121,10 +123,10 @@ void copy_rows(const std::vector<RowCopy<Scalar>>& pieces, Index T, bool stream)
 template <class Scalar>
 bool worth_staging(const std::vector<SliceItem<Scalar>>& items) {
   if (items.size() < 2) return false;
-  for (const auto& item : items) {
-    if (item.keys.rows == 0) return false;
-    if (item.keys.stride != item.keys.cols || item.values.stride != item.values.cols) return true;
-  }
+  for (const auto& item : items)
+    if (item.keys.rows > 0 &&
+        (item.keys.stride != item.keys.cols || item.values.stride != item.values.cols))
+      return true;
   return false;
 }
 
@@ -154,9 +156,16 @@ class StageMemory {
 /// one to share), kept by the caller from call to call so a repeated shape touches no new memory.
 template <class Scalar>
 struct HeadMajorStage {
+  /// Consecutive items with the same number of rows (all of them in the batch layout; the
+  /// state heads of one sequence in a packed one): their pieces are copy_in[in_begin, in_end)
+  /// and copy_out[out_begin, out_end), `rows` rows each.
+  struct Group {
+    std::size_t in_begin, in_end, out_begin, out_end;
+    Index rows;
+  };
   std::shared_ptr<StageMemory<Scalar>> memory = std::make_shared<StageMemory<Scalar>>();
   std::vector<RowCopy<Scalar>> copy_in, copy_out;  // copy_out: the staged outputs back
-  Index rows = 0;
+  std::vector<Group> groups;
   bool active = false, stream_out = false;
 
   HeadMajorStage() = default;
@@ -169,50 +178,78 @@ struct HeadMajorStage {
   HeadMajorStage& operator=(HeadMajorStage&&) noexcept = default;
   ~HeadMajorStage() = default;
 
+  /// Reserves what stage() needs for at most `pieces` input copies, `out_pieces` output copies,
+  /// `group_count` groups, `in_size` input and `out_size` output scalars, so that a stage()
+  /// within those bounds allocates nothing (and so cannot fail): for a caller that stages
+  /// after the ranks have agreed. Throws std::bad_alloc.
+  void reserve(std::size_t pieces, std::size_t out_pieces, std::size_t group_count,
+               Index in_size, Index out_size) {
+    if (!memory) memory = std::make_shared<StageMemory<Scalar>>();
+    copy_in.reserve(pieces);
+    copy_out.reserve(out_pieces);
+    groups.reserve(group_count);
+    memory->inputs_.reserve(in_size);
+    memory->outputs_.reserve(out_size);
+  }
+
   /// Points every item's queries, keys, values and outputs at head-major copies (inputs copied
   /// now, outputs written by the call and copied back by finish()). Allocates when the
-  /// slice is larger than any before.
+  /// slice is larger than any before. Items without rows are left alone.
   void stage(std::vector<SliceItem<Scalar>>& items) {
     active = false;
     copy_in.clear();
     copy_out.clear();
+    groups.clear();
     if (!worth_staging(items)) return;
-    rows = items.front().keys.rows;
     if (!memory) memory = std::make_shared<StageMemory<Scalar>>();
-    std::vector<RowsSpec<const Scalar>*> sources;
     Index in_size = 0, out_size = 0;
-    for (auto& item : items) {
-      for (auto& q : item.queries) sources.push_back(&q);
-      sources.push_back(&item.keys);
-      sources.push_back(&item.values);
-      for (auto& o : item.outputs) out_size += o.rows * o.cols;
+    for (const auto& item : items) {
+      for (const auto& q : item.queries) in_size += q.rows * q.cols;
+      in_size += item.keys.rows * item.keys.cols + item.values.rows * item.values.cols;
+      for (const auto& o : item.outputs) out_size += o.rows * o.cols;
     }
-    for (const auto* s : sources) in_size += s->rows * s->cols;
-    // Each copy: its rows back to back, one after the other in the order of `sources` (inputs)
-    // and of the items' outputs; every copy starts on a cache line where cols * sizeof(Scalar)
-    // is a multiple of one, as for d = 16, 32, ... in float.
-    Scalar* at = memory->inputs_.reserve(in_size);
-    for (auto* s : sources) {
-      copy_in.push_back({s->data, s->stride, at, s->cols, s->cols});
-      *s = {at, s->rows, s->cols, s->cols};
-      at += s->rows * s->cols;
-    }
-    at = memory->outputs_.reserve(out_size);
-    for (auto& item : items)
-      for (auto& o : item.outputs) {
-        copy_out.push_back({at, o.cols, o.data, o.stride, o.cols});
-        o = {at, o.rows, o.cols, o.cols};
-        at += o.rows * o.cols;
+    // Each copy: its rows back to back, one after the other in the order of the items (queries,
+    // keys, values; then the outputs); every copy starts on a cache line where cols *
+    // sizeof(Scalar) is a multiple of one, as for d = 16, 32, ... in float.
+    Scalar* in_at = memory->inputs_.reserve(in_size);
+    Scalar* out_at = memory->outputs_.reserve(out_size);
+    const auto stage_input = [&](RowsSpec<const Scalar>& s) {
+      copy_in.push_back({s.data, s.stride, in_at, s.cols, s.cols});
+      s = {in_at, s.rows, s.cols, s.cols};
+      in_at += s.rows * s.cols;
+    };
+    for (std::size_t i = 0; i < items.size();) {
+      const Index rows = items[i].keys.rows;
+      std::size_t end = i + 1;
+      while (end < items.size() && items[end].keys.rows == rows) ++end;
+      if (rows > 0) {
+        Group group{copy_in.size(), 0, copy_out.size(), 0, rows};
+        for (std::size_t j = i; j < end; ++j) {
+          for (auto& q : items[j].queries) stage_input(q);
+          stage_input(items[j].keys);
+          stage_input(items[j].values);
+          for (auto& o : items[j].outputs) {
+            copy_out.push_back({out_at, o.cols, o.data, o.stride, o.cols});
+            o = {out_at, o.rows, o.cols, o.cols};
+            out_at += o.rows * o.cols;
+          }
+        }
+        group.in_end = copy_in.size();
+        group.out_end = copy_out.size();
+        // Each row's pieces in address order of the token-major side: read (inputs) or
+        // written (outputs) sequentially.
+        std::sort(copy_in.begin() + std::ptrdiff_t(group.in_begin), copy_in.end(),
+                  [](const auto& a, const auto& b) { return std::less<const Scalar*>()(a.from, b.from); });
+        std::sort(copy_out.begin() + std::ptrdiff_t(group.out_begin), copy_out.end(),
+                  [](const auto& a, const auto& b) { return std::less<const Scalar*>()(a.to, b.to); });
+        groups.push_back(group);
       }
-    // Each row's pieces in address order of the token-major side: read (inputs) or written
-    // (outputs) sequentially.
-    std::sort(copy_in.begin(), copy_in.end(), [](const auto& a, const auto& b) {
-      return std::less<const Scalar*>()(a.from, b.from);
-    });
-    std::sort(copy_out.begin(), copy_out.end(), [](const auto& a, const auto& b) {
-      return std::less<const Scalar*>()(a.to, b.to);
-    });
-    copy_rows(copy_in, rows, std::size_t(in_size) * sizeof(Scalar) > kStreamStageBytes);
+      i = end;
+    }
+    const bool stream_in = std::size_t(in_size) * sizeof(Scalar) > kStreamStageBytes;
+    for (const Group& g : groups)
+      copy_rows(copy_in, g.in_begin, g.in_end, g.rows, stream_in);
+    if (stream_in) stream_fence();
     stream_out = std::size_t(out_size) * sizeof(Scalar) > kStreamStageBytes;
     active = true;
   }
@@ -221,7 +258,9 @@ struct HeadMajorStage {
   void finish() {
     if (!active) return;
     active = false;
-    copy_rows(copy_out, rows, stream_out);
+    for (const Group& g : groups)
+      copy_rows(copy_out, g.out_begin, g.out_end, g.rows, stream_out);
+    if (stream_out) stream_fence();
   }
 };
 

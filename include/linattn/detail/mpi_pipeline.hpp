@@ -63,7 +63,6 @@ struct PipelinePlan {
   bool broadcast_final = false;
   bool initial_nonzero = false;      // the holder's states are not all zero with one count
   std::int64_t initial_tokens = 0;   // their token count where !initial_nonzero
-  Index offset = 0;                  // this rank's first row in the call's sequence
   Index fills = 0;                   // the hybrid's k_p: this rank's last items from zero
 };
 
@@ -243,7 +242,7 @@ std::optional<Failure> run_pipeline(MPI_Comm comm, const Attention& attention, I
           else
             state.assign(RowMatrix<Scalar>::Zero(r, dv), ColVector<Scalar>::Zero(message.z),
                          start_tokens);
-          runner.run_from(item, state, plan.offset);
+          runner.run_from(item, state, item.first_row);
           message.pack(state, out);
         }
         if (item.keys.rows > 0 &&
@@ -268,7 +267,7 @@ std::optional<Failure> run_pipeline(MPI_Comm comm, const Attention& attention, I
     // in `incoming` until the next receive).
     if (filled && sent_ok) {
       try {
-        runner.apply_carry(item, message.S(start), message.zmap(start), plan.offset);
+        runner.apply_carry(item, message.S(start), message.zmap(start), item.first_row);
       } catch (...) {
         record_failure(late);
         failed = true;

@@ -50,7 +50,31 @@ struct RankWork {
   std::vector<SliceItem<Scalar>> items;
   std::vector<typename Attention::State*> states;
   Index tokens = 0;  // this rank's slice length
+  // Where the items' sequences lie in the concatenation of the ranks' slices (rows [start_p,
+  // start_p + T_p) are rank p's): item i's rows are [extent_begin[i], extent_end[i]). Empty for
+  // the batch layout, where every item spans every rank's rows. A packed layout's sequence s
+  // is [offsets[s], offsets[s+1]); a padded one's entry b is [0, lengths[b]).
+  std::vector<Index> extent_begin, extent_end;
+  bool packed = false;  // the items are the sequences of a packed layout (see the schedule)
   PipelineBuffers<Scalar> pipeline;  // the pipeline schedule's messages
+  // The summaries schedule's buffers (kept: a packed layout's summaries, one per sequence and
+  // state head, reach tens of MiB, whose first touch costs more than the exchange).
+  std::vector<Scalar> summaries_sent, summaries_all;
+  std::vector<RowMatrix<Scalar>> end_S;
+  std::vector<ColVector<Scalar>> end_z;
+
+  /// Item i's rows among rows [start, start + length) of the concatenation.
+  [[nodiscard]] Index rows_in(Index i, Index start, Index length) const noexcept {
+    if (extent_begin.empty()) return length;
+    const Index lo = std::max(start, extent_begin[std::size_t(i)]),
+                hi = std::min(start + length, extent_end[std::size_t(i)]);
+    return std::max<Index>(0, hi - lo);
+  }
+  /// Which row of item i's sequence row `start` of the concatenation is (0 before it begins).
+  [[nodiscard]] Index row_in_sequence(Index i, Index start) const noexcept {
+    if (extent_begin.empty()) return start;
+    return std::max<Index>(0, start - extent_begin[std::size_t(i)]);
+  }
 
   /// `count` items, keeping the existing ones (and their buffers) when the count repeats; their
   /// views and inputs are for the caller to set again.
@@ -64,8 +88,20 @@ struct RankWork {
     }
     states.clear();
     tokens = 0;
+    extent_begin.clear();
+    extent_end.clear();
+    packed = false;
   }
 };
+
+/// Throws std::logic_error unless MPI is initialized and not finalized (before any MPI call).
+inline void require_mpi() {
+  int initialized = 0, finalized = 0;
+  check_mpi(MPI_Initialized(&initialized), "MPI_Initialized");
+  check_mpi(MPI_Finalized(&finalized), "MPI_Finalized");
+  if (!initialized || finalized)
+    throw std::logic_error("linattn::mpi: MPI is not initialized (or already finalized)");
+}
 
 struct SequenceParallelResult {
   ExchangeCounts counts;
@@ -89,19 +125,19 @@ void describe_attention(const Attention& attention, Index dk, Index dv, CallConf
 }
 
 /// Steps 1 to 6 of the file comment. `prepare(work)` fills the items and states (after
-/// work.reset(count)); `work` is the caller's, reused from call to call.
-template <class Attention, class Prepare>
+/// work.reset(count)) and checks everything a rank's own inputs can fail; after the ranks
+/// agree, `bind(work, start, total)` may still set the items' rows from this rank's first row
+/// in the whole sequence and its length (a layer's layout other than batch()): it may throw
+/// only what follows from agreed facts, so every rank throws the same. `work` is the caller's,
+/// reused from call to call.
+template <class Attention, class Prepare, class Bind>
 SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& attention, Index dk,
                                              Index dv, const CallConfig& config,
                                              Executor* executor, RankWork<Attention>& work,
-                                             Prepare&& prepare) {
+                                             Prepare&& prepare, Bind&& bind) {
   using Scalar = typename Attention::scalar_type;
   using Rule = typename Attention::rule_type;
-  int initialized = 0, finalized = 0;
-  check_mpi(MPI_Initialized(&initialized), "MPI_Initialized");
-  check_mpi(MPI_Finalized(&finalized), "MPI_Finalized");
-  if (!initialized || finalized)
-    throw std::logic_error("linattn::mpi: MPI is not initialized (or already finalized)");
+  require_mpi();
   SequenceParallelResult result;
   ExchangeCounts& counts = result.counts;
   check_mpi(MPI_Comm_rank(comm, &counts.rank), "MPI_Comm_rank");
@@ -149,6 +185,15 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
     offsets[std::size_t(q) + 1] = offsets[std::size_t(q)] + lengths[std::size_t(q)];
   }
   const Index total = offsets.back(), items = static_cast<Index>(work.items.size());
+  try {
+    bind(work, offsets[std::size_t(rank)], total);
+  } catch (...) {
+    RankRecord agreed;  // every rank met the same error: no exchange needed
+    record_failure(agreed);
+    result.failure = Failure{agreed.failure, std::string("linattn::mpi: ") + agreed.message,
+                             agreed.failure_row, agreed.failure_value};
+    return result;
+  }
   SliceRunner<Attention> runner(attention, dk, dv);
   const SummaryLayout layout = runner.layout();
   const Index m = layout.scalars(), per_state = layout.a_offset();
@@ -162,10 +207,17 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
     return result;
   }
 
+  for (Index i = 0; i < items; ++i)
+    work.items[std::size_t(i)].first_row = work.row_in_sequence(i, offsets[std::size_t(rank)]);
+
   // The schedule, the same on every rank (agreed inputs only). The delta rules' hybrid is the
-  // pipeline (schedule_model.hpp: no fills).
+  // pipeline (schedule_model.hpp: no fills). A packed layout's automatic is the summaries: its
+  // sequences lie mostly on one rank each, where they run as a single process runs them, and
+  // only a sequence that crosses into a rank's slice reads a carry there; a wavefront would
+  // make each rank wait for the sequence that ends the previous rank's slice, its last item.
   const bool initial_nonzero = records[std::size_t(holder)].initial_nonzero != 0;
   auto schedule = static_cast<ScheduleCode>(config.schedule);
+  if (work.packed && schedule == ScheduleCode::automatic) schedule = ScheduleCode::summaries;
   Index fills = 0;  // the hybrid's k_p for this rank
   if (schedule == ScheduleCode::automatic || schedule == ScheduleCode::hybrid) {
     const ScheduleModel model = model_schedules(items, lengths, !initial_nonzero,
@@ -183,7 +235,6 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
     plan.broadcast_final = config.broadcast_final != 0;
     plan.initial_nonzero = initial_nonzero;
     plan.initial_tokens = records[std::size_t(holder)].initial_tokens;
-    plan.offset = offsets[std::size_t(rank)];
     plan.fills = schedule == ScheduleCode::hybrid ? fills : 0;
     result.failure = run_pipeline(comm, attention, dk, dv, plan, work.items, work.states,
                                   work.pipeline, counts);
@@ -223,15 +274,21 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
 
   // 4: local passes and summaries.
   const Index count = 1 + items * m;
-  std::vector<Scalar> send(std::size_t(count), Scalar(0)), all(std::size_t(count) * std::size_t(P));
+  std::vector<Scalar>& send = work.summaries_sent;
+  std::vector<Scalar>& all = work.summaries_all;
+  send.resize(std::size_t(count));
+  std::fill(send.begin(), send.end(), Scalar(0));
+  all.resize(std::size_t(count) * std::size_t(P));
   counts.summary_bytes = std::size_t(count) * sizeof(Scalar);
   counts.received_bytes += std::size_t(P - 1) * counts.summary_bytes;
   RankRecord late;
-  const double flops = 8.0 * double(layout.r) * double(dv) * double(work.tokens);
+  // Work per item for the grain decision: its rows on this rank on average.
+  const double flops = 8.0 * double(layout.r) * double(dv) * double(work.tokens) *
+                       (work.extent_begin.empty() ? 1.0 : 1.0 / double(std::max<Index>(items, 1)));
   try {
     parallel_for(items, executor, flops, [&](Index i) {
       auto& item = work.items[std::size_t(i)];
-      item.direct = initial_zero[std::size_t(i)] && offsets[std::size_t(rank)] == 0;
+      item.direct = initial_zero[std::size_t(i)] && item.first_row == 0;
       runner.run_local(item, send.data() + 1 + i * m);
     });
   } catch (...) {
@@ -247,8 +304,10 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
 
   // 5: carries in rank order, applied; the states after the slice (or the whole sequence).
   const int through = config.broadcast_final != 0 ? P : rank + 1;
-  std::vector<RowMatrix<Scalar>> end_S(static_cast<std::size_t>(items));
-  std::vector<ColVector<Scalar>> end_z(static_cast<std::size_t>(items));
+  std::vector<RowMatrix<Scalar>>& end_S = work.end_S;
+  std::vector<ColVector<Scalar>>& end_z = work.end_z;
+  end_S.resize(static_cast<std::size_t>(items));
+  end_z.resize(static_cast<std::size_t>(items));
   if (every_rank_ok) {
     try {
       parallel_for(items, executor, flops, [&](Index i) {
@@ -262,11 +321,10 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
                                                          layout.keeps_z ? layout.r : 0),
                      false);
         for (int q = 0; q < through; ++q) {
-          if (q == rank)
-            runner.apply_carry(work.items[std::size_t(i)], scan.S(), scan.z(),
-                               offsets[std::size_t(rank)]);
+          auto& item = work.items[std::size_t(i)];
+          if (q == rank) runner.apply_carry(item, scan.S(), scan.z(), item.first_row);
           scan.advance(all.data() + std::size_t(q) * std::size_t(count) + 1 + i * m,
-                       lengths[std::size_t(q)]);
+                       work.rows_in(i, offsets[std::size_t(q)], lengths[std::size_t(q)]));
         }
         if (!scan.S().allFinite() || !scan.z().allFinite())
           throw std::domain_error("linattn::mpi: the state after the slice is not finite "
@@ -284,7 +342,7 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
   for (Index i = 0; i < items; ++i) {
     const Index end = through == P ? total : offsets[std::size_t(rank) + 1];
     work.states[std::size_t(i)]->assign(end_S[std::size_t(i)], end_z[std::size_t(i)],
-                                        initial_tokens[std::size_t(i)] + end);
+                                        initial_tokens[std::size_t(i)] + work.rows_in(i, 0, end));
   }
   return result;
 }

@@ -92,6 +92,7 @@ struct SliceItem {
   RowsSpec<const Scalar> keys, values;          // T x dk, T x dv
   TokenInputs<Scalar> inputs;                   // the rule's per-token inputs, bound and checked
   bool direct = false;                          // the carried state is known to be zero
+  Index first_row = 0;  // the slice's first row in its sequence (errors name rows by it)
   // Kept from run_local for apply_carry where not direct, per query head:
   std::vector<RowMatrix<Scalar>> reads;        // T x r: qf_t (decayed rules), qf_t^T A_t (delta)
   std::vector<ColVector<Scalar>> denominators;  // qf_t^T z_t from a zero carry (normalized reads)
