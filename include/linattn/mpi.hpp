@@ -1,8 +1,9 @@
 #pragma once
 /// \file mpi.hpp
-/// SequenceParallel: causal prefill of one long sequence (or a batch of them) split into
-/// contiguous slices across the ranks of an MPI communicator (CMake target linattn::mpi; the
-/// core never includes this header). docs/distributed.md says when it pays and how to run it.
+/// SequenceParallel: causal prefill of one long sequence (or a batch of them, or packed
+/// documents) split into contiguous slices across the ranks of an MPI communicator (CMake
+/// target linattn::mpi; the core never includes this header). docs/distributed.md says when
+/// it pays and how to run it.
 ///
 /// Math (REFERENCES.md section 8; LASP, Sun et al. 2024): every write rule maps the state
 /// affinely over a slice p of the sequence, S -> A_p S + B_p (z likewise where kept), so rank p
@@ -135,8 +136,8 @@ struct Carry {
   Schedule schedule = Schedule::automatic;
   /// Multi-head calls over token-major buffers ([B, T_p, H, d]: one head's rows H d apart):
   /// copy this rank's Q, K and V head-major before the items run, and the outputs back after
-  /// (detail/head_major_stage.hpp), so each item reads contiguous rows instead of one page per
-  /// row. 1.4 x faster items for 4 KiB token rows on the Zen 5 VM of docs/distributed.md; costs
+  /// (detail/head_major_stage.hpp; for a packed or padded layout, each sequence's rows), so each
+  /// item reads contiguous rows instead of one page per row. 1.4 x faster items for 4 KiB token rows on the Zen 5 VM of docs/distributed.md; costs
   /// memory the size of this rank's slices of Q, K, V and out, kept by the object. The same
   /// bits either way, so ranks may differ in it.
   bool stage_token_major = true;
@@ -337,7 +338,8 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
 /// [B, T_p, H, d] as MultiHeadAttention::prefill_into takes them (any strides with a
 /// contiguous last axis, so batch-first and head-first buffers alike), and the layer's batch
 /// state; grouped heads share a state per key/value head. Every batch entry is one sequence
-/// (the batch layout). The layer's executor runs the state heads of this rank.
+/// (the batch layout), or a SequenceLayout over the whole sequence says which rows form each
+/// (packed documents, padded entries). The layer's executor runs the state heads of this rank.
 template <class HeadAttention>
 class SequenceParallel<MultiHeadAttention<HeadAttention>> {
  public:
