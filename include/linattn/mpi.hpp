@@ -383,9 +383,11 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
   ///   padded(lengths)  sequence b is rows [0, lengths[b]) of entry b; this rank's rows at and
   ///                    after it are padding (never read, outputs set to zero).
   /// Collective over the communicator; B, the heads, dims and layout must agree across ranks,
-  /// T_p not. A layout other than batch() costs one more MPI_Allgather (of the T_p), and with
-  /// the summaries schedule every rank exchanges one summary per (sequence, state head),
-  /// whether its slice holds rows of that sequence or not.
+  /// T_p not. A layout other than batch() binds each rank's rows once the ranks have agreed on
+  /// the slice lengths and gathers the records once more (errors of the per-token inputs then
+  /// throw on every rank); with the summaries schedule every rank exchanges one summary per
+  /// (sequence, state head), whether its slice holds rows of that sequence or not. Padding is
+  /// never read or checked.
   template <class... Args>
   ExchangeStats prefill_into(State& state, ConstView Q, ConstView K, ConstView V,
                              Args&&... args) {
@@ -425,9 +427,21 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
     config.layout = static_cast<std::int32_t>(layout.kind());
     config.layout_hash = linattn::detail::layout_hash(config.layout, layout.values());
     const Index S = layout.count(Q.batches()), H = heads.kv_heads;
-    // Before the ranks agree: every check a rank's own inputs can fail, the states, and (for a
-    // layout other than batch()) each head's per-token inputs over all of this rank's rows,
-    // bound and validated once; the items' rows follow from the agreed slice lengths (bind).
+    // Before the ranks agree: the checks of the shapes, the slots and the states. The items'
+    // rows, their per-token inputs (bound and checked) and the head-major copies: here for the
+    // batch layout, after the ranks agree on the slice lengths for another (bind).
+    const auto bind_item = [&](auto& item, Index b, Index h, Index first, Index n) {
+      for (Index g = h * G; g < (h + 1) * G; ++g) {
+        item.queries.push_back(
+            linattn::detail::RowsSpec<const Scalar>::of(Q.head_rows(b, g, first, n)));
+        item.outputs.push_back(linattn::detail::RowsSpec<Scalar>::of(out.head_rows(b, g, first, n)));
+      }
+      item.keys = linattn::detail::RowsSpec<const Scalar>::of(K.head_rows(b, h, first, n));
+      item.values = linattn::detail::RowsSpec<const Scalar>::of(V.head_rows(b, h, first, n));
+      linattn::detail::bind_token_inputs<Scalar>(
+          layer_.attention().rule(), linattn::detail::rows_inputs(inputs, b, h, first, n), n, r,
+          item.inputs);
+    };
     const auto prepare = [&](auto& work) {
       linattn::detail::check_views(heads, r, Q, K, V, out, SequenceLayout::batch(), true);
       check_layout_shape(layout, Q.batches());
@@ -442,78 +456,33 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
         for (Index h = 0; h < H; ++h) {
           const Index position = slots.empty() ? s : slots[std::size_t(s)];
           work.states.push_back(&state.sequence(position).head(h));
+          if (whole_rows) bind_item(work.items[std::size_t(s * H + h)], s, h, 0, T);
         }
       work.tokens = T;
-      if (!whole_rows) {
-        const Index entries = Q.batches();
-        if (static_cast<Index>(head_inputs_.size()) < entries * H)
-          head_inputs_ = std::vector<linattn::detail::TokenInputs<Scalar>>(
-              static_cast<std::size_t>(entries * H));
-        for (Index b = 0; b < entries; ++b)
-          for (Index h = 0; h < H; ++h)
-            linattn::detail::bind_token_inputs<Scalar>(
-                layer_.attention().rule(), linattn::detail::rows_inputs(inputs, b, h, 0, T), T,
-                r, head_inputs_[std::size_t(b * H + h)]);
-        // The items' copies are made after the ranks agree (bind), in memory reserved now:
-        // at most this rank's rows of every head.
-        if (carry_.stage_token_major) {
-          const auto items = std::size_t(S * H);
-          stage_.reserve(items * std::size_t(G + 2), items * std::size_t(G), items,
-                         entries * T * (heads.q_heads * heads.key_dim + H * (heads.key_dim + heads.value_dim)),
-                         entries * T * heads.q_heads * heads.value_dim);
-        }
-        return;
-      }
-      for (Index b = 0; b < S; ++b)
-        for (Index h = 0; h < H; ++h) {
-          auto& item = work.items[std::size_t(b * H + h)];
-          for (Index g = h * G; g < (h + 1) * G; ++g) {
-            item.queries.push_back(linattn::detail::RowsSpec<const Scalar>::of(Q.head_matrix(b, g)));
-            item.outputs.push_back(linattn::detail::RowsSpec<Scalar>::of(out.head_matrix(b, g)));
-          }
-          item.keys = linattn::detail::RowsSpec<const Scalar>::of(K.head_matrix(b, h));
-          item.values = linattn::detail::RowsSpec<const Scalar>::of(V.head_matrix(b, h));
-          linattn::detail::bind_token_inputs<Scalar>(
-              layer_.attention().rule(), linattn::detail::rows_inputs(inputs, b, h, 0, T), T, r,
-              item.inputs);
-        }
-      if (carry_.stage_token_major) stage_.stage(work.items);
+      if (whole_rows && carry_.stage_token_major) stage_.stage(work.items);
     };
-    // After the ranks agree, with this rank's first row `start` in the whole sequence of
-    // `total` rows (agreed: the same verdict on every rank): each item's rows on this rank.
+    // With this rank's first row `start` in the whole sequence of `total` rows: each sequence's
+    // rows on this rank, local rows [first, first + n) of batch entry b.
     const auto bind = [&](auto& work, Index start, Index total) {
-      if (whole_rows) return;
       layout.check(Q.batches(), total);
       const Index T = K.times();
       work.extent_begin.resize(std::size_t(S * H));
       work.extent_end.resize(std::size_t(S * H));
       for (Index s = 0; s < S; ++s) {
-        // The sequence's rows in the whole sequence, and the part this rank holds: local rows
-        // [first, first + n) of batch entry b.
         const Index b = layout.batch_entry(s);
         const Index begin = layout.first_row(s), end = begin + layout.length(s, total);
         const Index first = std::clamp(begin - start, Index{0}, T),
                     n = std::clamp(end - start, Index{0}, T) - first;
         for (Index h = 0; h < H; ++h) {
           const auto i = std::size_t(s * H + h);
-          auto& item = work.items[i];
           work.extent_begin[i] = begin;
           work.extent_end[i] = end;
           if (layout.kind() == SequenceLayout::Kind::padded)
             linattn::detail::zero_rows(out.slice(b, n, T - n, h * G, G));
-          for (Index g = h * G; g < (h + 1) * G; ++g) {
-            item.queries.push_back(
-                linattn::detail::RowsSpec<const Scalar>::of(Q.head_rows(b, g, first, n)));
-            item.outputs.push_back(
-                linattn::detail::RowsSpec<Scalar>::of(out.head_rows(b, g, first, n)));
-          }
-          item.keys = linattn::detail::RowsSpec<const Scalar>::of(K.head_rows(b, h, first, n));
-          item.values = linattn::detail::RowsSpec<const Scalar>::of(V.head_rows(b, h, first, n));
-          linattn::detail::narrow_token_inputs(head_inputs_[std::size_t(b * H + h)], first, n,
-                                               item.inputs);
+          bind_item(work.items[i], b, h, first, n);
         }
       }
-      if (carry_.stage_token_major) stage_.stage(work.items);  // within what prepare reserved
+      if (carry_.stage_token_major) stage_.stage(work.items);
     };
     stage_.active = false;
     const auto result = linattn::detail::run_sequence_parallel(
@@ -554,9 +523,6 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
   MPI_Comm comm_;
   Carry carry_;
   linattn::detail::RankWork<HeadAttention> work_;
-  // A layout other than batch(): each (batch entry, state head)'s per-token inputs over this
-  // rank's rows, bound before the ranks agree; the items read their rows of them.
-  std::vector<linattn::detail::TokenInputs<Scalar>> head_inputs_;
   linattn::detail::HeadMajorStage<Scalar> stage_;
 };
 

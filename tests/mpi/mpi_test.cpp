@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -349,14 +350,29 @@ void check_layer_layout(const char* name, const Attention& attention,
   MultiHeadAttention<Attention> layer({Hq, Hkv, dk, dv}, attention);
   const Index r = layer.feature_dim();
   const Layout buffers = Layout::batch_first;
-  const Buffer<Scalar> q(buffers, B, T, Hq, dk, random_matrix<Scalar>(1, B * T * Hq * dk, 2600));
-  const Buffer<Scalar> k(buffers, B, T, Hkv, dk, random_matrix<Scalar>(1, B * T * Hkv * dk, 2601));
-  const Buffer<Scalar> v(buffers, B, T, Hkv, dv, random_matrix<Scalar>(1, B * T * Hkv * dv, 2602));
+  Buffer<Scalar> q(buffers, B, T, Hq, dk, random_matrix<Scalar>(1, B * T * Hq * dk, 2600));
+  Buffer<Scalar> k(buffers, B, T, Hkv, dk, random_matrix<Scalar>(1, B * T * Hkv * dk, 2601));
+  Buffer<Scalar> v(buffers, B, T, Hkv, dv, random_matrix<Scalar>(1, B * T * Hkv * dv, 2602));
   std::vector<Buffer<Scalar>> in;
   for (std::size_t i = 0; i < N; ++i) {
     const Index c = specs[i].per_channel ? r : 1;
     in.emplace_back(buffers, B, T, Hkv, c,
                     uniform_matrix<Scalar>(1, B * T * Hkv * c, 2603 + i, specs[i].lo, specs[i].hi));
+  }
+  // Padding holds NaN everywhere (queries, keys, values, per-token inputs): never read, never
+  // checked (a per-token input there would fail its check), as in a single-process call.
+  const auto poison = [&](Buffer<Scalar>& x) {
+    const auto view = x.template view<Scalar>(x.data.data());
+    for (Index b = 0; b < B; ++b)
+      for (Index t = values[std::size_t(b)]; t < T; ++t)
+        for (Index h = 0; h < x.H; ++h)
+          for (Index c = 0; c < x.d; ++c) view(b, t, h, c) = std::numeric_limits<Scalar>::quiet_NaN();
+  };
+  if (!packed) {
+    poison(q);
+    poison(k);
+    poison(v);
+    for (auto& x : in) poison(x);
   }
   // The slots are reversed: sequence s continues position S - 1 - s.
   std::vector<Index> slots(static_cast<std::size_t>(S));
@@ -703,6 +719,25 @@ TEST_CASE("ranks that disagree on the configuration all throw the same RankMisma
   CHECK_THAT(m, Catch::Contains("padded length " + std::to_string(whole + 1)));
   good_call();
   layer_call(SequenceLayout::packed(offsets));  // and the next call runs
+  // A bad per-token input on the last rank, found once the items are bound (after the ranks
+  // agreed on the layout): every rank throws it.
+  m = every_rank_throws<std::invalid_argument>([&] {
+    const Index T = 5;
+    using DeltaAttention = RuleAttention<L2Normalize, Delta>;
+    MultiHeadAttention<DeltaAttention> layer({2, 2, 4, 4}, DeltaAttention());
+    const RowMatrix<float> x = random_matrix<float>(T, 8, 3);
+    RowMatrix<float> beta = RowMatrix<float>::Constant(T, 2, 0.5f), out(T, 8);
+    if (w.rank == w.size - 1) beta(3, 1) = 2.0f;
+    auto state = layer.make_state(2);
+    const auto in = TensorView<const float>::batch_first(x.data(), 1, T, 2, 4);
+    mpi::SequenceParallel<MultiHeadAttention<DeltaAttention>>(layer, MPI_COMM_WORLD)
+        .prefill_into(state, in, in, in, TensorView<const float>::batch_first(beta.data(), 1, T, 2, 1),
+                      TensorView<float>::batch_first(out.data(), 1, T, 2, 4),
+                      SequenceLayout::packed(offsets));
+  });
+  CHECK_THAT(m, Catch::Contains("rank " + std::to_string(w.size - 1) + " of " +
+                                std::to_string(w.size) + " failed: linattn: beta must lie in [0, 1], got 2"));
+  good_call();
   m = every_rank_throws<std::invalid_argument>(
       [&] { slice_call(additive, kBadDk, kBadDv, {w.size, false}); });
   CHECK_THAT(m, Catch::Contains("Carry::initial_rank is " + std::to_string(w.size)));

@@ -178,20 +178,6 @@ struct HeadMajorStage {
   HeadMajorStage& operator=(HeadMajorStage&&) noexcept = default;
   ~HeadMajorStage() = default;
 
-  /// Reserves what stage() needs for at most `pieces` input copies, `out_pieces` output copies,
-  /// `group_count` groups, `in_size` input and `out_size` output scalars, so that a stage()
-  /// within those bounds allocates nothing (and so cannot fail): for a caller that stages
-  /// after the ranks have agreed. Throws std::bad_alloc.
-  void reserve(std::size_t pieces, std::size_t out_pieces, std::size_t group_count,
-               Index in_size, Index out_size) {
-    if (!memory) memory = std::make_shared<StageMemory<Scalar>>();
-    copy_in.reserve(pieces);
-    copy_out.reserve(out_pieces);
-    groups.reserve(group_count);
-    memory->inputs_.reserve(in_size);
-    memory->outputs_.reserve(out_size);
-  }
-
   /// Points every item's queries, keys, values and outputs at head-major copies (inputs copied
   /// now, outputs written by the call and copied back by finish()). Allocates when the
   /// slice is larger than any before. Items without rows are left alone.

@@ -125,11 +125,11 @@ void describe_attention(const Attention& attention, Index dk, Index dv, CallConf
 }
 
 /// Steps 1 to 6 of the file comment. `prepare(work)` fills the items and states (after
-/// work.reset(count)) and checks everything a rank's own inputs can fail; after the ranks
-/// agree, `bind(work, start, total)` may still set the items' rows from this rank's first row
-/// in the whole sequence and its length (a layer's layout other than batch()): it may throw
-/// only what follows from agreed facts, so every rank throws the same. `work` is the caller's,
-/// reused from call to call.
+/// work.reset(count)). A layer's call with a layout other than batch() (config.layout != 0)
+/// binds the items' rows only once the ranks agree, as they follow from this rank's first row
+/// in the whole sequence: `bind(work, start, total)`, then one more gather of the records so
+/// that an error there (a rank's bad per-token input, a layout that does not fit) is thrown on
+/// every rank. `work` is the caller's, reused from call to call.
 template <class Attention, class Prepare, class Bind>
 SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& attention, Index dk,
                                              Index dv, const CallConfig& config,
@@ -185,14 +185,16 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
     offsets[std::size_t(q) + 1] = offsets[std::size_t(q)] + lengths[std::size_t(q)];
   }
   const Index total = offsets.back(), items = static_cast<Index>(work.items.size());
-  try {
-    bind(work, offsets[std::size_t(rank)], total);
-  } catch (...) {
-    RankRecord agreed;  // every rank met the same error: no exchange needed
-    record_failure(agreed);
-    result.failure = Failure{agreed.failure, std::string("linattn::mpi: ") + agreed.message,
-                             agreed.failure_row, agreed.failure_value};
-    return result;
+  if (config.layout != 0) {  // the same on every rank (agreed)
+    RankRecord bound;
+    try {
+      bind(work, offsets[std::size_t(rank)], total);
+    } catch (...) {
+      record_failure(bound);
+    }
+    counts.record_bytes += sizeof(RankRecord);
+    counts.received_bytes += std::size_t(P - 1) * sizeof(RankRecord);
+    if ((result.failure = first_failure(gather_records(comm, bound, P)))) return result;
   }
   SliceRunner<Attention> runner(attention, dk, dv);
   const SummaryLayout layout = runner.layout();
@@ -283,8 +285,10 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
   counts.received_bytes += std::size_t(P - 1) * counts.summary_bytes;
   RankRecord late;
   // Work per item for the grain decision: its rows on this rank on average.
-  const double flops = 8.0 * double(layout.r) * double(dv) * double(work.tokens) *
-                       (work.extent_begin.empty() ? 1.0 : 1.0 / double(std::max<Index>(items, 1)));
+  Index item_rows = 0;
+  for (const auto& item : work.items) item_rows += item.keys.rows;
+  const double flops = 8.0 * double(layout.r) * double(dv) * double(item_rows) /
+                       double(std::max<Index>(items, 1));
   try {
     parallel_for(items, executor, flops, [&](Index i) {
       auto& item = work.items[std::size_t(i)];

@@ -117,20 +117,6 @@ struct TokenInputs {
   TokenInputs& operator=(const TokenInputs&) = delete;
 };
 
-/// Rows [first, first + n) of inputs bound by bind_token_inputs, as views into `from` (which
-/// must outlive `to`). Checks nothing: `from` was validated when it was bound.
-template <class Scalar>
-void narrow_token_inputs(const TokenInputs<Scalar>& from, Index first, Index n,
-                         TokenInputs<Scalar>& to) {
-  const auto rows = [&](const TokenArray<Scalar>& a) {
-    return a.data == nullptr && a.rows == 0 ? a : a.middle_rows(first, n);
-  };
-  to.log_gate = rows(from.log_gate);
-  to.beta = rows(from.beta);
-  to.log_alpha = rows(from.log_alpha);
-  to.constant_log_gate = from.constant_log_gate;
-}
-
 /// A length-T vector input (row or column) bound into `array`; ShapeError names `what`.
 template <class Scalar, class D>
 void bind_vector(const Eigen::MatrixBase<D>& x, Index T, const char* what,
