@@ -136,8 +136,9 @@ struct Carry {
   Schedule schedule = Schedule::automatic;
   /// Multi-head calls over token-major buffers ([B, T_p, H, d]: one head's rows H d apart):
   /// copy this rank's Q, K and V head-major before the items run, and the outputs back after
-  /// (detail/head_major_stage.hpp; for a packed or padded layout, each sequence's rows), so each
-  /// item reads contiguous rows instead of one page per row. 1.4 x faster items for 4 KiB token rows on the Zen 5 VM of docs/distributed.md; costs
+  /// (detail/head_major_stage.hpp; for a packed or padded layout, each sequence's rows), so
+  /// each item reads contiguous rows instead of one page per row. 1.4 x faster items for 4 KiB
+  /// token rows on the Zen 5 VM of docs/distributed.md; costs
   /// memory the size of this rank's slices of Q, K, V and out, kept by the object. The same
   /// bits either way, so ranks may differ in it.
   bool stage_token_major = true;
@@ -444,7 +445,7 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
     };
     const auto prepare = [&](auto& work) {
       linattn::detail::check_views(heads, r, Q, K, V, out, SequenceLayout::batch(), true);
-      check_layout_shape(layout, Q.batches());
+      layout.check_entries(Q.batches());
       for (const auto& in : inputs)
         linattn::detail::check_token_view(in, K, heads.kv_heads, r,
                                           Rule::kind == WriteKind::gated);
@@ -494,31 +495,6 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
   }
 
  private:
-  // The checks of SequenceLayout::check that do not need the whole sequence's length.
-  static void check_layout_shape(const SequenceLayout& layout, Index B) {
-    const auto values = layout.values();
-    if (layout.kind() == SequenceLayout::Kind::packed) {
-      if (B != 1)
-        linattn::detail::throw_shape_error("a packed (offsets) layout needs batch size 1, got B=", B);
-      if (values.empty() || values.front() != 0)
-        linattn::detail::throw_shape_error("packed offsets must start at 0, got ", values.size(),
-                                           " offsets", values.empty() ? "" : " from ",
-                                           values.empty() ? Index{0} : values.front());
-      for (std::size_t i = 1; i < values.size(); ++i)
-        if (values[i] < values[i - 1])
-          linattn::detail::throw_shape_error("packed offsets must not decrease, got ",
-                                             values[i - 1], " then ", values[i], " at position ", i);
-    } else if (layout.kind() == SequenceLayout::Kind::padded) {
-      if (static_cast<Index>(values.size()) != B)
-        linattn::detail::throw_shape_error("padded layout has ", values.size(),
-                                           " lengths for batch size B=", B);
-      for (std::size_t i = 0; i < values.size(); ++i)
-        if (values[i] < 0)
-          linattn::detail::throw_shape_error("padded length ", values[i], " of sequence ", i,
-                                             " is negative");
-    }
-  }
-
   Layer layer_;
   MPI_Comm comm_;
   Carry carry_;

@@ -59,14 +59,30 @@ class SequenceLayout {
 
   /// Throws ShapeError unless this layout fits a view of B entries and T rows.
   void check(Index B, Index T) const {
+    check_entries(B);
+    if (kind_ == Kind::packed) {
+      if (values_.back() != T)
+        detail::throw_shape_error("packed offsets must start at 0 and end at T=", T, ", got ",
+                                  values_.size(), " offsets from ", values_.front(), " to ",
+                                  values_.back());
+    } else if (kind_ == Kind::padded) {
+      for (std::size_t i = 0; i < values_.size(); ++i)
+        if (values_[i] > T)
+          detail::throw_shape_error("padded length ", values_[i], " of sequence ", i,
+                                    " is outside [0, T=", T, "]");
+    }
+  }
+
+  /// The checks of check() that do not need T (for a caller that learns T later, as the
+  /// sequence-parallel layer learns the whole sequence's length from the other ranks): packed
+  /// offsets start at 0, do not decrease, and B = 1; padded lengths number B and are >= 0.
+  void check_entries(Index B) const {
     if (kind_ == Kind::packed) {
       if (B != 1)
         detail::throw_shape_error("a packed (offsets) layout needs batch size 1, got B=", B);
-      if (values_.empty() || values_.front() != 0 || values_.back() != T)
-        detail::throw_shape_error("packed offsets must start at 0 and end at T=", T, ", got ",
-                                  values_.size(), " offsets from ",
-                                  values_.empty() ? -1 : values_.front(), " to ",
-                                  values_.empty() ? -1 : values_.back());
+      if (values_.empty() || values_.front() != 0)
+        detail::throw_shape_error("packed offsets must start at 0, got ", values_.size(),
+                                  " offsets from ", values_.empty() ? -1 : values_.front());
       for (std::size_t i = 1; i < values_.size(); ++i)
         if (values_[i] < values_[i - 1])
           detail::throw_shape_error("packed offsets must not decrease, got ", values_[i - 1],
@@ -76,9 +92,9 @@ class SequenceLayout {
         detail::throw_shape_error("padded layout has ", values_.size(),
                                   " lengths for batch size B=", B);
       for (std::size_t i = 0; i < values_.size(); ++i)
-        if (values_[i] < 0 || values_[i] > T)
+        if (values_[i] < 0)
           detail::throw_shape_error("padded length ", values_[i], " of sequence ", i,
-                                    " is outside [0, T=", T, "]");
+                                    " is outside [0, T]");
     }
   }
 
