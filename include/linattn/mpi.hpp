@@ -64,6 +64,7 @@
 
 #include <linattn/attention.hpp>
 #include <linattn/batch_state.hpp>
+#include <linattn/detail/bytes.hpp>
 #include <linattn/detail/checks.hpp>
 #include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/head_major_stage.hpp>
@@ -78,12 +79,14 @@
 #include <Eigen/Core>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <memory>
 #include <new>
 #include <span>
 #include <stdexcept>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -426,7 +429,8 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
     config.broadcast_final = carry_.broadcast_final ? 1 : 0;
     config.schedule = static_cast<std::int32_t>(carry_.schedule);
     config.layout = static_cast<std::int32_t>(layout.kind());
-    config.layout_hash = linattn::detail::layout_hash(config.layout, layout.values());
+    // Ranks that pass other offsets or lengths disagree on it (up to a 2^-64 chance).
+    config.layout_hash = linattn::detail::fnv1a64(std::as_bytes(layout.values()));
     const Index S = layout.count(Q.batches()), H = heads.kv_heads;
     // Before the ranks agree: the checks of the shapes, the slots and the states. The items'
     // rows, their per-token inputs (bound and checked) and the head-major copies: here for the
@@ -452,7 +456,6 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
       linattn::detail::check_slots(state, layer_, S, slots);
       const Index T = K.times();
       work.reset(S * H);
-      work.packed = layout.kind() == SequenceLayout::Kind::packed;
       for (Index s = 0; s < S; ++s)
         for (Index h = 0; h < H; ++h) {
           const Index position = slots.empty() ? s : slots[std::size_t(s)];

@@ -16,7 +16,6 @@
 #include <cstring>
 #include <new>
 #include <optional>
-#include <span>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -33,7 +32,7 @@ struct CallConfig {
   std::int32_t broadcast_final = 0;
   std::int32_t schedule = 0;  // mpi::Schedule as given (ScheduleCode)
   std::int32_t layout = 0;    // SequenceLayout::Kind of a layer's call
-  std::uint64_t layout_hash = 0;  // of the layout's offsets or lengths (layout_hash())
+  std::uint64_t layout_hash = 0;  // fnv1a64 of the layout's offsets or lengths
   double rule_parameter = 0;
   double normalization_epsilon = 0;
   std::uint64_t feature_map_fingerprint = 0;
@@ -208,24 +207,6 @@ inline std::optional<Failure> first_disagreement(const std::vector<RankRecord>& 
             ck.layout_hash);
   }
   return found;
-}
-
-/// A hash of a layout's kind and values (FNV-1a over their bytes): ranks that pass different
-/// offsets or lengths disagree on it (up to a 2^-64 chance of a collision).
-inline std::uint64_t layout_hash(std::int32_t kind, std::span<const Index> values) {
-  std::uint64_t h = 0xcbf29ce484222325ULL;
-  const auto mix = [&h](const void* data, std::size_t n) {
-    const auto* bytes = static_cast<const unsigned char*>(data);
-    for (std::size_t i = 0; i < n; ++i) h = (h ^ bytes[i]) * 0x100000001b3ULL;
-  };
-  mix(&kind, sizeof kind);
-  const std::uint64_t count = values.size();
-  mix(&count, sizeof count);
-  for (const Index v : values) {
-    const std::int64_t x = v;
-    mix(&x, sizeof x);
-  }
-  return h;
 }
 
 /// MPI's datatype for float or double.

@@ -28,6 +28,7 @@
 #include <linattn/detail/slice_summary.hpp>
 #include <linattn/detail/state_core.hpp>
 #include <linattn/executor.hpp>
+#include <linattn/sequence_layout.hpp>
 #include <linattn/types.hpp>
 
 #include <Eigen/Core>
@@ -55,7 +56,6 @@ struct RankWork {
   // the batch layout, where every item spans every rank's rows. A packed layout's sequence s
   // is [offsets[s], offsets[s+1]); a padded one's entry b is [0, lengths[b]).
   std::vector<Index> extent_begin, extent_end;
-  bool packed = false;  // the items are the sequences of a packed layout (see the schedule)
   PipelineBuffers<Scalar> pipeline;  // the pipeline schedule's messages
   // The summaries schedule's buffers (kept: a packed layout's summaries, one per sequence and
   // state head, reach tens of MiB, whose first touch costs more than the exchange).
@@ -90,7 +90,6 @@ struct RankWork {
     tokens = 0;
     extent_begin.clear();
     extent_end.clear();
-    packed = false;
   }
 };
 
@@ -219,7 +218,8 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
   // make each rank wait for the sequence that ends the previous rank's slice, its last item.
   const bool initial_nonzero = records[std::size_t(holder)].initial_nonzero != 0;
   auto schedule = static_cast<ScheduleCode>(config.schedule);
-  if (work.packed && schedule == ScheduleCode::automatic) schedule = ScheduleCode::summaries;
+  const bool packed = config.layout == static_cast<std::int32_t>(SequenceLayout::Kind::packed);
+  if (packed && schedule == ScheduleCode::automatic) schedule = ScheduleCode::summaries;
   Index fills = 0;  // the hybrid's k_p for this rank
   if (schedule == ScheduleCode::automatic || schedule == ScheduleCode::hybrid) {
     const ScheduleModel model = model_schedules(items, lengths, !initial_nonzero,
