@@ -10,11 +10,13 @@
 #   bash scripts/bench_mpi.sh --raw         also print the benchmark's own lines
 #   bash scripts/bench_mpi.sh --backward    the layer's backward instead (every rule, one line
 #                                           each: 1 process, then 2 ranks under the summaries
-#                                           and pipeline schedules; T = BACKWARD_TOKENS, 8192)
+#                                           and pipeline schedules; T = BACKWARD_TOKENS, 8192;
+#                                           with DOCUMENTS=N, N packed documents)
 #
 # Environment: BUILD_DIR (default build-bench, shared with scripts/bench.sh), TOKENS (65536),
 # REPEAT (3: best of), RANKS (2), CARRY_COST (0.35: rank 0's extra share in the balanced split,
-# see mpi::balanced_slices), JOBS. Where MPI is not installed it prints a "skipped" line and
+# see mpi::balanced_slices), DOCUMENTS (0; --backward only: > 0 packs that many documents of
+# uneven lengths, bench_mpi --documents), JOBS. Where MPI is not installed it prints a "skipped" line and
 # exits 0, so the main command can call it unconditionally.
 # The machine is shared: the line reports the load average (1 minute, before and after the
 # rule's runs), and the speed-up is a ratio of runs made one after the other in this invocation
@@ -76,10 +78,11 @@ if [ "$backward" -eq 1 ]; then
   # The layer's backward (bench_mpi --backward): the single process before and after the split
   # runs (the faster of the two, as below), then each schedule on $ranks ranks.
   btokens="${BACKWARD_TOKENS:-8192}"
+  documents="${DOCUMENTS:-0}"
   for rule in additive decay gated delta gated_delta; do
     b() {  # b <ranks> <args...>: the benchmark's lines
       mpirun "${flags[@]}" -np "$1" "$build/bench_mpi" --backward 1 --tokens "$btokens" \
-        --repeat "$repeat" --rule "$rule" "${@:2}"
+        --documents "$documents" --repeat "$repeat" --rule "$rule" "${@:2}"
     }
     one="$(b 1 --schedule pipeline | grep call=single_process)"
     summaries="$(b "$ranks" --schedule summaries | grep call=sequence_parallel)"
@@ -87,14 +90,15 @@ if [ "$backward" -eq 1 ]; then
     auto="$(b "$ranks" --schedule automatic | grep call=sequence_parallel)"
     again="$(b 1 --schedule pipeline | grep call=single_process)"
     [ "$raw" -eq 1 ] && printf '%s\n%s\n%s\n%s\n%s\n' "$one" "$summaries" "$piped" "$auto" "$again"
-    awk -v rule="$rule" -v T="$btokens" -v P="$ranks" -v a="$(field seconds "$one")" \
+    awk -v rule="$rule" -v T="$btokens" -v N="$documents" -v P="$ranks" -v a="$(field seconds "$one")" \
         -v b="$(field seconds "$again")" -v ts="$(field seconds "$summaries")" \
         -v tp="$(field seconds "$piped")" -v ta="$(field seconds "$auto")" \
         -v picks="$(field schedule "$auto")" 'BEGIN {
       t1 = (a < b) ? a : b
-      printf "mpi backward: layer T=%d H=8 d=128 %s (float): 1 process %.3f s; %d ranks: " \
+      layout = (N > 0) ? sprintf(" %d documents", N) : ""
+      printf "mpi backward: layer T=%d%s H=8 d=128 %s (float): 1 process %.3f s; %d ranks: " \
              "summaries %.3f s (%.2fx), pipeline %.3f s (%.2fx); automatic picks %s: %.3f s (%.2fx)\n",
-             T, rule, t1, P, ts, t1 / ts, tp, t1 / tp, picks, ta, t1 / ta
+             T, layout, rule, t1, P, ts, t1 / ts, tp, t1 / tp, picks, ta, t1 / ta
     }'
   done
   exit 0

@@ -21,8 +21,8 @@
 // backward (multihead_gradients.hpp), both from the states before the sequence (zero) with dY
 // given and no final-state gradient: lines "bench_mpi_backward rule=... call=... schedule=...".
 // --documents N (N > 0) packs N documents of uneven lengths (0.5 to 1.5 times T / N, from a
-// fixed hash) into the T tokens: both calls take SequenceLayout::packed(offsets), and a
-// document may lie on one rank or cross into the next (lines add documents=N).
+// fixed hash) into the T tokens: both calls (forward or backward) take
+// SequenceLayout::packed(offsets), and a document may lie on one rank or cross into the next.
 // This is not a Google Benchmark program: the timing must span processes.
 
 #include <linattn/mpi.hpp>
@@ -141,7 +141,8 @@ template <class Layer>
 void run_backward(const Config& c, const Layer& layer, int rank, int ranks,
                   const std::vector<Index>& lengths, const TensorView<const float>& Q,
                   const TensorView<const float>& K, const TensorView<const float>& V,
-                  const TensorView<const float>& B, const TensorView<const float>& Gt) {
+                  const TensorView<const float>& B, const TensorView<const float>& Gt,
+                  const SequenceLayout& layout) {
   using Rule = typename Layer::attention_type::rule_type;
   constexpr int inputs = Rule::token_inputs;
   const Index H = c.heads, d = c.dim, T = Q.times();
@@ -156,7 +157,7 @@ void run_backward(const Config& c, const Layer& layer, int rank, int ranks,
   const GradientViews<float> grads{view(dq, d), view(dk, d), view(dv, d)};
   const auto dY = TensorView<const float>::batch_first(dy.data(), 1, T, H, d);
   const auto dB = view(db, 1), dGt = view(dg, 1);
-  const auto state = layer.make_state(1);
+  const auto state = layer.make_state(std::max<Index>(1, c.documents));
   BatchStateGradient<float> initial(state);
   mpi::Schedule schedule = mpi::Schedule::automatic;
   if (c.schedule == "summaries") schedule = mpi::Schedule::summaries;
@@ -166,9 +167,10 @@ void run_backward(const Config& c, const Layer& layer, int rank, int ranks,
   constexpr bool gated = Rule::kind == WriteKind::gated;
   const auto print = [&](const char* what, const char* ran, const Timing& t) {
     if (rank != 0) return;
-    std::printf("bench_mpi_backward rule=%s ranks=%d T=%ld H=%ld d=%ld call=%s schedule=%s "
-                "seconds=%.4f call_seconds=",
-                c.rule.c_str(), ranks, long(c.tokens), long(H), long(d), what, ran, t.seconds);
+    std::printf("bench_mpi_backward rule=%s ranks=%d T=%ld H=%ld d=%ld documents=%ld call=%s "
+                "schedule=%s seconds=%.4f call_seconds=",
+                c.rule.c_str(), ranks, long(c.tokens), long(H), long(d), long(c.documents), what,
+                ran, t.seconds);
     for (std::size_t i = 0; i < t.calls.size(); ++i) std::printf("%s%.4f", i ? "," : "", t.calls[i]);
     std::printf("\n");
     std::fflush(stdout);
@@ -176,29 +178,31 @@ void run_backward(const Config& c, const Layer& layer, int rank, int ranks,
   if (ranks == 1) {
     print("single_process", "none", best_of(c.repeat, [&] {
       if constexpr (inputs == 0)
-        prefill_backward_into(layer, state, Q, K, V, dY, nullptr, grads, initial);
+        prefill_backward_into(layer, state, Q, K, V, dY, nullptr, grads, initial, layout);
       else if constexpr (inputs == 1)
         prefill_backward_into(layer, state, Q, K, V, gated ? Gt : B, dY, nullptr, grads,
-                              gated ? dGt : dB, initial);
+                              gated ? dGt : dB, initial, layout);
       else
-        prefill_backward_into(layer, state, Q, K, V, B, Gt, dY, nullptr, grads, dB, dGt, initial);
+        prefill_backward_into(layer, state, Q, K, V, B, Gt, dY, nullptr, grads, dB, dGt, initial,
+                              layout);
       return mpi::ExchangeStats{};
     }));
   }
   const bool piped =
       schedule == mpi::Schedule::pipeline ||
       (schedule == mpi::Schedule::automatic &&
-       linattn::detail::backward_pipeline_pays(H, ranks, linattn::detail::backward_costs<Rule>()));
+       (layout.kind() != SequenceLayout::Kind::batch ||
+        linattn::detail::backward_pipeline_pays(H, ranks, linattn::detail::backward_costs<Rule>())));
   print("sequence_parallel", piped ? "pipeline" : "summaries", best_of(c.repeat, [&] {
     if constexpr (inputs == 0)
       mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state, Q, K, V, dY, nullptr, grads, initial,
-                                 schedule);
+                                 layout, schedule);
     else if constexpr (inputs == 1)
       mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state, Q, K, V, gated ? Gt : B, dY, nullptr,
-                                 grads, gated ? dGt : dB, initial, schedule);
+                                 grads, gated ? dGt : dB, initial, layout, schedule);
     else
       mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state, Q, K, V, B, Gt, dY, nullptr, grads,
-                                 dB, dGt, initial, schedule);
+                                 dB, dGt, initial, layout, schedule);
     return mpi::ExchangeStats{};
   }));
 }
@@ -230,10 +234,8 @@ void run(const Config& c, const Attention& attention, int rank, int ranks) {
   const std::vector<Index> offsets = document_offsets(c.tokens, c.documents);
   const SequenceLayout layout =
       c.documents > 0 ? SequenceLayout::packed(offsets) : SequenceLayout::batch();
-  if (c.backward && c.documents > 0)
-    throw std::invalid_argument("bench_mpi: --documents is for the forward prefill");
   if (c.backward) {
-    run_backward(c, layer, rank, ranks, lengths, Q, K, V, B, Gt);
+    run_backward(c, layer, rank, ranks, lengths, Q, K, V, B, Gt, layout);
     return;
   }
   mpi::Carry carry;

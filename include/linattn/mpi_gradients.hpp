@@ -28,6 +28,7 @@
 /// attention or dims throw mpi::RankMismatchError.
 
 #include <linattn/attention.hpp>
+#include <linattn/detail/bytes.hpp>
 #include <linattn/detail/mpi_backward_pipeline.hpp>
 #include <linattn/detail/mpi_exchange.hpp>
 #include <linattn/detail/mpi_prefill.hpp>
@@ -36,12 +37,18 @@
 #include <linattn/mpi.hpp>
 #include <linattn/multihead_gradients.hpp>
 #include <linattn/rule_gradients.hpp>
+#include <linattn/sequence_layout.hpp>
 #include <linattn/types.hpp>
 
 #include <Eigen/Core>
 #include <mpi.h>
 
 #include <algorithm>
+#include <cstddef>
+#include <span>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace linattn::mpi {
@@ -187,35 +194,47 @@ template <class Phi, linattn::detail::GradientRule Rule, class Scalar, class DQ,
 }
 
 /// mpi::prefill_backward_into(comm, layer, state, Q, K, V, in..., dY, final_gradients, grads,
-/// d_in..., initial_gradients[, schedule]): the multi-head layer's backward of a
-/// sequence-parallel prefill (every rule), each rank holding its slice of the tokens of every
-/// sequence of a batch layout ([B, T_p, H, d] views; T_p may differ between ranks and be 0).
-/// The gradients of this rank's rows go into `grads` and d_in... (as multihead_gradients.hpp's
-/// prefill_backward_into) and, for every sequence b and state head h, the gradient with respect
-/// to the state this rank's slice starts from into initial_gradients.head(b, h) (on rank 0: the
-/// batch's initial states). `state` (the states before the sequence) is read on rank 0,
-/// `final_gradients` (null: zero) on the last rank; other ranks pass the layer's make_state(B)
-/// and null. Equal to the single-process layer backward to rounding; the same P, slices and
-/// schedule give the same bits. Collective; the items (one per sequence and query head) run in
-/// one order on every rank (no executor: their messages must match).
+/// d_in..., initial_gradients[, layout[, slots]][, schedule]): the multi-head layer's backward
+/// of a sequence-parallel prefill (every rule; SequenceParallel<MultiHeadAttention>::prefill_into
+/// with the same layout and slots), each rank holding its slice of the tokens as [B, T_p, H, d]
+/// views (T_p may differ between ranks and be 0). The gradients of this rank's rows go into
+/// `grads` and d_in... (as multihead_gradients.hpp's prefill_backward_into). `state` (the states
+/// before the sequences) is read on rank 0, `final_gradients` (null: zero) on the last rank;
+/// other ranks pass the layer's make_state(B) (or any batch state of its shape) and null.
+/// `layout` (default batch()) describes the whole sequence, rows [0, T) with T = T_0 + ... +
+/// T_{P-1}, as SequenceParallel's prefill_into takes it; sequence i's states and state
+/// gradients are at position slots[i] (or i).
+/// - batch(): for every sequence b and state head h, initial_gradients.head(b, h) receives on
+///   every rank the gradient with respect to the state this rank's slice starts from (rank 0:
+///   the initial states').
+/// - packed(offsets), padded(lengths): rank 0's initial_gradients receives the initial states'
+///   gradients (at the slots' positions); the other ranks' is scratch (contents unspecified).
+///   Padded rows get zero gradients and are never read.
+/// Equal to the single-process layer backward of the whole sequence to rounding; the same P,
+/// slices and schedule give the same bits. Collective; the items (one per sequence and query
+/// head) run in a fixed order on every rank (no executor: their messages must match).
 ///
 /// `schedule` (every rank the same; default Schedule::automatic):
 /// - Schedule::summaries: per item, the single-head distributed backward above (the G heads of
 ///   a group add their shares of the key/value head's gradients, and of a shared state's: head
 ///   0 of the group carries the final gradient, by linearity, in head order). Cost per rank:
-///   B H_q times a summary and two recomputing backwards of T_p tokens; B H_q rounds of
-///   collectives.
+///   B H_q times a summary and two recomputing backwards of T_p tokens (of its rows of the
+///   sequence, for a packed or padded layout); B H_q rounds of collectives.
 /// - Schedule::pipeline: two wavefronts over the items (detail/mpi_backward_pipeline.hpp): a
-///   saving forward from the state rank p-1 sends, then the backward from the saved states
-///   with the state gradient rank p+1 sends. Cost per rank: (B H_q + P - 1) slots of one forward
-///   and one saved backward of T_p tokens, point-to-point messages of r dv + r scalars, and
-///   memory for the B H_q items' saved forwards of T_p tokens.
-/// - Schedule::automatic: the pipeline where the cost model (detail::backward_costs) says its
-///   slots take less time (on 2 ranks: from 2 items; Decay and Gated from 1); else the
-///   summaries.
+///   saving forward from the state the previous rank of the item sends, then the backward from
+///   the saved states with the state gradient the next rank sends. Batch layout: (B H_q + P - 1)
+///   slots of one forward and one saved backward of T_p tokens per rank; packed: every rank runs
+///   its own documents' heads first where no other rank waits on them. Point-to-point messages
+///   of r dv + r scalars per item and direction (and, for a packed or padded layout, an item's
+///   initial state from rank 0, final gradient from the last rank and initial gradient to rank
+///   0 where they are elsewhere); memory for the saved forwards of this rank's rows.
+/// - Schedule::automatic: the batch layout: the pipeline where the cost model
+///   (detail::backward_costs) says its slots take less time (on 2 ranks: from 2 items; Decay
+///   and Gated from 1), else the summaries; a packed or padded layout: the pipeline.
 /// - Schedule::hybrid: std::invalid_argument (the backward has none), on every rank.
 /// Throws as the single-process backward, on every rank (naming the rank whose input was
-/// wrong); the gradient views' contents are then unspecified.
+/// wrong); ranks that disagree on the layer, dims, heads, layout or schedule throw
+/// RankMismatchError; the gradient views' contents are then unspecified.
 template <class Attention, class... Args>
 void prefill_backward_into(
     MPI_Comm comm, const MultiHeadAttention<Attention>& layer,
@@ -226,12 +245,12 @@ void prefill_backward_into(
   using Scalar = typename Attention::scalar_type;
   using Rule = typename Attention::rule_type;
   namespace ld = linattn::detail;
-  constexpr std::size_t N = Rule::token_inputs;
-  static_assert(sizeof...(Args) == 2 * N + 4 || sizeof...(Args) == 2 * N + 5,
+  constexpr std::size_t N = Rule::token_inputs, fixed = 2 * N + 4;
+  static_assert(sizeof...(Args) >= fixed && sizeof...(Args) <= fixed + 3,
                 "mpi::prefill_backward_into takes comm, the layer, the state, Q, K, V, the rule's "
                 "per-token input views, dY, the final states' gradient (or nullptr), the "
                 "GradientViews, the per-token inputs' gradient views, the initial states' "
-                "gradient and optionally an mpi::Schedule");
+                "gradient and optionally a SequenceLayout, slots and an mpi::Schedule");
   const auto all = std::forward_as_tuple(args...);
   const auto inputs = ld::token_views<N, Scalar>(all);
   const TensorView<const Scalar> dY = std::get<N>(all);
@@ -239,33 +258,49 @@ void prefill_backward_into(
   const GradientViews<Scalar> grads = std::get<N + 2>(all);
   const auto d_inputs = ld::views_at<N + 3, N, Scalar>(all);
   BatchStateGradient<Scalar>& initial = std::get<2 * N + 3>(all);
+  SequenceLayout layout = SequenceLayout::batch();
+  std::span<const Index> slots;
   Schedule schedule = Schedule::automatic;
-  if constexpr (sizeof...(Args) == 2 * N + 5) {
-    static_assert(std::is_same_v<std::remove_cvref_t<std::tuple_element_t<2 * N + 4, decltype(all)>>,
-                                 Schedule>,
-                  "mpi::prefill_backward_into: the argument after the initial states' gradient "
-                  "must be an mpi::Schedule");
-    schedule = std::get<2 * N + 4>(all);
-  }
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    const auto take = [&]<std::size_t At>(std::integral_constant<std::size_t, At>) {
+      using Arg = std::remove_cvref_t<std::tuple_element_t<At, decltype(all)>>;
+      if constexpr (std::is_same_v<Arg, SequenceLayout>)
+        layout = std::get<At>(all);
+      else if constexpr (std::is_same_v<Arg, Schedule>)
+        schedule = std::get<At>(all);
+      else {
+        static_assert(std::is_convertible_v<const Arg&, std::span<const Index>>,
+                      "mpi::prefill_backward_into: after the initial states' gradient come a "
+                      "SequenceLayout, the slots (a span of Index) and an mpi::Schedule");
+        slots = std::get<At>(all);
+      }
+    };
+    (take(std::integral_constant<std::size_t, fixed + I>{}), ...);
+  }(std::make_index_sequence<sizeof...(Args) - fixed>{});
   int rank = 0, P = 1;
   ld::check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
   ld::check_mpi(MPI_Comm_size(comm, &P), "MPI_Comm_size");
   // Every rank checks its views before any collective and the ranks agree on the outcome, so
   // a view that does not fit on one rank makes every rank throw (naming that rank's shapes).
   const HeadConfig& heads = layer.heads();
-  const Index r = layer.feature_dim();
+  const Index r = layer.feature_dim(), B = Q.batches(), S = layout.count(B);
+  const bool whole_rows = layout.kind() == SequenceLayout::Kind::batch;
   ld::RankRecord mine;
   ld::describe_attention(layer.attention(), heads.key_dim, heads.value_dim, mine.config);
   mine.config.call = 5;
   mine.config.schedule = static_cast<std::int32_t>(schedule);
-  mine.config.sequences = Q.batches();
+  mine.config.sequences = S;
   mine.config.q_heads = heads.q_heads;
   mine.config.kv_heads = heads.kv_heads;
+  mine.config.layout = static_cast<std::int32_t>(layout.kind());
+  mine.config.layout_hash = ld::fnv1a64(std::as_bytes(layout.values()));
+  mine.tokens = Q.times();
   try {
     if (schedule == Schedule::hybrid)
       throw std::invalid_argument("linattn::mpi::prefill_backward_into: the backward has no "
                                   "hybrid schedule (automatic, summaries or pipeline)");
     ld::check_views(heads, r, Q, K, V, dY, SequenceLayout::batch(), true);
+    layout.check_entries(B);
     for (std::size_t i = 0; i < N; ++i) {
       ld::check_token_view(inputs[i], K, heads.kv_heads, r, Rule::kind == WriteKind::gated);
       ld::check_gradient_view("of a per-token input", d_inputs[i], inputs[i]);
@@ -273,62 +308,92 @@ void prefill_backward_into(
     ld::check_gradient_view("dQ", grads.Q, Q);
     ld::check_gradient_view("dK", grads.K, K);
     ld::check_gradient_view("dV", grads.V, V);
-    ld::check_slots(state, layer, Q.batches(), {});
+    ld::check_slots(state, layer, S, slots);
     initial.check_like(state, "the initial states' gradient");
-    if (rank == P - 1 && final_gradients != nullptr)
+    if (rank == P - 1 && final_gradients != nullptr) {
       final_gradients->check_like(state, "the final states' gradient");
+      mine.final_gradients = 1;
+    }
+    if (rank == 0) {  // whether the initial states need messages (see detail::BackwardEnds)
+      mine.initial_tokens = S > 0 ? state.sequence(slots.empty() ? 0 : slots[0]).head(0).tokens() : 0;
+      for (Index s = 0; s < S; ++s)
+        for (Index h = 0; h < state.heads(); ++h) {
+          const auto& head = state.sequence(slots.empty() ? s : slots[std::size_t(s)]).head(h);
+          bool zero = (head.S().array() == Scalar(0)).all() && head.tokens() == mine.initial_tokens;
+          if constexpr (Rule::keeps_normalizer) zero = zero && (head.z().array() == Scalar(0)).all();
+          if (!zero) mine.initial_nonzero = 1;
+        }
+    }
   } catch (...) {
     ld::record_failure(mine);
   }
   const auto records = ld::gather_records(comm, mine, P);
   if (auto failure = ld::first_failure(records)) detail::raise(*failure);
   if (auto mismatch = ld::first_disagreement(records)) detail::raise(*mismatch);
-  const Index items = Q.batches() * heads.q_heads;
+  std::vector<Index> lengths(std::size_t(P), 0);
+  Index total = 0;
+  for (int q = 0; q < P; ++q) total += lengths[std::size_t(q)] = records[std::size_t(q)].tokens;
+  layout.check(B, total);  // agreed layout and lengths: the same verdict on every rank
+  const auto items = ld::backward_items(layout, B, heads.q_heads, slots, lengths, rank);
+  const Index G = layer.group_size(), T = Q.times();
+  if (layout.kind() == SequenceLayout::Kind::padded)  // this rank's padded rows: zero
+    for (const auto& it : items) {
+      const Index end = it.first + it.rows;
+      ld::zero_rows(grads.Q.slice(it.entry, end, T - end, it.head, 1));
+      if (it.head % G == 0) {
+        const Index g = it.head / G;
+        ld::zero_rows(grads.K.slice(it.entry, end, T - end, g, 1));
+        ld::zero_rows(grads.V.slice(it.entry, end, T - end, g, 1));
+        for (std::size_t i = 0; i < N; ++i)
+          ld::zero_rows(d_inputs[i].slice(it.entry, end, T - end, g, 1));
+      }
+    }
   if (schedule == Schedule::pipeline ||
       (schedule == Schedule::automatic &&
-       ld::backward_pipeline_pays(items, P, ld::backward_costs<Rule>()))) {
-    if (auto failure = ld::run_backward_pipeline(comm, rank, P, layer, state, Q, K, V, inputs, dY,
-                                                 final_gradients, grads, d_inputs, initial))
+       (!whole_rows ||
+        ld::backward_pipeline_pays(Index(items.size()), P, ld::backward_costs<Rule>())))) {
+    const ld::BackwardEnds ends{records.front().initial_nonzero == 0, records.front().initial_tokens,
+                                records.back().final_gradients != 0};
+    if (auto failure = ld::run_backward_pipeline(comm, rank, P, layer, items, whole_rows, ends,
+                                                 state, Q, K, V, inputs, dY, final_gradients,
+                                                 grads, d_inputs, initial))
       detail::raise(*failure);
     return;
   }
   constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
-  const Index G = layer.group_size(), T = Q.times();
   const auto& attn = layer.attention();
-  for (Index b = 0; b < Q.batches(); ++b)
-    for (Index g = 0; g < heads.kv_heads; ++g) {
-      const auto k = K.head_rows(b, g, 0, T);
-      const auto v = V.head_rows(b, g, 0, T);
-      const auto in = ld::rows_inputs(inputs, b, g, 0, T);
-      for (Index j = 0; j < G; ++j) {
-        const Index h = g * G + j, sh = shared ? g : h;
-        const StateGradient<Scalar>* fin =
-            rank == P - 1 && final_gradients != nullptr && (!shared || j == 0)
-                ? &final_gradients->head(b, sh)
-                : nullptr;
-        const auto& start = state.sequence(b).head(sh);
-        const auto q = Q.head_rows(b, h, 0, T);
-        const auto dy = dY.head_rows(b, h, 0, T);
-        const auto got = std::apply(
-            [&](const auto&... x) { return prefill_backward(comm, attn, start, q, k, v, x..., dy, fin); },
-            in);
-        grads.Q.head_rows(b, h, 0, T) = got.Q;
-        StateGradient<Scalar>& d0 = initial.head(b, sh);
-        if (j == 0 || !shared) {
-          d0.S = got.initial.S;
-          d0.z = got.initial.z;
-        } else {
-          d0.S += got.initial.S;
-          if (d0.z.size() > 0) d0.z += got.initial.z;
-        }
-        if constexpr (N > 0)
-          ld::add_group_share<Rule>(j, grads.K, grads.V, d_inputs, b, g, 0, T, got.K, got.V,
-                                    got.inputs);
-        else  // the additive backward's result has no per-token inputs
-          ld::add_group_share<Rule>(j, grads.K, grads.V, d_inputs, b, g, 0, T, got.K, got.V,
-                                    RuleInputGradients<Scalar>{});
+  for (const auto& it : items) {
+    const Index g = it.head / G, j = it.head % G, sh = shared ? g : it.head;
+    const Index t0 = it.first, n = it.rows;
+    const StateGradient<Scalar>* fin = rank == P - 1 && final_gradients != nullptr && (!shared || j == 0)
+                                           ? &final_gradients->head(it.position, sh)
+                                           : nullptr;
+    const auto& start = state.sequence(it.position).head(sh);
+    const auto q = Q.head_rows(it.entry, it.head, t0, n);
+    const auto k = K.head_rows(it.entry, g, t0, n);
+    const auto v = V.head_rows(it.entry, g, t0, n);
+    const auto dy = dY.head_rows(it.entry, it.head, t0, n);
+    const auto got = std::apply(
+        [&](const auto&... x) { return prefill_backward(comm, attn, start, q, k, v, x..., dy, fin); },
+        ld::rows_inputs(inputs, it.entry, g, t0, n));
+    grads.Q.head_rows(it.entry, it.head, t0, n) = got.Q;
+    if (whole_rows || rank == 0) {
+      StateGradient<Scalar>& d0 = initial.head(it.position, sh);
+      if (j == 0 || !shared) {
+        d0.S = got.initial.S;
+        d0.z = got.initial.z;
+      } else {
+        d0.S += got.initial.S;
+        if (d0.z.size() > 0) d0.z += got.initial.z;
       }
     }
+    if constexpr (N > 0)
+      ld::add_group_share<Rule>(j, grads.K, grads.V, d_inputs, it.entry, g, t0, n, got.K, got.V,
+                                got.inputs);
+    else  // the additive backward's result has no per-token inputs
+      ld::add_group_share<Rule>(j, grads.K, grads.V, d_inputs, it.entry, g, t0, n, got.K, got.V,
+                                RuleInputGradients<Scalar>{});
+  }
 }
 
 }  // namespace linattn::mpi

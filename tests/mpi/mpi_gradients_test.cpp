@@ -480,7 +480,212 @@ void check_layer(const Attention& attn, const std::array<std::array<double, 3>, 
   }
 }
 
+// The layer's distributed backward over a packed or padded layout of the whole sequence against
+// the single-process layer backward of the whole sequence with the same layout and slots:
+// sequences that cross ranks, lie on one rank, or are empty (the packed offsets of the forward's
+// layout test); padding that holds NaN in every input (never read). On every slicing and
+// schedule: this rank's gradient rows and rank 0's initial states' gradients to the bound of
+// check_layer, padded rows exactly zero, the position no slot names untouched, and a second call
+// with the same bits (automatic: the pipeline's). With `given_ends`, random initial states and
+// final gradients; without, zero initial states and no final gradient (then the pipeline sends
+// no message for a sequence that lies on one rank).
+template <class Attention, std::size_t N>
+void check_layout(const Attention& attn, const std::array<std::array<double, 3>, N>& specs,
+                  SequenceLayout::Kind kind, bool given_ends) {
+  using Scalar = typename Attention::scalar_type;
+  const int rank = world().rank, P = world().size;
+  const bool packed = kind == SequenceLayout::Kind::packed;
+  const Index T = 61, B = packed ? 1 : 3, Hq = 4, Hkv = 2, dk = 4, dv = 3;
+  const std::vector<Index> values =
+      packed ? std::vector<Index>{0, 5, 5, 30, 44, 61} : std::vector<Index>{61, 23, 0};
+  const SequenceLayout layout = packed ? SequenceLayout::packed(values) : SequenceLayout::padded(values);
+  const Index S = layout.count(B);
+  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, attn);
+  const Index r = layer.feature_dim();
+  const auto length_of = [&](Index b) { return packed ? T : values[std::size_t(b)]; };
+  // A [B, T, H, d] buffer; padded rows (b, t >= length) hold NaN.
+  const auto buffer = [&](Index H, Index d, const RowMatrix<Scalar>& m) {
+    std::vector<Scalar> x(m.data(), m.data() + m.size());
+    for (Index b = 0; b < B; ++b)
+      for (Index t = length_of(b); t < T; ++t)
+        std::fill_n(x.begin() + ((b * T + t) * H) * d, H * d, std::numeric_limits<Scalar>::quiet_NaN());
+    return x;
+  };
+  const std::vector<Scalar> Qb = buffer(Hq, dk, random_matrix<Scalar>(1, B * T * Hq * dk, 6501)),
+                            Kb = buffer(Hkv, dk, random_matrix<Scalar>(1, B * T * Hkv * dk, 6502)),
+                            Vb = buffer(Hkv, dv, random_matrix<Scalar>(1, B * T * Hkv * dv, 6503)),
+                            dYb = buffer(Hq, dv, random_matrix<Scalar>(1, B * T * Hq * dv, 6504));
+  std::array<std::vector<Scalar>, N> inb;
+  std::array<TensorView<const Scalar>, N> in;
+  for (std::size_t i = 0; i < N; ++i) {
+    const Index c = Index(specs[i][0]) == 0 ? r : Index(specs[i][0]);
+    inb[i] = buffer(Hkv, c, uniform_matrix<Scalar>(1, B * T * Hkv * c, 6510 + i, specs[i][1], specs[i][2]));
+    in[i] = TensorView<const Scalar>::batch_first(inb[i].data(), B, T, Hkv, c);
+  }
+  const auto Q = TensorView<const Scalar>::batch_first(Qb.data(), B, T, Hq, dk);
+  const auto K = TensorView<const Scalar>::batch_first(Kb.data(), B, T, Hkv, dk);
+  const auto V = TensorView<const Scalar>::batch_first(Vb.data(), B, T, Hkv, dv);
+  const auto dY = TensorView<const Scalar>::batch_first(dYb.data(), B, T, Hq, dv);
+  // States and final gradients at S + 1 positions; sequence s at position S - s (0: no slot).
+  std::vector<Index> slots(static_cast<std::size_t>(S));
+  for (Index s = 0; s < S; ++s) slots[std::size_t(s)] = S - s;
+  auto state = layer.make_state(S + 1);
+  BatchStateGradient<Scalar> fin(state);
+  for (Index p = 0; p <= S && given_ends; ++p)
+    for (Index h = 0; h < state.heads(); ++h) {
+      const RowMatrix<Scalar> S0 = random_matrix<Scalar>(r, dv, std::uint64_t(6600 + 10 * p + h));
+      if constexpr (Attention::rule_type::keeps_normalizer)
+        state.sequence(p).head(h).assign(S0, uniform_matrix<Scalar>(r, 1, 6700 + std::uint64_t(p), 0.5, 1.5).col(0));
+      else
+        state.sequence(p).head(h).assign(S0);
+      fin.head(p, h).S = random_matrix<Scalar>(r, dv, std::uint64_t(6800 + 10 * p + h));
+      if (fin.head(p, h).z.size() > 0)
+        fin.head(p, h).z = random_matrix<Scalar>(r, 1, std::uint64_t(6900 + 10 * p + h)).col(0);
+    }
+  struct Grads {
+    std::vector<Scalar> Q, K, V;
+    std::array<std::vector<Scalar>, N> in;
+  };
+  const auto make = [&] {  // 7 everywhere: rows a call does not write keep it
+    Grads g{std::vector<Scalar>(Qb.size(), 7), std::vector<Scalar>(Kb.size(), 7),
+            std::vector<Scalar>(Vb.size(), 7), {}};
+    for (std::size_t i = 0; i < N; ++i) g.in[i].assign(inb[i].size(), Scalar(7));
+    return g;
+  };
+  const auto views = [&](Grads& g, Index t0, Index n) {
+    GradientViews<Scalar> v{token_rows(TensorView<Scalar>::batch_first(g.Q.data(), B, T, Hq, dk), t0, n),
+                            token_rows(TensorView<Scalar>::batch_first(g.K.data(), B, T, Hkv, dk), t0, n),
+                            token_rows(TensorView<Scalar>::batch_first(g.V.data(), B, T, Hkv, dv), t0, n)};
+    std::array<TensorView<Scalar>, N> d;
+    for (std::size_t i = 0; i < N; ++i)
+      d[i] = token_rows(TensorView<Scalar>::batch_first(g.in[i].data(), B, T, Hkv, in[i].dim()), t0, n);
+    return std::make_pair(v, d);
+  };
+  const auto marked = [&] {  // position 0 marked: no slot names it
+    BatchStateGradient<Scalar> g(state);
+    g.head(0, 0).S.setConstant(5);
+    return g;
+  };
+  Grads whole = make();
+  BatchStateGradient<Scalar> whole_initial = marked();
+  {
+    const auto vd = views(whole, 0, T);
+    std::apply([&](const auto&... x) {
+      std::apply([&](const auto&... dx) {
+        linattn::prefill_backward_into(layer, state, Q, K, V, x..., dY, given_ends ? &fin : nullptr,
+                                       vd.first, dx..., whole_initial, layout,
+                                       std::span<const Index>(slots));
+      }, vd.second);
+    }, in);
+  }
+  // The bound of check_layer; NaN fails it.
+  const double C = double(attn.chunk_size(r, dv));
+  const double allowed = 2.0 * (double(T) + C + double(r) + double(dv)) * double(T) * unit_roundoff<Scalar>();
+  const auto near = [&](const Scalar* got, const Scalar* ref, Index size, double scale) {
+    for (Index i = 0; i < size; ++i)
+      if (!(std::abs(double(got[i]) - double(ref[i])) <= allowed * (1 + scale))) return false;
+    return true;
+  };
+  const auto near_rows = [&](const std::vector<Scalar>& got, const std::vector<Scalar>& ref, Index H,
+                             Index d, Index first, Index n) {
+    double scale = 0;
+    for (Scalar x : ref) scale = std::max(scale, double(std::abs(x)));
+    bool ok = true, padding_zero = true;
+    for (Index b = 0; b < B; ++b)
+      for (Index t = first; t < first + n; ++t) {
+        const std::size_t at = std::size_t((b * T + t) * H * d);
+        ok = ok && near(got.data() + at, ref.data() + at, H * d, scale);
+        if (t >= length_of(b))
+          padding_zero = padding_zero && std::all_of(got.begin() + std::ptrdiff_t(at),
+                                                     got.begin() + std::ptrdiff_t(at + std::size_t(H * d)),
+                                                     [](Scalar x) { return x == 0; });
+      }
+    return ok && padding_zero;
+  };
+  for (const auto& lengths : slicings_to_test(T, P)) {
+    Index first = 0;
+    for (int p = 0; p < rank; ++p) first += lengths[std::size_t(p)];
+    const Index n = lengths[std::size_t(rank)];
+    Grads pipelined = make();
+    for (const mpi::Schedule schedule :
+         {mpi::Schedule::pipeline, mpi::Schedule::summaries, mpi::Schedule::automatic}) {
+      INFO((packed ? "packed" : "padded") << (given_ends ? "" : ", zero ends") << ", rank " << rank << " of " << P << ", rows " << first
+                                          << " + " << n << ", schedule " << int(schedule));
+      BatchStateGradient<Scalar> initial = marked();
+      const auto run = [&](Grads& g) {
+        const auto vd = views(g, first, n);
+        std::array<TensorView<const Scalar>, N> mine_in;
+        for (std::size_t i = 0; i < N; ++i) mine_in[i] = token_rows(in[i], first, n);
+        const auto other = layer.make_state(S + 1);
+        std::apply([&](const auto&... x) {
+          std::apply([&](const auto&... dx) {
+            mpi::prefill_backward_into(MPI_COMM_WORLD, layer, rank == 0 ? state : other,
+                                       token_rows(Q, first, n), token_rows(K, first, n),
+                                       token_rows(V, first, n), x..., token_rows(dY, first, n),
+                                       rank == P - 1 && given_ends ? &fin : nullptr, vd.first,
+                                       dx..., initial,
+                                       layout, std::span<const Index>(slots), schedule);
+          }, vd.second);
+        }, mine_in);
+      };
+      Grads got = make(), again = make();
+      run(got);
+      const BatchStateGradient<Scalar> first_initial = initial;
+      run(again);
+      CHECK(near_rows(got.Q, whole.Q, Hq, dk, first, n));
+      CHECK(near_rows(got.K, whole.K, Hkv, dk, first, n));
+      CHECK(near_rows(got.V, whole.V, Hkv, dv, first, n));
+      for (std::size_t i = 0; i < N; ++i)
+        CHECK(near_rows(got.in[i], whole.in[i], Hkv, in[i].dim(), first, n));
+      if (rank == 0)
+        for (Index p = 0; p <= S; ++p)
+          for (Index h = 0; h < state.heads(); ++h) {
+            const auto& a = first_initial.head(p, h);
+            const auto& w = whole_initial.head(p, h);
+            CHECK(near(a.S.data(), w.S.data(), w.S.size(), double(w.S.cwiseAbs().maxCoeff())));
+            if (w.z.size() > 0)
+              CHECK(near(a.z.data(), w.z.data(), w.z.size(), double(w.z.cwiseAbs().maxCoeff())));
+            CHECK(initial.head(p, h).S == a.S);
+            CHECK(initial.head(p, h).z == a.z);
+          }
+      // Rows of other ranks: not written.
+      CHECK(std::all_of(got.Q.begin(), got.Q.begin() + first * Hq * dk, [](Scalar x) { return x == 7; }));
+      // Same P and slices: the same bits.
+      CHECK(again.Q == got.Q);
+      CHECK(again.K == got.K);
+      CHECK(again.V == got.V);
+      for (std::size_t i = 0; i < N; ++i) CHECK(again.in[i] == got.in[i]);
+      if (schedule == mpi::Schedule::pipeline) pipelined = got;
+      if (schedule == mpi::Schedule::automatic) {  // a packed or padded layout's: the pipeline
+        CHECK(got.Q == pipelined.Q);
+        CHECK(got.K == pipelined.K);
+        CHECK(got.V == pipelined.V);
+        for (std::size_t i = 0; i < N; ++i) CHECK(got.in[i] == pipelined.in[i]);
+      }
+    }
+  }
+}
+
 }  // namespace
+
+TEST_CASE("the layer's sequence-parallel backward over a packed or padded layout equals the "
+          "single-process layer backward with that layout", "[mpi][gradients][multihead][layout]") {
+  Options delta;
+  delta.normalization = Normalization::unnormalized();
+  for (const auto kind : {SequenceLayout::Kind::packed, SequenceLayout::Kind::padded})
+    for (const bool ends : {true, false}) {
+      check_layout(LinearAttention<EluPlusOne, double>(), std::array<std::array<double, 3>, 0>{},
+                   kind, ends);
+      check_layout(RuleAttention<EluPlusOne, Decay, float>(EluPlusOne{}, Decay(0.9)),
+                   std::array<std::array<double, 3>, 0>{}, kind, ends);
+      // specs: {channels (0: r, per-channel gates), lo, hi}
+      check_layout(RuleAttention<EluPlusOne, Gated, double>(),
+                   std::array<std::array<double, 3>, 1>{{{0, -0.3, -0.01}}}, kind, ends);
+      check_layout(RuleAttention<L2Normalize, GatedDelta, double>(L2Normalize{}, delta),
+                   std::array<std::array<double, 3>, 2>{{{1, 0.1, 0.9}, {1, -0.2, -0.01}}}, kind,
+                   ends);
+    }
+}
 
 TEST_CASE("the layer's sequence-parallel backward equals the single-process layer backward",
           "[mpi][gradients][multihead]") {
@@ -609,6 +814,80 @@ TEST_CASE("the layer's pipelined backward: a failure in the wavefront throws the
   }
   CHECK_THAT(message, Catch::Contains("hybrid"));
   CHECK(same_on_every_rank(message));
+}
+
+}  // namespace mpi_gradients_test
+
+namespace mpi_gradients_test {
+
+TEST_CASE("the layer's backward over a packed layout: bad input or a layout the ranks disagree on "
+          "throws the same on every rank, and the next call runs",
+          "[mpi][gradients][multihead][layout]") {
+  const int rank = world().rank, P = world().size;
+  const Index n = 6, T = n * P, d = 4, dv = 3, H = 2;
+  Options options;
+  options.normalization = Normalization::unnormalized();
+  using Attn = RuleAttention<L2Normalize, Delta, double>;
+  const MultiHeadAttention<Attn> layer(HeadConfig{H, 1, d, dv}, Attn(L2Normalize{}, options));
+  const RowMatrix<double> q = random_matrix<double>(n, H * d, 7101), k = random_matrix<double>(n, d, 7102),
+                          v = random_matrix<double>(n, dv, 7103), dy = random_matrix<double>(n, H * dv, 7104);
+  std::vector<double> dq(std::size_t(n * H * d)), dk(std::size_t(n * d)), dvv(std::size_t(n * dv)),
+      db(static_cast<std::size_t>(n));
+  const GradientViews<double> grads{TensorView<double>::batch_first(dq.data(), 1, n, H, d),
+                                    TensorView<double>::batch_first(dk.data(), 1, n, 1, d),
+                                    TensorView<double>::batch_first(dvv.data(), 1, n, 1, dv)};
+  const auto call = [&](const std::vector<double>& beta, const std::vector<Index>& offsets) {
+    const auto state = layer.make_state(Index(offsets.size()) - 1);
+    BatchStateGradient<double> initial(state);
+    mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state,
+                               TensorView<const double>::batch_first(q.data(), 1, n, H, d),
+                               TensorView<const double>::batch_first(k.data(), 1, n, 1, d),
+                               TensorView<const double>::batch_first(v.data(), 1, n, 1, dv),
+                               TensorView<const double>::batch_first(beta.data(), 1, n, 1, 1),
+                               TensorView<const double>::batch_first(dy.data(), 1, n, H, dv), nullptr,
+                               grads, TensorView<double>::batch_first(db.data(), 1, n, 1, 1), initial,
+                               SequenceLayout::packed(offsets), mpi::Schedule::pipeline);
+  };
+  const std::vector<double> good(std::size_t(n), 0.5);
+  std::vector<double> bad = good;
+  bad[4] = 2;
+  // Documents of 3 rows lie on one rank each (no forward before the backward wavefront);
+  // documents of 4 rows cross into the next rank.
+  for (const Index length : {Index{3}, Index{4}}) {
+    std::vector<Index> offsets;
+    for (Index at = 0; at < T; at += length) offsets.push_back(at);
+    offsets.push_back(T);
+    for (int failing : {0, P / 2, P - 1}) {
+      INFO("documents of " << length << " rows, failing rank " << failing);
+      std::string message;
+      try {
+        call(rank == failing ? bad : good, offsets);
+      } catch (const std::invalid_argument& e) {
+        message = e.what();
+      }
+      CHECK_THAT(message, Catch::Contains("beta") && Catch::Contains("rank " + std::to_string(failing)));
+      CHECK(same_on_every_rank(message));
+      CHECK_NOTHROW(call(good, offsets));  // no message of the failed call is left in flight
+    }
+  }
+  // Offsets that do not end at T: ShapeError on every rank; rank 1's other offsets: a mismatch.
+  std::string message;
+  try {
+    call(good, {0, 2, T - 1});
+  } catch (const ShapeError& e) {
+    message = e.what();
+  }
+  CHECK_THAT(message, Catch::Contains("offsets"));
+  CHECK(same_on_every_rank(message));
+  message.clear();
+  try {
+    call(good, rank == 1 ? std::vector<Index>{0, 3, T} : std::vector<Index>{0, 2, T});
+  } catch (const mpi::RankMismatchError& e) {
+    message = e.what();
+  }
+  CHECK_THAT(message, Catch::Contains("layout"));
+  CHECK(same_on_every_rank(message));
+  CHECK_NOTHROW(call(good, {0, 2, T}));
 }
 
 }  // namespace mpi_gradients_test

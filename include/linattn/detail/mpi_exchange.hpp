@@ -63,6 +63,7 @@ struct RankRecord {
   std::uint64_t magic = kMagic;
   FailureKind failure = FailureKind::none;
   std::int32_t initial_nonzero = 0;  // its states are not all zero with one token count
+  std::int32_t final_gradients = 0;  // a backward's: it has final states' gradients
   std::int64_t tokens = 0;           // the length of its slice
   std::int64_t initial_tokens = 0;   // the token count its states hold (when uniform)
   std::int64_t failure_row = 0;
