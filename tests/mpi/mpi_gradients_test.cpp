@@ -324,6 +324,39 @@ View token_rows(const View& full, Index t0, Index n) {
               full.strides());
 }
 
+// A layer call's gradient buffers, [B, T, H, d] batch-first (dQ, dK, dV and the per-token
+// inputs', shaped like `inputs`), every value `fill`, with views of their rows [t0, t0 + n).
+template <class Scalar, std::size_t N>
+struct LayerGrads {
+  Index B = 0, T = 0, Hq = 0, Hkv = 0, dk = 0, dv = 0;
+  std::vector<Scalar> Q, K, V;
+  std::array<std::vector<Scalar>, N> in;
+  std::array<Index, N> in_dim{};
+
+  LayerGrads(Index B_, Index T_, Index Hq_, Index Hkv_, Index dk_, Index dv_,
+             const std::array<TensorView<const Scalar>, N>& inputs, Scalar fill)
+      : B(B_), T(T_), Hq(Hq_), Hkv(Hkv_), dk(dk_), dv(dv_),
+        Q(std::size_t(B_ * T_ * Hq_ * dk_), fill),
+        K(std::size_t(B_ * T_ * Hkv_ * dk_), fill),
+        V(std::size_t(B_ * T_ * Hkv_ * dv_), fill) {
+    for (std::size_t i = 0; i < N; ++i) {
+      in_dim[i] = inputs[i].dim();
+      in[i].assign(std::size_t(B * T * Hkv * in_dim[i]), fill);
+    }
+  }
+
+  std::pair<GradientViews<Scalar>, std::array<TensorView<Scalar>, N>> views(Index t0, Index n) {
+    const GradientViews<Scalar> v{
+        token_rows(TensorView<Scalar>::batch_first(Q.data(), B, T, Hq, dk), t0, n),
+        token_rows(TensorView<Scalar>::batch_first(K.data(), B, T, Hkv, dk), t0, n),
+        token_rows(TensorView<Scalar>::batch_first(V.data(), B, T, Hkv, dv), t0, n)};
+    std::array<TensorView<Scalar>, N> d;
+    for (std::size_t i = 0; i < N; ++i)
+      d[i] = token_rows(TensorView<Scalar>::batch_first(in[i].data(), B, T, Hkv, in_dim[i]), t0, n);
+    return {v, d};
+  }
+};
+
 // The layer's distributed backward against the single-process layer backward
 // (multihead_gradients.hpp) over the whole sequence, for attention `attn` whose per-token
 // inputs are drawn from `specs` ({channels, lo, hi} per input).
@@ -368,24 +401,9 @@ void check_layer(const Attention& attn, const std::array<std::array<double, 3>, 
         fin.head(b, h).z = random_matrix<Scalar>(layer.feature_dim(), 1, std::uint64_t(6400 + 10 * b + h)).col(0);
     }
   // Gradient buffers: the whole sequence's (reference) and the distributed ones.
-  struct Grads {
-    std::vector<Scalar> Q, K, V;
-    std::array<std::vector<Scalar>, N> in;
-  };
-  const auto make = [&] {
-    Grads g{std::vector<Scalar>(Qb.size()), std::vector<Scalar>(Kb.size()), std::vector<Scalar>(Vb.size()), {}};
-    for (std::size_t i = 0; i < N; ++i) g.in[i].assign(inb[i].size(), Scalar(0));
-    return g;
-  };
-  const auto views = [&](Grads& g, Index t0, Index n) {
-    GradientViews<Scalar> v{token_rows(TensorView<Scalar>::batch_first(g.Q.data(), B, T, Hq, dk), t0, n),
-                            token_rows(TensorView<Scalar>::batch_first(g.K.data(), B, T, Hkv, dk), t0, n),
-                            token_rows(TensorView<Scalar>::batch_first(g.V.data(), B, T, Hkv, dv), t0, n)};
-    std::array<TensorView<Scalar>, N> d;
-    for (std::size_t i = 0; i < N; ++i)
-      d[i] = token_rows(TensorView<Scalar>::batch_first(g.in[i].data(), B, T, Hkv, in[i].dim()), t0, n);
-    return std::make_pair(v, d);
-  };
+  using Grads = LayerGrads<Scalar, N>;
+  const auto make = [&] { return Grads(B, T, Hq, Hkv, dk, dv, in, Scalar(0)); };
+  const auto views = [](Grads& g, Index t0, Index n) { return g.views(t0, n); };
   Grads whole = make();
   {
     const auto vd = views(whole, 0, T);
@@ -542,25 +560,10 @@ void check_layout(const Attention& attn, const std::array<std::array<double, 3>,
       if (fin.head(p, h).z.size() > 0)
         fin.head(p, h).z = random_matrix<Scalar>(r, 1, std::uint64_t(6900 + 10 * p + h)).col(0);
     }
-  struct Grads {
-    std::vector<Scalar> Q, K, V;
-    std::array<std::vector<Scalar>, N> in;
-  };
-  const auto make = [&] {  // 7 everywhere: rows a call does not write keep it
-    Grads g{std::vector<Scalar>(Qb.size(), 7), std::vector<Scalar>(Kb.size(), 7),
-            std::vector<Scalar>(Vb.size(), 7), {}};
-    for (std::size_t i = 0; i < N; ++i) g.in[i].assign(inb[i].size(), Scalar(7));
-    return g;
-  };
-  const auto views = [&](Grads& g, Index t0, Index n) {
-    GradientViews<Scalar> v{token_rows(TensorView<Scalar>::batch_first(g.Q.data(), B, T, Hq, dk), t0, n),
-                            token_rows(TensorView<Scalar>::batch_first(g.K.data(), B, T, Hkv, dk), t0, n),
-                            token_rows(TensorView<Scalar>::batch_first(g.V.data(), B, T, Hkv, dv), t0, n)};
-    std::array<TensorView<Scalar>, N> d;
-    for (std::size_t i = 0; i < N; ++i)
-      d[i] = token_rows(TensorView<Scalar>::batch_first(g.in[i].data(), B, T, Hkv, in[i].dim()), t0, n);
-    return std::make_pair(v, d);
-  };
+  using Grads = LayerGrads<Scalar, N>;
+  // 7 everywhere: rows a call does not write keep it.
+  const auto make = [&] { return Grads(B, T, Hq, Hkv, dk, dv, in, Scalar(7)); };
+  const auto views = [](Grads& g, Index t0, Index n) { return g.views(t0, n); };
   const auto marked = [&] {  // position 0 marked: no slot names it
     BatchStateGradient<Scalar> g(state);
     g.head(0, 0).S.setConstant(5);
