@@ -314,16 +314,12 @@ void prefill_backward_into(
       final_gradients->check_like(state, "the final states' gradient");
       mine.final_gradients = 1;
     }
-    if (rank == 0) {  // whether the initial states need messages (see detail::BackwardEnds)
-      mine.initial_tokens = S > 0 ? state.sequence(slots.empty() ? 0 : slots[0]).head(0).tokens() : 0;
+    if (rank == 0)  // whether the initial states need messages (see detail::BackwardEnds)
       for (Index s = 0; s < S; ++s)
-        for (Index h = 0; h < state.heads(); ++h) {
-          const auto& head = state.sequence(slots.empty() ? s : slots[std::size_t(s)]).head(h);
-          bool zero = (head.S().array() == Scalar(0)).all() && head.tokens() == mine.initial_tokens;
-          if constexpr (Rule::keeps_normalizer) zero = zero && (head.z().array() == Scalar(0)).all();
-          if (!zero) mine.initial_nonzero = 1;
-        }
-    }
+        for (Index h = 0; h < state.heads(); ++h)
+          ld::note_initial_state<Rule>(
+              mine, state.sequence(slots.empty() ? s : slots[std::size_t(s)]).head(h),
+              s == 0 && h == 0);
   } catch (...) {
     ld::record_failure(mine);
   }
@@ -377,16 +373,9 @@ void prefill_backward_into(
         [&](const auto&... x) { return prefill_backward(comm, attn, start, q, k, v, x..., dy, fin); },
         ld::rows_inputs(inputs, it.entry, g, t0, n));
     grads.Q.head_rows(it.entry, it.head, t0, n) = got.Q;
-    if (whole_rows || rank == 0) {
-      StateGradient<Scalar>& d0 = initial.head(it.position, sh);
-      if (j == 0 || !shared) {
-        d0.S = got.initial.S;
-        d0.z = got.initial.z;
-      } else {
-        d0.S += got.initial.S;
-        if (d0.z.size() > 0) d0.z += got.initial.z;
-      }
-    }
+    if (whole_rows || rank == 0)
+      ld::add_state_share(j == 0 || !shared, initial.head(it.position, sh), got.initial.S,
+                          got.initial.z);
     if constexpr (N > 0)
       ld::add_group_share<Rule>(j, grads.K, grads.V, d_inputs, it.entry, g, t0, n, got.K, got.V,
                                 got.inputs);

@@ -297,7 +297,8 @@ std::optional<Failure> run_backward_pipeline(
   };
   // Receives item i's message (and the earlier ones of its stream); false where it says
   // 'failed'; a zero message is filled in.
-  const auto wait = [&](Scalar* into, Index i) {
+  const auto wait = [&](Index i) {
+    Scalar* into = target[std::size_t(i)];
     Stream& stream = streams[stream_of[std::size_t(i)]];
     while (!arrived[std::size_t(i)]) {
       const Index j = stream.items[stream.next++];
@@ -367,7 +368,7 @@ std::optional<Failure> run_backward_pipeline(
       Scalar* in = at(states_in, i);
       bool ok = !failed;
       if (it.prev >= 0 || (!first && !ends.initial_zero)) {
-        ok = wait(in, i) && ok;
+        ok = wait(i) && ok;
       } else if (first) {
         pack_initial(it, in);
       } else {
@@ -447,7 +448,7 @@ std::optional<Failure> run_backward_pipeline(
     bool ok = !failed;
     if (it.next >= 0 || (!last && ends.final_gradients)) {
       Scalar* in = at(gradients_in, i);
-      ok = wait(in, i) && ok;
+      ok = wait(i) && ok;
       if (ok) {
         after.S = message.S(in);
         after.z = message.zmap(in);
@@ -503,16 +504,9 @@ std::optional<Failure> run_backward_pipeline(
         // The gradient with respect to the state before its rows: into the initial states'
         // gradients (the G heads of a shared state added in head order: the same bits every
         // run); then back along the chain.
-        if (every_rank_initial || it.first_rank == rank) {
-          StateGradient<Scalar>& d0 = initial.head(it.position, state_head(it));
-          if (!shared || j == 0) {
-            d0.S = before.S;
-            d0.z = before.z;
-          } else {
-            d0.S += before.S;
-            if (d0.z.size() > 0) d0.z += before.z;
-          }
-        }
+        if (every_rank_initial || it.first_rank == rank)
+          add_state_share(!shared || j == 0, initial.head(it.position, state_head(it)), before.S,
+                          before.z);
         if (it.prev >= 0) {
           Scalar* out = at(outgoing, i);
           Eigen::Map<RowMatrix<Scalar>>(out + Message::header, r, dv) = before.S;

@@ -107,6 +107,17 @@ struct SequenceParallelResult {
   std::optional<Failure> failure;  // the same on every rank
 };
 
+/// Notes `state`, one of a call's initial states (`first`: the first of them), in `record`:
+/// its token count (the first's) and whether the states are not all zero with that one count
+/// (RankRecord::initial_nonzero, initial_tokens).
+template <class Rule, class State>
+void note_initial_state(RankRecord& record, const State& state, bool first) {
+  if (first) record.initial_tokens = state.tokens();
+  bool zero = state.S().isZero(0);  // |x| <= 0: exactly zero (NaN is not)
+  if constexpr (Rule::keeps_normalizer) zero = zero && state.z().isZero(0);
+  if (!zero || state.tokens() != record.initial_tokens) record.initial_nonzero = 1;
+}
+
 /// The fields of CallConfig that follow from the attention.
 template <class Attention>
 void describe_attention(const Attention& attention, Index dk, Index dv, CallConfig& config) {
@@ -149,12 +160,8 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
   try {
     prepare(work);
     mine.tokens = work.tokens;
-    mine.initial_tokens = work.states.empty() ? 0 : work.states.front()->tokens();
-    for (const auto* state : work.states) {
-      bool zero = (state->S().array() == Scalar(0)).all();
-      if constexpr (Rule::keeps_normalizer) zero = zero && (state->z().array() == Scalar(0)).all();
-      if (!zero || state->tokens() != mine.initial_tokens) mine.initial_nonzero = 1;
-    }
+    for (std::size_t i = 0; i < work.states.size(); ++i)
+      note_initial_state<Rule>(mine, *work.states[i], i == 0);
   } catch (...) {
     record_failure(mine);
   }

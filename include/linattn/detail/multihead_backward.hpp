@@ -72,6 +72,19 @@ void add_group_share(Index j, const TensorView<Scalar>& dK, const TensorView<Sca
   }
 }
 
+/// Query head j's share of a state head's gradient (S, z): the group's first head (j = 0), or
+/// any head of an unshared state, writes it, the others add theirs in head order.
+template <class Scalar, class DS, class DZ>
+void add_state_share(bool writes, StateGradient<Scalar>& to, const DS& S, const DZ& z) {
+  if (writes) {
+    to.S = S;
+    to.z = z;
+  } else {
+    to.S += S;
+    if (to.z.size() > 0) to.z += z;
+  }
+}
+
 /// The layer's backward without a saved forward: it rebuilds the chunk-boundary states.
 struct NoSavedForward {};
 
