@@ -1,6 +1,7 @@
 // What the library promises not to allocate: a decode step (every write rule; the additive
-// rule's fused and deferred steps), and a saved forward that is filled again for inputs of the
-// same size (its saved data stays where it is). Eigen's run-time allocation check
+// rule's fused and deferred steps), a saved forward that is filled again for inputs of the
+// same size (its saved data stays where it is), and the additive rule's backward with a
+// BackwardWorkspace that has served a call of the same chunk shape. Eigen's run-time allocation check
 // (EIGEN_RUNTIME_NO_MALLOC) reports through eigen_assert, which this file turns into an
 // exception so that the check also runs in Release builds (where Eigen's own assert is off).
 
@@ -13,6 +14,7 @@
   } while (false)
 
 #include <linattn/attention.hpp>
+#include <linattn/gradients.hpp>
 #include <linattn/rule_saved_forward.hpp>
 #include <linattn/saved_forward.hpp>
 
@@ -132,6 +134,56 @@ TEST_CASE("a saved forward filled again for the same size keeps its saved data i
   CHECK(saved.bytes() == filled);
   CHECK(saved.tokens() == T);
   CHECK(Y == Y2);
+}
+
+
+TEST_CASE("the additive backward with a warmed BackwardWorkspace allocates nothing") {
+  // The workspace keeps the chunk scratch, the per-token buffers (grown to the longest call) and
+  // the zero initial state; the outputs are the caller's. So after one call of a chunk shape,
+  // calls of that shape, longer or shorter (packed documents of many lengths), allocate nothing:
+  // the recomputing backward, stateless and carried, and the saved forward's.
+  constexpr Index C = 8, dk = 8, dv = 4;
+  const LinearAttention<EluPlusOne, float> attn(EluPlusOne{}, Options{{}, C});
+  BackwardWorkspace<float> workspace;
+  const RowMatrix<float> warm_Q = random_matrix<float>(40, dk, 31);
+  RowMatrix<float> dQ(40, dk), dK(40, dk), dV(40, dv), Y(40, dv);
+  StateGradient<float> initial;
+  parallel_backward_into(attn, warm_Q, warm_Q, warm_Q.leftCols(dv), Mask::causal,
+                         warm_Q.leftCols(dv), {dQ, dK, dV}, &initial, &workspace);
+  auto state = attn.make_state(dk, dv);
+  static_cast<void>(attn.prefill(state, warm_Q, warm_Q, warm_Q.leftCols(dv)));
+  prefill_backward_into(attn, state, warm_Q, warm_Q, warm_Q.leftCols(dv), warm_Q.leftCols(dv),
+                        nullptr, {dQ, dK, dV}, initial, &workspace);
+  SavedForward<float> saved;
+  parallel_saving_into(attn, warm_Q, warm_Q, warm_Q.leftCols(dv), Mask::causal, Y, saved);
+  parallel_backward_into(attn, saved, warm_Q, warm_Q, warm_Q.leftCols(dv), Mask::causal,
+                         warm_Q.leftCols(dv), {dQ, dK, dV}, &initial, &workspace);
+  const std::size_t held = workspace.bytes();
+  for (const Index T : {Index{40}, Index{17}, Index{33}}) {
+    INFO("T = " << T);
+    const RowMatrix<float> Q = random_matrix<float>(T, dk, 32), K = random_matrix<float>(T, dk, 33);
+    const RowMatrix<float> V = random_matrix<float>(T, dv, 34), dY = random_matrix<float>(T, dv, 35);
+    GradientsRef<float> out{dQ.topRows(T), dK.topRows(T), dV.topRows(T)};
+    CHECK_NOTHROW(without_allocation([&] {
+      parallel_backward_into(attn, Q, K, V, Mask::causal, dY, out, &initial, &workspace);
+    }));
+    CHECK_NOTHROW(without_allocation([&] {
+      prefill_backward_into(attn, state, Q, K, V, dY, nullptr, out, initial, &workspace);
+    }));
+    parallel_saving_into(attn, Q, K, V, Mask::causal, Y.topRows(T), saved);
+    CHECK_NOTHROW(without_allocation([&] {
+      parallel_backward_into(attn, saved, Q, K, V, Mask::causal, dY, out, &initial, &workspace);
+    }));
+    CHECK(dQ.topRows(T).allFinite());
+  }
+  CHECK(workspace.bytes() == held);
+  // Without a workspace the call allocates its scratch (what the workspace saves).
+  CHECK_THROWS_AS(without_allocation([&] {
+                    parallel_backward_into(attn, warm_Q, warm_Q, warm_Q.leftCols(dv),
+                                           Mask::causal, warm_Q.leftCols(dv), {dQ, dK, dV},
+                                           &initial);
+                  }),
+                  std::logic_error);
 }
 
 }  // namespace allocation_test

@@ -7,6 +7,7 @@
 
 #include <linattn/gradients.hpp>
 #include <linattn/rule_gradients.hpp>
+#include <linattn/rule_saved_forward.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -804,60 +806,111 @@ TEST_CASE("prefill_backward_into writes prefill_backward's bits into reused buff
 }
 
 TEST_CASE("a BackwardWorkspace kept across calls and lengths gives the bits of calls without") {
-  // Delta and GatedDelta rebuild their forward data into the workspace; each call, whatever the
-  // length before it, must return exactly what a call without a workspace returns. Lengths 9,
-  // 14, 9 in chunks of 4: short last chunks, a resize up and back down.
+  // Every rule keeps its buffers in the workspace: the chunk scratch (zeroed again where a new
+  // one is zero), per-token buffers grown and never shrunk, and for Delta and GatedDelta the
+  // rebuilt forward data. Each call, whatever ran before it, must return exactly what a call
+  // without a workspace returns. Lengths 9, 14, 9, 3, 9 in chunks of 4: short last chunks,
+  // growth, a longer buffer reused, another chunk shape (T = 3: C = 3) and back; before each
+  // call one whose query holds NaN leaves NaN in the buffers. The recomputing backward
+  // (stateless and carried) and the saved forward's, one workspace for all.
   constexpr Index dk = 3, dv = 2, chunk = 4;
-  BackwardWorkspace<double> workspace;
-  CHECK(workspace.bytes() == 0);
-  std::uint64_t seed = 251;
-  for (const Index T : {Index{9}, Index{14}, Index{9}}) {
-    INFO("T = " << T);
-    const auto gd = make_harness<L2Normalize, GatedDelta, double>(
-        L2Normalize{}, GatedDelta{}, Normalization::unnormalized(), T, dk, dv, chunk, false, seed);
-    const auto st = gd.initial_state();
-    const StateGradient<double> final_gradient{gd.WS, VectorXd()};
-    const auto g = prefill_backward(gd.attn, st, gd.Q, gd.K, gd.V, gd.beta, gd.log_alpha, gd.WY,
-                                    &final_gradient);
-    MatrixXdR dQ(T, dk), dK(T, dk), dV(T, dv);
-    RuleInputGradients<double> d_in;
-    StateGradient<double> initial;
-    prefill_backward_into(gd.attn, st, gd.Q, gd.K, gd.V, gd.beta, gd.log_alpha, gd.WY,
-                          &final_gradient, GradientsRef<double>{dQ, dK, dV}, d_in, initial,
-                          &workspace);
-    check_delta_into(dQ, dK, dV, d_in, initial, g);
-    // What it holds: the forward data of this call's length (ceil(T / C) r dv + 2 T dv).
-    const Index r = dk;  // L2Normalize keeps the key dim
-    CHECK(workspace.bytes() == detail::DeltaSavedStates<double>::bytes_for(T, chunk, r, dv));
+  const auto run = [&](const auto& make) {
+    using H = std::decay_t<decltype(make(Index{1}, std::uint64_t{1}))>;
+    BackwardWorkspace<double> workspace;
+    CHECK(workspace.bytes() == 0);
+    std::size_t after_longest = 0;
+    Index previous = 0;
+    std::uint64_t seed = 251;
+    for (const Index T : {Index{9}, Index{14}, Index{9}, Index{3}, Index{9}}) {
+      INFO("T = " << T);
+      const H h = make(T, seed);
+      seed += 10;
+      const auto st = h.initial_state();
+      const StateGradient<double> final_gradient{
+          h.WS, H::Attn::rule_type::keeps_normalizer ? h.wz : VectorXd()};
+      MatrixXdR dQ(T, dk), dK(T, dk), dV(T, dv), Y(T, dv);
+      RuleInputGradients<double> d_in;
+      StateGradient<double> initial;
+      const auto same = [&](const RuleGradients<double>& g) {
+        CHECK(dQ == g.Q);
+        CHECK(dK == g.K);
+        CHECK(dV == g.V);
+        CHECK(d_in.log_gate == g.inputs.log_gate);
+        CHECK(d_in.beta == g.inputs.beta);
+        CHECK(d_in.log_alpha == g.inputs.log_alpha);
+        CHECK(initial.S == g.initial.S);
+        CHECK(initial.z == g.initial.z);
+      };
+      const auto poison = [&] {
+        MatrixXdR bad = h.Q;
+        bad(T - 1, 0) = std::numeric_limits<double>::quiet_NaN();
+        h.with_inputs([&](const auto&... in) {
+          try {
+            parallel_backward_into(h.attn, bad, h.K, h.V, in..., Mask::causal, h.WY,
+                                   GradientsRef<double>{dQ, dK, dV}, d_in, &initial, &workspace);
+          } catch (const std::exception&) {  // a NaN denominator may throw: the buffers stay used
+          }
+        });
+      };
+      h.with_inputs([&](const auto&... in) {
+        poison();
+        const auto stateless = parallel_backward(h.attn, h.Q, h.K, h.V, in..., Mask::causal, h.WY);
+        parallel_backward_into(h.attn, h.Q, h.K, h.V, in..., Mask::causal, h.WY,
+                               GradientsRef<double>{dQ, dK, dV}, d_in, &initial, &workspace);
+        same(stateless);
 
-    const auto d = make_harness<L2Normalize, Delta, double>(
-        L2Normalize{}, Delta{}, Normalization::unnormalized(), T, dk, dv, chunk, false, seed + 7);
-    const auto p = parallel_backward(d.attn, d.Q, d.K, d.V, d.beta, Mask::causal, d.WY);
-    parallel_backward_into(d.attn, d.Q, d.K, d.V, d.beta, Mask::causal, d.WY,
-                           GradientsRef<double>{dQ, dK, dV}, d_in, &initial, &workspace);
-    check_delta_into(dQ, dK, dV, d_in, initial, p);
-    seed += 10;
-  }
-  workspace.release();
-  CHECK(workspace.bytes() == 0);
+        poison();
+        const auto carried = prefill_backward(h.attn, st, h.Q, h.K, h.V, in..., h.WY,
+                                              &final_gradient);
+        prefill_backward_into(h.attn, st, h.Q, h.K, h.V, in..., h.WY, &final_gradient,
+                              GradientsRef<double>{dQ, dK, dV}, d_in, initial, &workspace);
+        same(carried);
 
-  // Decay and Gated take a workspace and leave it empty (their scratch is per call); a null
-  // workspace is a call without one.
-  const auto h = make_harness<EluPlusOne, Gated, double>(EluPlusOne{}, Gated{},
-                                                         Normalization::strict(), 10, dk, dv,
-                                                         chunk, true, 291);
-  const auto g = parallel_backward(h.attn, h.Q, h.K, h.V, h.log_gate, Mask::causal, h.WY);
-  MatrixXdR dQ(10, dk), dK(10, dk), dV(10, dv);
-  RuleInputGradients<double> d_in;
-  BackwardWorkspace<double>* none = nullptr;
-  for (BackwardWorkspace<double>* w : {&workspace, none}) {
-    dQ.setZero();
-    parallel_backward_into(h.attn, h.Q, h.K, h.V, h.log_gate, Mask::causal, h.WY,
-                           GradientsRef<double>{dQ, dK, dV}, d_in, nullptr, w);
-    CHECK(dQ == g.Q);
-    CHECK(d_in.log_gate == g.inputs.log_gate);
+        SavedForward<double> saved;
+        parallel_saving_into(h.attn, h.Q, h.K, h.V, in..., Mask::causal, Y, saved);
+        poison();
+        const auto from_saved = parallel_backward(h.attn, saved, h.Q, h.K, h.V, in...,
+                                                  Mask::causal, h.WY);
+        parallel_backward_into(h.attn, saved, h.Q, h.K, h.V, in..., Mask::causal, h.WY,
+                               GradientsRef<double>{dQ, dK, dV}, d_in, &initial, &workspace);
+        same(from_saved);
+      });
+      // Grown, never shrunk: after the longest call a shorter one of the same chunk shape
+      // allocates nothing new.
+      if (T == 14) after_longest = workspace.bytes();
+      if (previous == 14) CHECK(workspace.bytes() == after_longest);
+      previous = T;
+      CHECK(workspace.bytes() > 0);
+    }
+    workspace.release();
+    CHECK(workspace.bytes() == 0);
+  };
+  const auto strict = Normalization::strict(), none = Normalization::unnormalized();
+  SECTION("Decay") {
+    run([&](Index T, std::uint64_t seed) {
+      return make_harness<EluPlusOne, Decay, double>(EluPlusOne{}, Decay(0.8), strict, T, dk, dv,
+                                                     chunk, false, seed);
+    });
   }
-  CHECK(workspace.bytes() == 0);
+  SECTION("Gated, one gate per token and per channel") {
+    for (const bool per_channel : {false, true}) {
+      INFO("per channel " << per_channel);
+      run([&](Index T, std::uint64_t seed) {
+        return make_harness<EluPlusOne, Gated, double>(EluPlusOne{}, Gated{}, strict, T, dk, dv,
+                                                       chunk, per_channel, seed);
+      });
+    }
+  }
+  SECTION("Delta and GatedDelta") {
+    run([&](Index T, std::uint64_t seed) {
+      return make_harness<L2Normalize, Delta, double>(L2Normalize{}, Delta{}, none, T, dk, dv,
+                                                      chunk, false, seed);
+    });
+    run([&](Index T, std::uint64_t seed) {
+      return make_harness<L2Normalize, GatedDelta, double>(L2Normalize{}, GatedDelta{}, none, T,
+                                                           dk, dv, chunk, false, seed);
+    });
+  }
 }
 
 TEST_CASE("delta backward on the register kernel's widths against the naive loop") {
@@ -942,14 +995,15 @@ void check_saved_delta(Index T, Index dk, Index dv, Index chunk, std::uint64_t s
   M dQ(T, dk), dK(T, dk), dV(T, dv), dS0;
   ColVector<Scalar> d_beta(T), d_log_alpha(T);
   const bool gated = Rule::kind == WriteKind::gated_delta;
+  std::optional<detail::DeltaBackwardScratch<Scalar>> scratch, scratch_again;
   detail::delta_backward_saved<Scalar>(attn.feature_map(), Q, K, V, dY, in, saved, &dS_T, dQ, dK, dV,
-                               d_beta.data(), gated ? d_log_alpha.data() : no_alpha, dS0);
+                               d_beta.data(), gated ? d_log_alpha.data() : no_alpha, dS0, scratch);
   M eQ(T, dk), eK(T, dk), eV(T, dv), eS0;
   ColVector<Scalar> e_beta(T), e_log_alpha(T);
   detail::DeltaSavedStates<Scalar> rebuilt_again;
   detail::delta_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, &dS_T, C, eQ, eK, eV,
                          e_beta.data(), gated ? e_log_alpha.data() : no_alpha, eS0,
-                         rebuilt_again);
+                         rebuilt_again, scratch_again);
   CHECK(dQ == eQ);
   CHECK(dK == eK);
   CHECK(dV == eV);

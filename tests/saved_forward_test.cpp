@@ -445,4 +445,96 @@ TEST_CASE("the saved forward's memory", "[saved_forward][memory]") {
   CHECK(saved_forward_bytes(prf, 10, 8, 16) == 3 * (16 * 16 + 16 + 1) * sizeof(float));
 }
 
+
+TEST_CASE("a BackwardWorkspace kept across calls gives the bits of calls without it",
+          "[gradients][workspace]") {
+  // The workspace keeps the chunk scratch (zeroed again where a new one is zero) and grows the
+  // per-token buffers; whatever ran before, a call must return exactly the bits it returns
+  // without one. Lengths 9, 14, 9, 3, 9 in chunks of 4: a short last chunk, growth, a longer
+  // per-token buffer reused, another chunk shape (T = 3 < 4: C = 3) and back. Before each call a
+  // call whose query holds NaN leaves NaN in the buffers. Every path that keeps scratch: the
+  // recomputing backward (stateless and carried), the saved forward's, for an ordinary map
+  // and a log-scaled one (its per-token log-scales).
+  const auto run = [](const auto& attn) {
+    using Scalar = scalar_of<std::decay_t<decltype(attn)>>;
+    constexpr Index dk = 8, dv = 16;
+    BackwardWorkspace<Scalar> workspace;
+    CHECK(workspace.bytes() == 0);
+    std::size_t after_longest = 0;
+    Index previous = 0;
+    std::uint64_t seed = 700;
+    for (const Index T : {Index{9}, Index{14}, Index{9}, Index{3}, Index{9}}) {
+      INFO("T = " << T);
+      const RowMatrix<Scalar> Q = random_matrix<Scalar>(T, dk, seed),
+                              K = random_matrix<Scalar>(T, dk, seed + 1),
+                              V = random_matrix<Scalar>(T, dv, seed + 2),
+                              dY = random_matrix<Scalar>(T, dv, seed + 3);
+      seed += 10;
+      RowMatrix<Scalar> dQ(T, dk), dK(T, dk), dV(T, dv), Y(T, dv);
+      GradientsRef<Scalar> out{dQ, dK, dV};
+      StateGradient<Scalar> initial;
+      const auto poison = [&] {
+        RowMatrix<Scalar> bad = Q;
+        bad(T - 1, 0) = std::numeric_limits<Scalar>::quiet_NaN();
+        try {
+          parallel_backward_into(attn, bad, K, V, Mask::causal, dY, out, &initial, &workspace);
+        } catch (const std::exception&) {  // a NaN denominator may throw: the buffers stay used
+        }
+      };
+      poison();
+      const auto stateless = parallel_backward(attn, Q, K, V, Mask::causal, dY);
+      parallel_backward_into(attn, Q, K, V, Mask::causal, dY, out, &initial, &workspace);
+      CHECK(dQ == stateless.Q);
+      CHECK(dK == stateless.K);
+      CHECK(dV == stateless.V);
+      CHECK(initial.S == stateless.initial.S);
+      CHECK(initial.z == stateless.initial.z);
+
+      auto state = attn.make_state(dk, dv);
+      static_cast<void>(attn.prefill(state, K, Q, V));
+      const Index r = attn.feature_map().feature_dim(dk);
+      const StateGradient<Scalar> final_gradient{random_matrix<Scalar>(r, dv, seed + 4),
+                                                 random_matrix<Scalar>(r, 1, seed + 5).col(0)};
+      poison();
+      const auto carried = prefill_backward(attn, state, Q, K, V, dY, &final_gradient);
+      prefill_backward_into(attn, state, Q, K, V, dY, &final_gradient, out, initial, &workspace);
+      CHECK(dQ == carried.Q);
+      CHECK(dK == carried.K);
+      CHECK(dV == carried.V);
+      CHECK(initial.S == carried.initial.S);
+      CHECK(initial.z == carried.initial.z);
+
+      SavedForward<Scalar> saved;
+      parallel_saving_into(attn, Q, K, V, Mask::causal, Y, saved);
+      poison();
+      const auto from_saved = parallel_backward(attn, saved, Q, K, V, Mask::causal, dY);
+      parallel_backward_into(attn, saved, Q, K, V, Mask::causal, dY, out, &initial, &workspace);
+      CHECK(dQ == from_saved.Q);
+      CHECK(dK == from_saved.K);
+      CHECK(dV == from_saved.V);
+      CHECK(initial.S == from_saved.initial.S);
+
+      // Per-token buffers grow and never shrink: after the longest call, a shorter one of the
+      // same chunk shape allocates nothing new.
+      if (T == 14) after_longest = workspace.bytes();
+      if (previous == 14) CHECK(workspace.bytes() == after_longest);
+      previous = T;
+      CHECK(workspace.bytes() > 0);
+    }
+    workspace.release();
+    CHECK(workspace.bytes() == 0);
+  };
+  SECTION("EluPlusOne, double") {
+    run(LinearAttention<EluPlusOne, double>(EluPlusOne{}, chunked<double>(4)));
+  }
+  SECTION("EluPlusOne, float, strict") {
+    run(LinearAttention<EluPlusOne, float>(EluPlusOne{},
+                                           chunked<float>(4, Normalization::strict())));
+  }
+  SECTION("PositiveRandomFeatures (log-scaled), double") {
+    run(LinearAttention<PositiveRandomFeatures<double>, double>(
+        PositiveRandomFeatures<double>(8, 12, 3), chunked<double>(4)));
+  }
+}
+
 }  // namespace saved_forward_test

@@ -37,6 +37,7 @@
 /// O((Tq + Tk) r dv) time, the features of all rows in memory (as the forward's full read).
 
 #include <linattn/attention.hpp>
+#include <linattn/backward_workspace.hpp>
 #include <linattn/detail/backward_chunked.hpp>
 #include <linattn/detail/checks.hpp>
 #include <linattn/detail/eigen_utils.hpp>
@@ -48,6 +49,7 @@
 
 #include <cstddef>
 #include <limits>
+#include <type_traits>
 
 namespace linattn {
 
@@ -146,13 +148,15 @@ void check_final_gradient(const StateGradient<Scalar>* final_gradient, Index r, 
 
 /// parallel_backward() writing dQ, dK, dV into `out` (see GradientsRef); with Mask::causal the
 /// gradient of the empty initial state goes to `initial` when it is not null (resized to r x dv
-/// and r). Allocates only its scratch (causal_backward_bytes) or, for Mask::none, the features.
+/// and r). Allocates only its scratch (causal_backward_bytes), kept in `workspace` when given
+/// (BackwardWorkspace), or, for Mask::none, the features.
 template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
 void parallel_backward_into(const LinearAttention<Phi, Scalar>& attn,
                             const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                             const Eigen::MatrixBase<DV>& V, Mask mask,
                             const Eigen::MatrixBase<DY>& dY, GradientsRef<Scalar> out,
-                            StateGradient<Scalar>* initial = nullptr) {
+                            std::type_identity_t<StateGradient<Scalar>>* initial = nullptr,
+                            std::type_identity_t<BackwardWorkspace<Scalar>>* workspace = nullptr) {
   detail::require_differentiable<Phi, Scalar>();
   detail::check_backward_shapes(Q, K, V, dY, mask);
   const Phi& phi = attn.feature_map();
@@ -168,15 +172,16 @@ void parallel_backward_into(const LinearAttention<Phi, Scalar>& attn,
     return;
   }
   constexpr bool log_scaled = LogScaledFeatureMap<Phi, Scalar>;
-  const RowMatrix<Scalar> S0 = RowMatrix<Scalar>::Zero(r, dv);
-  const ColVector<Scalar> z0 = ColVector<Scalar>::Zero(r);
+  detail::BackwardBuffers<Scalar> call_only;
+  detail::BackwardBuffers<Scalar>& buffers = detail::buffers_of(workspace, call_only);
+  buffers.zero_start(r, dv);
   const Scalar M0 = log_scaled ? -std::numeric_limits<Scalar>::infinity() : Scalar(0);
   StateGradient<Scalar> discarded;
   StateGradient<Scalar>& d0 = initial != nullptr ? *initial : discarded;
-  detail::causal_backward<Scalar>(phi, Qm, Km, Vm, dYm, S0, z0, M0, nullptr, nullptr,
-                                  detail::backward_chunk_size(attn, r, dv),
-                                  attn.options().normalization, out.Q,
-                                  out.K, out.V, d0.S, d0.z);
+  detail::causal_backward<Scalar>(phi, Qm, Km, Vm, dYm, buffers.start_S, buffers.start_z, M0,
+                                  nullptr, nullptr, detail::backward_chunk_size(attn, r, dv),
+                                  attn.options().normalization, out.Q, out.K, out.V, d0.S, d0.z,
+                                  buffers.additive);
 }
 
 /// Gradients of Y = attn.parallel(Q, K, V, mask) given dY = dLoss/dY (Tq x dv): dQ, dK, dV.
@@ -199,14 +204,16 @@ template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
 }
 
 /// prefill_backward() writing dQ, dK, dV into `out` (see GradientsRef) and (dS0, dz0) into
-/// `initial` (resized to r x dv and r); allocates only its scratch (causal_backward_bytes).
+/// `initial` (resized to r x dv and r); allocates only its scratch (causal_backward_bytes), kept
+/// in `workspace` when given (BackwardWorkspace).
 template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
 void prefill_backward_into(const LinearAttention<Phi, Scalar>& attn,
                            const typename LinearAttention<Phi, Scalar>::State& initial_state,
                            const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                            const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DY>& dY,
-                           const StateGradient<Scalar>* final_gradient, GradientsRef<Scalar> out,
-                           StateGradient<Scalar>& initial) {
+                           const std::type_identity_t<StateGradient<Scalar>>* final_gradient,
+                           GradientsRef<Scalar> out, StateGradient<Scalar>& initial,
+                           std::type_identity_t<BackwardWorkspace<Scalar>>* workspace = nullptr) {
   detail::require_differentiable<Phi, Scalar>();
   detail::check_backward_shapes(Q, K, V, dY, Mask::causal);
   const Phi& phi = attn.feature_map();
@@ -215,13 +222,21 @@ void prefill_backward_into(const LinearAttention<Phi, Scalar>& attn,
   initial_state.check_shape(r, dk, dv);
   initial_state.check_identity(attn.state_identity());
   detail::check_final_gradient(final_gradient, r, dv);
+  detail::BackwardBuffers<Scalar> call_only;
+  detail::BackwardBuffers<Scalar>& buffers = detail::buffers_of(workspace, call_only);
+  // The stored S read in place unless decode tokens are pending (then S() folds them in).
+  const RowMatrix<Scalar>* S0 = &initial_state.stored_S();
+  if (initial_state.pending_tokens() > 0) {
+    buffers.start_S = initial_state.S();
+    S0 = &buffers.start_S;
+  }
   detail::causal_backward<Scalar>(
       phi, detail::materialize(Q), detail::materialize(K), detail::materialize(V),
-      detail::materialize(dY), initial_state.S(), initial_state.z(), initial_state.log_scale(),
+      detail::materialize(dY), *S0, initial_state.z(), initial_state.log_scale(),
       final_gradient != nullptr ? &final_gradient->S : nullptr,
       final_gradient != nullptr ? &final_gradient->z : nullptr,
       detail::backward_chunk_size(attn, r, dv), attn.options().normalization, out.Q, out.K,
-      out.V, initial.S, initial.z);
+      out.V, initial.S, initial.z, buffers.additive);
 }
 
 /// Gradients of the causal read that continues `initial_state` (made by attn.make_state; read,

@@ -4,6 +4,7 @@
 /// CMake target linattn::threads). Each header below also compiles on its own.
 
 #include <linattn/attention.hpp>
+#include <linattn/backward_workspace.hpp>
 #include <linattn/batch_state.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/executor.hpp>

@@ -41,6 +41,7 @@
 /// throw one, StateMismatchError for a state made by another attention.
 
 #include <linattn/attention.hpp>
+#include <linattn/backward_workspace.hpp>
 #include <linattn/detail/rule_backward.hpp>
 #include <linattn/detail/token_inputs.hpp>
 #include <linattn/gradients.hpp>
@@ -75,46 +76,6 @@ struct RuleGradients {
 };
 
 namespace detail {
-struct BackwardWorkspaceAccess;
-}
-
-/// Buffers a rule's backward keeps from one call to the next: pass one to
-/// parallel_backward_into / prefill_backward_into to reuse them.
-///
-/// Delta and GatedDelta rebuild the forward's chunk data in every backward call (the state before
-/// each chunk and each token's corrected values and state reads: r dv / C + 2 dv scalars per
-/// token, 5 KiB per token at r = dv = 128 in float, C = 16). Without a workspace that block is
-/// allocated and freed per call; with one it is allocated when the size (T, r, dv, C) changes
-/// and reused otherwise, so a training loop over heads, layers or steps of one length allocates
-/// it once. The memory is the recomputing design's: a SavedForward instead holds the same data
-/// per layer from its forward to its backward, and skips the rebuild.
-/// Decay and Gated allocate only a few chunks' scratch per call and leave the workspace as it is.
-/// Not shared between threads: two calls at once need two workspaces.
-template <class Scalar>
-class BackwardWorkspace {
- public:
-  /// Bytes held now (0 until a delta-rule backward has used it).
-  [[nodiscard]] std::size_t bytes() const noexcept {
-    return static_cast<std::size_t>(delta_.states.size() + delta_.corrected.size() +
-                                    delta_.reads.size()) *
-           sizeof(Scalar);
-  }
-  /// Frees what it holds.
-  void release() noexcept { delta_ = detail::DeltaSavedStates<Scalar>{}; }
-
- private:
-  friend struct detail::BackwardWorkspaceAccess;
-  detail::DeltaSavedStates<Scalar> delta_;
-};
-
-namespace detail {
-
-struct BackwardWorkspaceAccess {
-  template <class Scalar>
-  static DeltaSavedStates<Scalar>& delta(BackwardWorkspace<Scalar>& w) noexcept {
-    return w.delta_;
-  }
-};
 
 template <class Rule>
 concept GradientRule = Rule::kind != WriteKind::additive;
@@ -126,7 +87,7 @@ void rule_backward_bound(const RuleAttention<Phi, Rule, Scalar>& attn,
                          const ColVector<Scalar>& z0, const DQ& Q, const DK& K, const DV& V,
                          const DY& dY, const StateGradient<Scalar>* final_gradient,
                          GradientsRef<Scalar> out, RuleInputGradients<Scalar>& d_in,
-                         StateGradient<Scalar>& initial, BackwardWorkspace<Scalar>* workspace) {
+                         StateGradient<Scalar>& initial, BackwardBuffers<Scalar>& buffers) {
   const Index T = Q.rows(), r = S0.rows(), dv = S0.cols();
   check_final_gradient(final_gradient, r, dv, Rule::keeps_normalizer);
   const Index C = attn.chunk_size(r, dv);
@@ -138,11 +99,9 @@ void rule_backward_bound(const RuleAttention<Phi, Rule, Scalar>& attn,
       d_in.log_alpha.resize(T);
       d_alpha = d_in.log_alpha.data();
     }
-    DeltaSavedStates<Scalar> call_only;
     delta_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, dS_T, C, out.Q, out.K,
-                           out.V, d_in.beta.data(), d_alpha, initial.S,
-                           workspace != nullptr ? BackwardWorkspaceAccess::delta(*workspace)
-                                                : call_only);
+                           out.V, d_in.beta.data(), d_alpha, initial.S, buffers.delta,
+                           buffers.delta_sweep);
     initial.z.resize(0);
   } else {
     Scalar* d_gate = nullptr;
@@ -154,7 +113,7 @@ void rule_backward_bound(const RuleAttention<Phi, Rule, Scalar>& attn,
     gated_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, z0, dS_T,
                            final_gradient != nullptr ? &final_gradient->z : nullptr,
                            backward_chunk_size(attn, r, dv), C, attn.options().normalization,
-                           out.Q, out.K, out.V, d_gate, initial.S, initial.z);
+                           out.Q, out.K, out.V, d_gate, initial.S, initial.z, buffers.gated);
   }
 }
 
@@ -179,6 +138,8 @@ void rule_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   const auto& Km = materialize(K);
   const auto& Vm = materialize(V);
   const auto& dYm = materialize(dY);
+  BackwardBuffers<Scalar> call_only;
+  BackwardBuffers<Scalar>& buffers = buffers_of(workspace, call_only);
   if (state != nullptr) {
     state->check_shape(r, dk, dv);
     state->check_identity(attn.state_identity());
@@ -186,12 +147,11 @@ void rule_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
     const ColVector<Scalar>* z0 = &no_z;
     if constexpr (Rule::keeps_normalizer) z0 = &state->z();
     rule_backward_bound(attn, bound, state->S(), *z0, Qm, Km, Vm, dYm, final_gradient, out, d_in,
-                        initial, workspace);
+                        initial, buffers);
   } else {
-    const RowMatrix<Scalar> S0 = RowMatrix<Scalar>::Zero(r, dv);
-    const ColVector<Scalar> z0 = ColVector<Scalar>::Zero(r);
-    rule_backward_bound(attn, bound, S0, z0, Qm, Km, Vm, dYm, final_gradient, out, d_in,
-                        initial, workspace);
+    buffers.zero_start(r, dv);
+    rule_backward_bound(attn, bound, buffers.start_S, buffers.start_z, Qm, Km, Vm, dYm,
+                        final_gradient, out, d_in, initial, buffers);
   }
 }
 

@@ -109,10 +109,12 @@ void parallel_saving_into(const RuleAttention<Phi, Rule, Scalar>& attn,
 /// inputs' gradients into `d_inputs`; the initial state's gradient into `initial`. Throws
 /// ShapeError naming the shapes when `saved` is not for these T, dk, dv, r and chunk size,
 /// StateMismatchError when another attention filled it, otherwise as the recomputing backward.
-/// Allocates one chunk's scratch (saved_backward_bytes).
+/// Allocates one chunk's scratch (saved_backward_bytes); an optional last argument, a
+/// BackwardWorkspace<Scalar>* (null: none), keeps it for the next call.
 template <class Phi, detail::SavedRule Rule, class Scalar, class DQ, class DK, class DV,
           class... Args>
-  requires(sizeof...(Args) == Rule::token_inputs + 5)
+  requires(sizeof...(Args) == Rule::token_inputs + 5 ||
+           sizeof...(Args) == Rule::token_inputs + 6)
 void prefill_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
                            const SavedForward<Scalar>& saved, const Eigen::MatrixBase<DQ>& Q,
                            const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -124,9 +126,13 @@ void prefill_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   GradientsRef<Scalar> out = std::get<n + 2>(all);
   RuleInputGradients<Scalar>& d_inputs = std::get<n + 3>(all);
   StateGradient<Scalar>& initial = std::get<n + 4>(all);
+  BackwardWorkspace<Scalar>* workspace = nullptr;
+  if constexpr (sizeof...(Args) == n + 6)
+    workspace = detail::workspace_argument<Scalar>(std::get<n + 5>(all));
+  detail::BackwardBuffers<Scalar> call_only;
   detail::with_first<n>(all, [&](const auto&... in) {
     detail::rule_saved_backward(attn, saved, Q, K, V, dY, final_gradient, out, d_inputs, initial,
-                                in...);
+                                detail::buffers_of(workspace, call_only), in...);
   });
 }
 
@@ -149,20 +155,22 @@ template <class Phi, detail::SavedRule Rule, class Scalar, class DQ, class DK, c
   if constexpr (sizeof...(Args) == n + 2) final_gradient = std::get<n + 1>(all);
   detail::check_backward_shapes(Q, K, V, dY, Mask::causal);
   auto g = detail::sized_rule_gradients<Scalar>(Q.rows(), K.cols(), V.cols());
+  detail::BackwardBuffers<Scalar> call_only;
   detail::with_first<n>(all, [&](const auto&... in) {
     detail::rule_saved_backward(attn, saved, Q, K, V, dY, final_gradient, {g.Q, g.K, g.V},
-                                g.inputs, g.initial, in...);
+                                g.inputs, g.initial, call_only, in...);
   });
   return g;
 }
 
 /// parallel_backward_into(attn, saved, Q, K, V, inputs..., Mask::causal, dY, out, d_inputs[,
-/// initial]): the backward from the saved forward of parallel_saving_into; `initial` (a
-/// StateGradient*), when given and not null, gets the empty initial state's gradient.
+/// initial[, workspace]]): the backward from the saved forward of parallel_saving_into;
+/// `initial` (a StateGradient*), when given and not null, gets the empty initial state's
+/// gradient; `workspace` (a BackwardWorkspace<Scalar>*, null: none) keeps the scratch.
 template <class Phi, detail::SavedRule Rule, class Scalar, class DQ, class DK, class DV,
           class... Args>
-  requires(sizeof...(Args) == Rule::token_inputs + 4 ||
-           sizeof...(Args) == Rule::token_inputs + 5)
+  requires(sizeof...(Args) >= Rule::token_inputs + 4 &&
+           sizeof...(Args) <= Rule::token_inputs + 6)
 void parallel_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
                             const SavedForward<Scalar>& saved, const Eigen::MatrixBase<DQ>& Q,
                             const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -177,12 +185,16 @@ void parallel_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   RuleInputGradients<Scalar>& d_inputs = std::get<n + 3>(all);
   StateGradient<Scalar> discarded;
   StateGradient<Scalar>* initial = &discarded;
-  if constexpr (sizeof...(Args) == n + 5)
+  if constexpr (sizeof...(Args) >= n + 5)
     if (std::get<n + 4>(all) != nullptr) initial = std::get<n + 4>(all);
+  BackwardWorkspace<Scalar>* workspace = nullptr;
+  if constexpr (sizeof...(Args) == n + 6)
+    workspace = detail::workspace_argument<Scalar>(std::get<n + 5>(all));
+  detail::BackwardBuffers<Scalar> call_only;
   detail::with_first<n>(all, [&](const auto&... in) {
     detail::rule_saved_backward(attn, saved, Q, K, V, dY,
                                 static_cast<const StateGradient<Scalar>*>(nullptr), out, d_inputs,
-                                *initial, in...);
+                                *initial, detail::buffers_of(workspace, call_only), in...);
   });
 }
 
@@ -205,10 +217,11 @@ template <class Phi, detail::SavedRule Rule, class Scalar, class DQ, class DK, c
   const auto& dY = std::get<n + 1>(all);
   detail::check_backward_shapes(Q, K, V, dY, Mask::causal);
   auto g = detail::sized_rule_gradients<Scalar>(Q.rows(), K.cols(), V.cols());
+  detail::BackwardBuffers<Scalar> call_only;
   detail::with_first<n>(all, [&](const auto&... in) {
     detail::rule_saved_backward(attn, saved, Q, K, V, dY,
                                 static_cast<const StateGradient<Scalar>*>(nullptr),
-                                {g.Q, g.K, g.V}, g.inputs, g.initial, in...);
+                                {g.Q, g.K, g.V}, g.inputs, g.initial, call_only, in...);
   });
   return g;
 }

@@ -32,12 +32,14 @@
 #include <Eigen/Core>
 #include <cstddef>
 #include <linattn/attention.hpp>
+#include <linattn/backward_workspace.hpp>
 #include <linattn/detail/delta_backward.hpp>
 #include <linattn/detail/huge_pages.hpp>
 #include <linattn/detail/saved_backward.hpp>
 #include <linattn/detail/stream_store.hpp>
 #include <linattn/gradients.hpp>
 #include <stdexcept>
+#include <type_traits>
 
 namespace linattn {
 
@@ -269,26 +271,30 @@ void parallel_saving_into(const LinearAttention<Phi, Scalar>& attn, const Eigen:
 /// that rebuilds the states (bit for bit where both use the register kernel; see
 /// docs/gradients.md). Throws ShapeError naming the shapes when `saved` is not for T = Q.rows(),
 /// this dk, dv, r; StateMismatchError when another attention filled it; DenominatorError as the
-/// forward. Allocates one chunk's scratch (saved_backward_bytes).
+/// forward. Allocates one chunk's scratch (saved_backward_bytes), kept in `workspace` when
+/// given (BackwardWorkspace).
 template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
 void prefill_backward_into(const LinearAttention<Phi, Scalar>& attn,
                            const SavedForward<Scalar>& saved, const Eigen::MatrixBase<DQ>& Q,
                            const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                            const Eigen::MatrixBase<DY>& dY,
-                           const StateGradient<Scalar>* final_gradient, GradientsRef<Scalar> out,
-                           StateGradient<Scalar>& initial) {
+                           const std::type_identity_t<StateGradient<Scalar>>* final_gradient,
+                           GradientsRef<Scalar> out, StateGradient<Scalar>& initial,
+                           std::type_identity_t<BackwardWorkspace<Scalar>>* workspace = nullptr) {
   detail::require_differentiable<Phi, Scalar>();
   detail::check_backward_shapes(Q, K, V, dY, Mask::causal);
   const Index dk = K.cols(), dv = V.cols(), r = attn.feature_map().feature_dim(dk);
   detail::check_gradient_outputs(out, Q.rows(), K.rows(), dk, dv);
   detail::check_saved(attn, saved, Q, K, V);
   detail::check_final_gradient(final_gradient, r, dv);
+  detail::BackwardBuffers<Scalar> call_only;
   detail::saved_causal_backward<Scalar>(
       attn.feature_map(), detail::materialize(Q), detail::materialize(K), detail::materialize(V),
       detail::materialize(dY), detail::SavedForwardAccess::data(saved), saved.chunk_size(),
       final_gradient != nullptr ? &final_gradient->S : nullptr,
       final_gradient != nullptr ? &final_gradient->z : nullptr, attn.options().normalization, out.Q,
-      out.K, out.V, initial.S, initial.z);
+      out.K, out.V, initial.S, initial.z,
+      detail::buffers_of(workspace, call_only).additive_saved);
 }
 
 /// prefill_backward_into() from a saved forward, returning the gradients (and `initial`).
@@ -305,19 +311,21 @@ template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
 }
 
 /// parallel_backward_into() from a saved forward (Mask::causal only: std::invalid_argument
-/// otherwise); `initial`, when not null, gets the initial state's gradient.
+/// otherwise); `initial`, when not null, gets the initial state's gradient; `workspace` as in
+/// prefill_backward_into.
 template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
 void parallel_backward_into(const LinearAttention<Phi, Scalar>& attn,
                             const SavedForward<Scalar>& saved, const Eigen::MatrixBase<DQ>& Q,
                             const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                             Mask mask, const Eigen::MatrixBase<DY>& dY, GradientsRef<Scalar> out,
-                            StateGradient<Scalar>* initial = nullptr) {
+                            std::type_identity_t<StateGradient<Scalar>>* initial = nullptr,
+                            std::type_identity_t<BackwardWorkspace<Scalar>>* workspace = nullptr) {
   if (mask != Mask::causal)
     throw std::invalid_argument("parallel_backward_into: a saved forward is causal (Mask::causal)");
   StateGradient<Scalar> discarded;
   prefill_backward_into(attn, saved, Q, K, V, dY,
                         static_cast<const StateGradient<Scalar>*>(nullptr), out,
-                        initial != nullptr ? *initial : discarded);
+                        initial != nullptr ? *initial : discarded, workspace);
 }
 
 /// parallel_backward() from a saved forward: dQ, dK, dV and `initial` (Mask::causal only).

@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <optional>
 
 namespace linattn::detail {
 
@@ -196,15 +197,9 @@ struct BackwardScratch {
     padded = (C + lanes - 1) / lanes * lanes;
     qf.resize(C, r);
     kf.resize(C, r);
-    qf_t = RowMatrix<Scalar>::Zero(r, padded);
-    kf_t = RowMatrix<Scalar>::Zero(r, padded);
-    v_t = RowMatrix<Scalar>::Zero(dv, padded);
-    dy_t = RowMatrix<Scalar>::Zero(dv, padded);
-    rows_t = RowMatrix<Scalar>::Zero(r, padded);
-    scores = RowMatrix<Scalar>::Zero(C, padded);
-    d_scores = RowMatrix<Scalar>::Zero(C, padded);
-    scores_t = RowMatrix<Scalar>::Zero(C, padded);
-    d_scores_t = RowMatrix<Scalar>::Zero(C, padded);
+    for (auto* buffer : {&qf_t, &kf_t, &rows_t}) buffer->setZero(r, padded);
+    for (auto* buffer : {&v_t, &dy_t}) buffer->setZero(dv, padded);
+    for (auto* buffer : {&scores, &d_scores, &scores_t, &d_scores_t}) buffer->setZero(C, padded);
     weights.resize(log_scaled ? C : 0, log_scaled ? C : 0);
     rows_r.resize(C, r);
     d_features.resize(C, r);
@@ -221,6 +216,26 @@ struct BackwardScratch {
     a.resize(T);
     b.resize(T);
     m.resize(log_scaled ? T : 0);
+  }
+
+  /// Whether this scratch serves a call with these arguments (the constructor's): the same
+  /// per-chunk shapes. If so it is made to hold what a new one holds where that matters (the
+  /// zero-initialised buffers zeroed again: the call's bits cannot depend on an earlier call,
+  /// even one that read NaN) and its per-token buffers grown to T where shorter (never shrunk:
+  /// a workspace over documents of many lengths keeps the longest's). O(C (r + dv + C)).
+  [[nodiscard]] bool reuse(Index T, Index chunk, Index r, Index dv, bool log_scaled, bool copy_v,
+                           bool copy_dy, bool rebuilds_state = true) {
+    if (C != std::min(chunk, std::max<Index>(T, 1)) || qf.cols() != r || rows_v.cols() != dv ||
+        (weights.size() > 0) != log_scaled || (v_copy.rows() > 0) != copy_v ||
+        (dy_copy.rows() > 0) != copy_dy || (state.size() > 0) != rebuilds_state)
+      return false;
+    for (auto* buffer : {&qf_t, &kf_t, &rows_t, &v_t, &dy_t, &scores, &d_scores, &scores_t,
+                         &d_scores_t})
+      buffer->setZero();
+    for (auto* per_token : {&a, &b})
+      if (per_token->size() < T) per_token->resize(T);
+    if (log_scaled && m.size() < T) m.resize(T);
+    return true;
   }
 
   /// Bytes the constructor allocates for these arguments, without allocating them:
@@ -242,7 +257,8 @@ struct BackwardScratch {
     return static_cast<std::size_t>(per_call + per_token * T) * sizeof(Scalar);
   }
 
-  /// Bytes held by the buffers above (bytes_for() of the constructor's arguments).
+  /// Bytes held by the buffers above (bytes_for() of the constructor's arguments; of the
+  /// longest T since, where reused).
   [[nodiscard]] std::size_t bytes() const {
     const Index scalars = qf.size() + kf.size() + qf_t.size() + kf_t.size() + v_t.size() +
                           dy_t.size() + rows_t.size() + scores.size() + d_scores.size() +
@@ -254,6 +270,16 @@ struct BackwardScratch {
     return static_cast<std::size_t>(scalars) * sizeof(Scalar);
   }
 };
+
+/// The scratch `slot` holds, made ready for a call with the constructor arguments `args`: kept
+/// where its reuse(args...) accepts it, otherwise a new one (the old one freed first). A
+/// backward that keeps its slot between calls (BackwardWorkspace) allocates its scratch once
+/// per shape instead of once per call.
+template <class Scratch, class... Args>
+Scratch& scratch_in(std::optional<Scratch>& slot, const Args&... args) {
+  if (!slot || !slot->reuse(args...)) slot.emplace(args...);
+  return *slot;
+}
 
 /// Issues what `queue` still holds, then queues rows [first, first + n) of Q, K, V and dY
 /// (clipped to their rows; nothing where n <= 0 or first < 0), in the order load_chunk reads
@@ -495,7 +521,7 @@ void start_state_gradient(BackwardScratch<Scalar>& w, const RowMatrix<Scalar>* d
 /// and writes dK, dV. Per token about 10 r dv + C (4 r + 3 dv) flops (4 r dv in pass 1's
 /// products against the state, 6 r dv in pass 2) plus the feature maps twice and their
 /// derivatives once; memory: BackwardScratch, O(C (r + C + dv) + r dv) plus 2 or 3 scalars per
-/// token. DenominatorError as the forward read would throw it (nothing then is meaningful).
+/// token, in `scratch` (kept there for the next call: scratch_in). DenominatorError as the forward read would throw it (nothing then is meaningful).
 /// The state is rebuilt with the arithmetic of the register forward (detail::causal_chunked:
 /// the same product sums in the same order, z a running sum row by row), so where both run on
 /// the register kernel the rebuilt states are the forward's bits, and this backward equals
@@ -507,11 +533,12 @@ void causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, cons
                      Index chunk_size, const Normalization& norm,
                      Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
                      Eigen::Ref<RowMatrix<Scalar>> dV, RowMatrix<Scalar>& dS0,
-                     ColVector<Scalar>& dz0) {
+                     ColVector<Scalar>& dz0, std::optional<BackwardScratch<Scalar>>& scratch) {
   constexpr bool LogScaled = LogScaledFeatureMap<Phi, Scalar>;
   const Index T = Q.rows(), r = S0.rows(), dv = S0.cols();
-  BackwardScratch<Scalar> w(T, chunk_size, r, dv, LogScaled, !has_row_major_storage<DV>(),
-                            !has_row_major_storage<DY>());
+  BackwardScratch<Scalar>& w =
+      scratch_in(scratch, T, chunk_size, r, dv, LogScaled, !has_row_major_storage<DV>(),
+                 !has_row_major_storage<DY>(), true);
   const Index C = w.C;
 
   // ---- pass 1: forward over the chunks, S in w.state, z, M; dQ and (a, b) per row ----

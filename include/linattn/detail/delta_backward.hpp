@@ -53,6 +53,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <optional>
 
 namespace linattn::detail {
 
@@ -76,6 +77,17 @@ struct DeltaSavedStates {
     resize_with_huge_pages(corrected, T, dv);
     resize_with_huge_pages(reads, T, dv);
     chunk_size = C;
+  }
+
+  /// Sized for at least T tokens (resize, but kept where it already holds as many or more rows
+  /// for the same C, r and dv): a workspace over documents of many lengths allocates the
+  /// longest's once. The readers use only the first T tokens' rows.
+  void fit(Index T, Index C, Index r, Index dv) {
+    const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
+    if (chunk_size == C && states.cols() == dv && corrected.cols() == dv &&
+        states.rows() >= chunks * r && corrected.rows() >= T && reads.rows() >= T)
+      return;
+    resize(T, C, r, dv);
   }
 
   /// Scalars kept for T tokens: ceil(T / C) r dv + 2 T dv.
@@ -124,6 +136,31 @@ struct DeltaBackwardScratch {
 
   DeltaBackwardScratch(Index chunk, Index r, Index dv, bool copy_v, bool copy_dy)
       : C(chunk), L(padded_columns<Scalar>(chunk)) {
+    allocate(r, dv, copy_v, copy_dy);
+  }
+
+  /// Whether this scratch serves a call with these (the constructor's) arguments; if so it is
+  /// zeroed again as a new one is (BackwardScratch::reuse). O(C (r + dv + L)).
+  [[nodiscard]] bool reuse(Index chunk, Index r, Index dv, bool copy_v, bool copy_dy) {
+    if (chunk != C || qf.cols() != r || H.cols() != dv || (v_copy.rows() > 0) != copy_v ||
+        (dy_copy.rows() > 0) != copy_dy)
+      return false;
+    allocate(r, dv, copy_v, copy_dy);  // the same sizes: zero-fills, allocates nothing
+    return true;
+  }
+
+  /// Scalars held (scalars_for(), plus the copies of V and dY where made).
+  [[nodiscard]] Index scalars() const noexcept {
+    Index n = 0;
+    for (const auto* m : {&qf, &kf, &dqf, &dkf, &qk_t, &grads_t, &rhs, &rhs_t, &dU, &dW, &v_copy,
+                          &dy_copy, &u_t, &ug_t, &Gam, &P, &PT, &KG, &dPT, &NAT, &N, &F, &blocks,
+                          &H})
+      n += m->size();
+    return n + log_cum.size() + gam.size() + dlg.size();
+  }
+
+ private:
+  void allocate(Index r, Index dv, bool copy_v, bool copy_dy) {
     for (auto* m : {&qf, &kf, &dqf, &dkf}) m->setZero(C, r);
     for (auto* m : {&qk_t, &grads_t}) m->setZero(r, 2 * L);
     rhs.setZero(2 * L, dv);
@@ -138,6 +175,7 @@ struct DeltaBackwardScratch {
     H.resize(r, dv);
   }
 
+ public:
   /// Scalars the constructor allocates (copies of V and dY counted): 4 C r + 4 r L + 4 L dv +
   /// 4 C dv + 2 dv L + 8 C L + 2 L^2 + 3 C + r dv.
   [[nodiscard]] static std::size_t scalars_for(Index C, Index r, Index dv) {
@@ -170,14 +208,17 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
                           const TokenInputs<Scalar>& in, const DeltaSavedStates<Scalar>& saved,
                           const RowMatrix<Scalar>* dS_T, Eigen::Ref<RowMatrix<Scalar>> dQ,
                           Eigen::Ref<RowMatrix<Scalar>> dK, Eigen::Ref<RowMatrix<Scalar>> dV,
-                          Scalar* d_beta, Scalar* d_log_alpha, RowMatrix<Scalar>& dS0) {
+                          Scalar* d_beta, Scalar* d_log_alpha, RowMatrix<Scalar>& dS0,
+                          std::optional<DeltaBackwardScratch<Scalar>>& scratch) {
   const Index T = Q.rows(), dv = V.cols(), r = phi.feature_dim(K.cols());
   const Index C = std::max<Index>(saved.chunk_size, 1);
   // The caller checks the shapes (the public saved forward names them); here only in debug.
-  eigen_assert(saved.corrected.rows() == T && saved.reads.rows() == T &&
-               saved.states.rows() == (T + C - 1) / C * r && saved.states.cols() == dv);
-  DeltaBackwardScratch<Scalar> w(std::min(C, std::max<Index>(T, 1)), r, dv,
-                                 !has_row_major_storage<DV>(), !has_row_major_storage<DY>());
+  // A workspace's saved data may hold more tokens than this call's (DeltaSavedStates::fit).
+  eigen_assert(saved.corrected.rows() >= T && saved.reads.rows() >= T &&
+               saved.states.rows() >= (T + C - 1) / C * r && saved.states.cols() == dv);
+  DeltaBackwardScratch<Scalar>& w =
+      scratch_in(scratch, std::min(C, std::max<Index>(T, 1)), r, dv, !has_row_major_storage<DV>(),
+                 !has_row_major_storage<DY>());
   const Index L = w.L, L2 = 2 * L;
   const bool gated = !in.log_alpha.empty();
   if (dS_T != nullptr)
@@ -372,14 +413,14 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
 }
 
 /// Pass 1 of the delta backward: the forward's chunk kernel over K, V from S0, keeping what the
-/// reverse sweep reads in `saved` (resized for chunks of `chunk` rows). The same arithmetic as
+/// reverse sweep reads in `saved` (fitted for chunks of `chunk` rows: DeltaSavedStates::fit). The same arithmetic as
 /// the chunked forward with SaveDeltaChunks, so `saved` gets the saving forward's bits.
 template <class Scalar, class Phi, class DK, class DV>
 void delta_save_chunks(const Phi& phi, const DK& K, const DV& V, const TokenInputs<Scalar>& in,
                        const RowMatrix<Scalar>& S0, Index chunk, DeltaSavedStates<Scalar>& saved) {
   const Index T = K.rows(), r = S0.rows(), dv = S0.cols();
   const Index C = std::min(chunk, std::max<Index>(T, 1));
-  saved.resize(T, C, r, dv);
+  saved.fit(T, C, r, dv);
   if (T == 0) return;
   DeltaChunk<Scalar> kernel(C, r, dv);
   RowMatrix<Scalar> S = S0, kf(C, r), v_copy(has_row_major_storage<DV>() ? 0 : C, dv);
@@ -403,8 +444,8 @@ void delta_save_chunks(const Phi& phi, const DK& K, const DV& V, const TokenInpu
 }
 
 /// The chunked delta-rule backward on the WY / UT form (see the file comment): pass 1
-/// (delta_save_chunks) from S0 into `saved` (resized; a caller that keeps it between calls of
-/// one size allocates it once), then the reverse sweep (delta_backward_saved). `in`: bound beta
+/// (delta_save_chunks) from S0 into `saved` (fitted; a caller that keeps it and `scratch`
+/// between calls allocates them once per shape), then the reverse sweep (delta_backward_saved). `in`: bound beta
 /// and (GatedDelta) log_alpha. Writes dQ, dK, dV, d_beta (length T), d_log_alpha (length T;
 /// null for Delta) and dS0 (resized). dS_T null: 0. Memory: DeltaBackwardScratch::bytes_for.
 template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
@@ -413,9 +454,11 @@ void delta_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const
                     const RowMatrix<Scalar>* dS_T, Index chunk_size,
                     Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
                     Eigen::Ref<RowMatrix<Scalar>> dV, Scalar* d_beta, Scalar* d_log_alpha,
-                    RowMatrix<Scalar>& dS0, DeltaSavedStates<Scalar>& saved) {
+                    RowMatrix<Scalar>& dS0, DeltaSavedStates<Scalar>& saved,
+                    std::optional<DeltaBackwardScratch<Scalar>>& scratch) {
   delta_save_chunks(phi, K, V, in, S0, chunk_size, saved);
-  delta_backward_saved(phi, Q, K, V, dY, in, saved, dS_T, dQ, dK, dV, d_beta, d_log_alpha, dS0);
+  delta_backward_saved(phi, Q, K, V, dY, in, saved, dS_T, dQ, dK, dV, d_beta, d_log_alpha, dS0,
+                       scratch);
 }
 
 }  // namespace linattn::detail

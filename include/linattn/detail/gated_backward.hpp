@@ -78,10 +78,9 @@ class GatedBackwardChunk {
     qhat_.resize(C, r);
     rows_r_.resize(C, r);
     d_features_.resize(C, r);
-    for (auto* m : {&kf_t_, &qhat_t_, &rows_t_}) *m = RowMatrix<Scalar>::Zero(r, P_);
-    for (auto* m : {&v_t_, &dy_t_}) *m = RowMatrix<Scalar>::Zero(dv, P_);
-    for (auto* m : {&scores_, &d_scores_, &scores_t_, &d_scores_t_})
-      *m = RowMatrix<Scalar>::Zero(C, P_);
+    for (auto* m : {&kf_t_, &qhat_t_, &rows_t_}) m->setZero(r, P_);
+    for (auto* m : {&v_t_, &dy_t_}) m->setZero(dv, P_);
+    for (auto* m : {&scores_, &d_scores_, &scores_t_, &d_scores_t_}) m->setZero(C, P_);
     rows_v_.resize(C, dv);
     dv_rows_.resize(C, dv);
     v_copy_.resize(copy_v ? C : 0, dv);
@@ -94,11 +93,37 @@ class GatedBackwardChunk {
       for (auto* m : {&gates_, &khat_, &qt_, &qt_scale_, &tmp_}) m->resize(C, r);
       kw_.resize(off, r);
       kw_scale_.resize(off, r);
-      kw_t_ = RowMatrix<Scalar>::Zero(std::max<Index>(blocks_ - 1, 0) * r, P_);
-      block_t_ = RowMatrix<Scalar>::Zero(C, P_);
+      kw_t_.setZero(std::max<Index>(blocks_ - 1, 0) * r, P_);
+      block_t_.setZero(C, P_);
     } else {
       weights_.resize(C, C);
     }
+  }
+
+  /// Whether this chunk's buffers serve a call with these (the constructor's) arguments; if so
+  /// they are made to hold what new ones hold where that matters (the zero-initialised ones
+  /// zeroed again), as BackwardScratch::reuse. O(C (r + dv + C)).
+  [[nodiscard]] bool reuse(Index C, Index r, Index dv, bool per_channel, bool copy_v,
+                           bool copy_dy) {
+    if (C != C_ || r != r_ || dv != dv_ || per_channel != per_channel_ ||
+        (v_copy_.rows() > 0) != copy_v || (dy_copy_.rows() > 0) != copy_dy)
+      return false;
+    for (auto* m : {&kf_t_, &qhat_t_, &rows_t_, &v_t_, &dy_t_, &scores_, &d_scores_, &scores_t_,
+                    &d_scores_t_, &kw_t_, &block_t_})
+      m->setZero();
+    return true;
+  }
+
+  /// Scalars held by the buffers (scalars_for() of the constructor's arguments).
+  [[nodiscard]] Index scalars() const noexcept {
+    Index n = 0;
+    for (const auto* m : {&qf_, &kf_, &qhat_, &rows_r_, &d_features_, &kf_t_, &qhat_t_, &rows_t_,
+                          &v_t_, &dy_t_, &scores_, &d_scores_, &scores_t_, &d_scores_t_, &rows_v_,
+                          &dv_rows_, &v_copy_, &dy_copy_, &log_cum_, &qscale_, &kscale_,
+                          &weights_, &gates_, &khat_, &qt_, &qt_scale_, &tmp_, &kw_, &kw_scale_,
+                          &kw_t_, &block_t_})
+      n += m->size();
+    return n + decay_end_.size() + acc_.size();
   }
 
   /// Scalars the constructor allocates (see its body): 5 C r + 3 r P + 2 dv P + 4 C P +
@@ -497,6 +522,24 @@ class GatedForwardStep {
   std::optional<ChannelGatedChunk<Scalar>> channel_;
 };
 
+/// What gated_backward_from allocates, kept by a caller between calls (BackwardWorkspace): the
+/// chunk's buffers, the state and H (r x dv, r), and per token (a, b), grown to the longest call
+/// and never shrunk.
+template <class Scalar>
+struct GatedBackwardBuffers {
+  std::optional<GatedBackwardChunk<Scalar>> chunk;
+  RowMatrix<Scalar> S, H;
+  ColVector<Scalar> z, hz, a, b;
+  RowVector<Scalar> final_term;
+
+  /// Bytes held now.
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    const Index scalars = (chunk ? chunk->scalars() : 0) + S.size() + H.size() + z.size() +
+                          hz.size() + a.size() + b.size() + final_term.size();
+    return static_cast<std::size_t>(scalars) * sizeof(Scalar);
+  }
+};
+
 /// Bytes gated_backward_from allocates for T tokens, rebuilding the states or from saved ones:
 /// GatedBackwardChunk for B = min(chunk, T) rows and the forward's chunk kernel for
 /// min(forward_chunk, T), 2 (r dv + r) for the state and H, r for the final term, and per token
@@ -518,7 +561,9 @@ template <class Scalar>
 /// the forward of these inputs, one per `chunk_size` rows), or when null rebuilt from S0, z0
 /// (z0 of length r) with the forward's chunk kernel. dS_T, dz_T: gradient of the final state (null: 0). Writes dQ,
 /// dK, dV (may be strided views), d_gate (T x gate columns, contiguous, null: not wanted) and
-/// dS0, dz0 (resized). DenominatorError as the forward read would throw it.
+/// dS0, dz0 (resized). Its buffers are `buffers`' (kept there for the next call; the forward's
+/// chunk kernel, a few r x C blocks, is made per call). DenominatorError as the forward read
+/// would throw it.
 template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
 void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
                          const TokenInputs<Scalar>& in, const RowMatrix<Scalar>* S0,
@@ -527,18 +572,31 @@ void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
                          Index chunk_size, Index forward_chunk, const Normalization& norm,
                          Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
                          Eigen::Ref<RowMatrix<Scalar>> dV, Scalar* d_gate,
-                         RowMatrix<Scalar>& dS0, ColVector<Scalar>& dz0) {
+                         RowMatrix<Scalar>& dS0, ColVector<Scalar>& dz0,
+                         GatedBackwardBuffers<Scalar>& buffers) {
   const Index T = Q.rows(), dv = V.cols();
   const bool per_channel = in.log_gate.cols > 1;
   const Index gc = per_channel ? r : 1;
   const Index C = std::min(chunk_size, std::max<Index>(T, 1));
-  GatedBackwardChunk<Scalar> w(C, r, dv, per_channel, !has_row_major_storage<DV>(),
-                               !has_row_major_storage<DY>());
+  GatedBackwardChunk<Scalar>& w =
+      scratch_in(buffers.chunk, C, r, dv, per_channel, !has_row_major_storage<DV>(),
+                 !has_row_major_storage<DY>());
   GatedForwardStep<Scalar> forward(std::min(forward_chunk, std::max<Index>(T, 1)), r, dv,
                                    per_channel);
-  RowMatrix<Scalar> S(r, dv), H(r, dv);
-  ColVector<Scalar> z(r), hz(r), a(saved == nullptr ? T : C), b(a.size());
-  RowVector<Scalar> final_term = RowVector<Scalar>::Zero(r);
+  RowMatrix<Scalar>& S = buffers.S;
+  RowMatrix<Scalar>& H = buffers.H;
+  ColVector<Scalar>& z = buffers.z;
+  ColVector<Scalar>& hz = buffers.hz;
+  ColVector<Scalar>& a = buffers.a;
+  ColVector<Scalar>& b = buffers.b;
+  RowVector<Scalar>& final_term = buffers.final_term;
+  S.resize(r, dv);
+  H.resize(r, dv);
+  z.resize(r);
+  hz.resize(r);
+  for (auto* per_token : {&a, &b})  // grown, never shrunk (only data() is read)
+    if (const Index n = saved == nullptr ? T : C; per_token->size() < n) per_token->resize(n);
+  final_term.setZero(r);
   if (dS_T != nullptr)
     H = *dS_T;
   else
@@ -626,11 +684,11 @@ void gated_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const
                     const ColVector<Scalar>* dz_T, Index chunk_size, Index forward_chunk,
                     const Normalization& norm, Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
                     Eigen::Ref<RowMatrix<Scalar>> dV, Scalar* d_gate, RowMatrix<Scalar>& dS0,
-                    ColVector<Scalar>& dz0) {
+                    ColVector<Scalar>& dz0, GatedBackwardBuffers<Scalar>& buffers) {
   gated_backward_from<Scalar>(phi, Q, K, V, dY, in, &S0, &z0,
                               static_cast<const ChunkStates<Scalar>*>(nullptr), S0.rows(), dS_T,
                               dz_T, chunk_size, forward_chunk, norm, dQ, dK, dV, d_gate, dS0,
-                              dz0);
+                              dz0, buffers);
 }
 
 }  // namespace linattn::detail

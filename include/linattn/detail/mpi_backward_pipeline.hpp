@@ -436,9 +436,9 @@ std::optional<Failure> run_backward_pipeline(
       post_send(to, it.last_rank, kFinalGradientTag);
     }
   }
-  RowMatrix<Scalar> dQ_head, dK_head, dV_head;
   RuleInputGradients<Scalar> d_in_head;
-  BackwardWorkspace<Scalar> workspace;  // rebuilt forward data, item to item
+  BackwardWorkspace<Scalar> workspace;  // the backward's buffers, item to item
+  BackwardBuffers<Scalar>& buffers = BackwardWorkspaceAccess::buffers(workspace);
   auto start = attn.make_state(dk, dv);
   StateGradient<Scalar> after{RowMatrix<Scalar>::Zero(r, dv), ColVector<Scalar>::Zero(message.z)};
   StateGradient<Scalar> before = after;
@@ -468,11 +468,10 @@ std::optional<Failure> run_backward_pipeline(
           const auto k = K.head_rows(it.entry, g, t0, rows);
           const auto v = V.head_rows(it.entry, g, t0, rows);
           const auto dy = dY.head_rows(it.entry, it.head, t0, rows);
-          if (dQ_head.rows() != rows) {
-            dQ_head.resize(rows, dk);
-            dK_head.resize(rows, dk);
-            dV_head.resize(rows, dv);
-          }
+          buffers.fit_heads(rows, rows, dk, dv);
+          auto dQ_head = buffers.head_Q.topRows(rows);
+          auto dK_head = buffers.head_K.topRows(rows);
+          auto dV_head = buffers.head_V.topRows(rows);
           GradientsRef<Scalar> out_rows{dQ_head, dK_head, dV_head};
           std::apply(
               [&](const auto&... x) {
@@ -480,17 +479,18 @@ std::optional<Failure> run_backward_pipeline(
                   const Scalar* msg = start_message(it, i);
                   start.assign(message.S(msg), message.zmap(msg), Message::tokens(msg));
                   if constexpr (Rule::kind == WriteKind::additive)
-                    prefill_backward_into(attn, start, q, k, v, dy, &after, out_rows, before);
+                    prefill_backward_into(attn, start, q, k, v, dy, &after, out_rows, before,
+                                          &workspace);
                   else
                     prefill_backward_into(attn, start, q, k, v, x..., dy, &after, out_rows,
                                           d_in_head, before, &workspace);
                 } else if constexpr (keep_saved) {
                   if constexpr (Rule::kind == WriteKind::additive)
                     prefill_backward_into(attn, saved[std::size_t(i)], q, k, v, dy, &after,
-                                          out_rows, before);
+                                          out_rows, before, &workspace);
                   else
                     prefill_backward_into(attn, saved[std::size_t(i)], q, k, v, x..., dy,
-                                          &after, out_rows, d_in_head, before);
+                                          &after, out_rows, d_in_head, before, &workspace);
                 }
               },
               rows_inputs(inputs, it.entry, g, t0, rows));

@@ -4,6 +4,7 @@
 // shares of dK, dV, the per-token inputs' gradients and (shared states) the initial state's
 // gradient added in head order, so the bits do not depend on the thread that runs the item.
 
+#include <linattn/backward_workspace.hpp>
 #include <linattn/detail/multihead_views.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/gradients.hpp>
@@ -52,8 +53,10 @@ Eigen::Map<const RowMatrix<Scalar>> input_gradient(const RuleInputGradients<Scal
 template <class Rule, class Scalar, std::size_t N>
 void add_group_share(Index j, const TensorView<Scalar>& dK, const TensorView<Scalar>& dV,
                      const std::array<TensorView<Scalar>, N>& d_inputs, Index entry, Index g,
-                     Index first, Index n, const RowMatrix<Scalar>& dK_head,
-                     const RowMatrix<Scalar>& dV_head, const RuleInputGradients<Scalar>& d_in) {
+                     Index first, Index n,
+                     const std::type_identity_t<Eigen::Ref<const RowMatrix<Scalar>>>& dK_head,
+                     const std::type_identity_t<Eigen::Ref<const RowMatrix<Scalar>>>& dV_head,
+                     const RuleInputGradients<Scalar>& d_in) {
   auto dk_rows = dK.head_rows(entry, g, first, n);
   auto dv_rows = dV.head_rows(entry, g, first, n);
   if (j == 0) {
@@ -95,8 +98,8 @@ struct NoSavedForward {};
 /// group's heads share one state, whose gradient is then summed in head order. `saved_of(j)`:
 /// the SavedForward of a causal forward (stateless, or carried when initial_of(j) is not null)
 /// that head j's backward reads instead of rebuilding the states (a callable returning const
-/// NoSavedForward*: none). `workspace`: the delta rules' rebuilt forward data, kept by the
-/// caller across the items one thread runs.
+/// NoSavedForward*: none). `workspace`: the backward's buffers and the head's gradient rows,
+/// kept by the caller across the items one thread runs (BackwardWorkspace).
 template <class Attention, class MaskArg, class Inputs, class DInputs, class StateOf, class FinalOf,
           class InitialOf, class SavedOf>
 void backward_item(const Attention& attn, Index G, Index g, Index entry, Index first, Index q_len,
@@ -142,7 +145,11 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
   // head) or added (the others, in head order: the same bits on any thread) into the model's
   // rows: Eigen's products round differently into a strided destination on some instruction
   // sets, and a head's gradients must not depend on the buffers' layout.
-  RowMatrix<Scalar> dQ_head(q_len, Q.dim()), dK_head(k_len, K.dim()), dV_head(k_len, V.dim());
+  BackwardBuffers<Scalar>& buffers = BackwardWorkspaceAccess::buffers(workspace);
+  buffers.fit_heads(q_len, k_len, Q.dim(), V.dim());
+  auto dQ_head = buffers.head_Q.topRows(q_len);
+  auto dK_head = buffers.head_K.topRows(k_len);
+  auto dV_head = buffers.head_V.topRows(k_len);
   RuleInputGradients<Scalar> d_in_head;
   StateGradient<Scalar> d0_head;
   for (Index j = 0; j < G; ++j) {
@@ -163,22 +170,25 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
             // carried (an initial-state gradient to write).
             if constexpr (Rule::kind == WriteKind::additive) {
               if (initial == nullptr)
-                parallel_backward_into(attn, *saved_of(j), q, k, v, linattn::Mask::causal, dy, out);
+                parallel_backward_into(attn, *saved_of(j), q, k, v, linattn::Mask::causal, dy, out,
+                                       nullptr, &workspace);
               else
-                prefill_backward_into(attn, *saved_of(j), q, k, v, dy, final_of(j), out, d0);
+                prefill_backward_into(attn, *saved_of(j), q, k, v, dy, final_of(j), out, d0,
+                                      &workspace);
             } else {
               if (initial == nullptr)
                 parallel_backward_into(attn, *saved_of(j), q, k, v, x..., linattn::Mask::causal, dy,
-                                       out, d_in_head);
+                                       out, d_in_head, nullptr, &workspace);
               else
                 prefill_backward_into(attn, *saved_of(j), q, k, v, x..., dy, final_of(j), out,
-                                      d_in_head, d0);
+                                      d_in_head, d0, &workspace);
             }
           } else if constexpr (Rule::kind == WriteKind::additive) {
             if (state == nullptr)
-              parallel_backward_into(attn, q, k, v, linattn::Mask(mask), dy, out);
+              parallel_backward_into(attn, q, k, v, linattn::Mask(mask), dy, out, nullptr,
+                                     &workspace);
             else
-              prefill_backward_into(attn, *state, q, k, v, dy, final_of(j), out, d0);
+              prefill_backward_into(attn, *state, q, k, v, dy, final_of(j), out, d0, &workspace);
           } else {
             if (state == nullptr)
               parallel_backward_into(attn, q, k, v, x..., linattn::Mask::causal, dy, out, d_in_head,

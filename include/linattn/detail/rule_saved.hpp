@@ -108,7 +108,7 @@ void rule_saved_backward(const RuleAttention<Phi, Rule, Scalar>& attn,
                          const Eigen::MatrixBase<DY>& dY,
                          const StateGradient<Scalar>* final_gradient, GradientsRef<Scalar> out,
                          RuleInputGradients<Scalar>& d_in, StateGradient<Scalar>& initial,
-                         const In&... in) {
+                         BackwardBuffers<Scalar>& buffers, const In&... in) {
   require_differentiable<Phi, Scalar>();
   check_backward_shapes(Q, K, V, dY, Mask::causal);
   const Index T = Q.rows(), dk = K.cols(), dv = V.cols(), r = attn.feature_map().feature_dim(dk);
@@ -128,7 +128,7 @@ void rule_saved_backward(const RuleAttention<Phi, Rule, Scalar>& attn,
     delta_backward_saved<Scalar>(attn.feature_map(), materialize(Q), materialize(K),
                                  materialize(V), materialize(dY), bound,
                                  SavedForwardAccess::delta(saved), dS_T, out.Q, out.K, out.V,
-                                 d_in.beta.data(), d_alpha, initial.S);
+                                 d_in.beta.data(), d_alpha, initial.S, buffers.delta_sweep);
     initial.z.resize(0);
   } else {
     Scalar* d_gate = nullptr;
@@ -141,7 +141,7 @@ void rule_saved_backward(const RuleAttention<Phi, Rule, Scalar>& attn,
         bound, nullptr, nullptr, &SavedForwardAccess::data(saved), r, dS_T,
         final_gradient != nullptr ? &final_gradient->z : nullptr, saved.chunk_size(),
         attn.chunk_size(r, dv), attn.options().normalization, out.Q, out.K, out.V, d_gate,
-        initial.S, initial.z);
+        initial.S, initial.z, buffers.gated);
   }
 }
 

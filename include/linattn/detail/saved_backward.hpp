@@ -14,6 +14,7 @@
 #include <linattn/feature_maps.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/types.hpp>
+#include <optional>
 #include <type_traits>
 
 namespace linattn::detail {
@@ -43,19 +44,21 @@ struct ChunkStates {
 /// states have the bits causal_backward rebuilds (the register forward and backward products),
 /// the result is its result bit for bit. Per token about 8 r dv + C (3 r + 2 dv) flops plus one
 /// evaluation of the feature map and its derivative per input; memory: BackwardScratch for one
-/// chunk (O(C (r + C + dv) + r dv)), nothing per token.
+/// chunk (O(C (r + C + dv) + r dv)), nothing per token, in `scratch` (kept: scratch_in).
 template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
 void saved_causal_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
                            const ChunkStates<Scalar>& saved, Index chunk_size,
                            const RowMatrix<Scalar>* dS_T, const ColVector<Scalar>* dz_T,
                            const Normalization& norm, Eigen::Ref<RowMatrix<Scalar>> dQ,
                            Eigen::Ref<RowMatrix<Scalar>> dK, Eigen::Ref<RowMatrix<Scalar>> dV,
-                           RowMatrix<Scalar>& dS0, ColVector<Scalar>& dz0) {
+                           RowMatrix<Scalar>& dS0, ColVector<Scalar>& dz0,
+                           std::optional<BackwardScratch<Scalar>>& scratch) {
   constexpr bool LogScaled = LogScaledFeatureMap<Phi, Scalar>;
   const Index T = Q.rows(), dv = V.cols(), r = saved.sums.cols();
   // One chunk of per-token (a, b, m): BackwardScratch sizes them by its first argument.
-  BackwardScratch<Scalar> w(std::min(T, chunk_size), chunk_size, r, dv, LogScaled,
-                            !has_row_major_storage<DV>(), !has_row_major_storage<DY>(), false);
+  BackwardScratch<Scalar>& w =
+      scratch_in(scratch, std::min(T, chunk_size), chunk_size, r, dv, LogScaled,
+                 !has_row_major_storage<DV>(), !has_row_major_storage<DY>(), false);
   const Index C = chunk_size;
   start_state_gradient(w, dS_T, dz_T);
   const Index last_first = T == 0 ? -1 : (T - 1) / C * C;
