@@ -8,6 +8,7 @@
 #include <Eigen/Core>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -64,6 +65,24 @@ linattn::RowMatrix<Scalar> uniform_matrix(Index rows, Index cols, std::uint64_t 
 /// features (r u), the sums over at most T keys (T u), the feature map and the division (4 u),
 /// doubled for the ratio of two such sums (numerator and denominator).
 inline double bound_units(Index r, Index T) { return 2.0 * static_cast<double>(r + T + 4); }
+
+// The lengths the BackwardWorkspace tests run one workspace through, in chunks of 4: a short
+// last chunk, growth, a longer buffer reused, another chunk shape (T = 3: C = 3) and back.
+inline constexpr Index kWorkspaceLengths[] = {9, 14, 9, 3, 9};
+
+// A workspace's bytes along kWorkspaceLengths: the call after the longest one (14; the next is
+// 9, the same chunk shape) must hold exactly what the longest left (grown, never shrunk).
+struct WorkspaceGrowth {
+  std::size_t after_longest = 0;
+  Index previous = 0;
+  // Whether `bytes`, held after the call of length T, keeps that.
+  bool holds(Index T, std::size_t bytes) {
+    const bool ok = previous != 14 || bytes == after_longest;
+    if (T == 14) after_longest = bytes;
+    previous = T;
+    return ok && bytes > 0;
+  }
+};
 
 /// Q (T x dk), K (T x dk), V (T x dv) from seeds seed, seed + 1, seed + 2, as three
 /// random_matrix calls would give them.

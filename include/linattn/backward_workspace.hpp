@@ -11,15 +11,16 @@
 /// allocates them and frees them on return. That is cheap for one long call but not for many
 /// short ones (a packed batch's documents, one call per document and head): on a virtual machine
 /// where glibc gives the freed top of the heap back to the kernel, every call then faults its
-/// pages in again, and the backward of 64 packed documents took up to 3 x as long
+/// pages in again, and a layer backward over 16 or 64 packed documents took up to 2.7 x as long
 /// (docs/gradients.md, "Keeping the buffers between calls").
 ///
 /// Pass one to the *_into backward calls (the last argument) to keep them: a buffer is made when
 /// the call's per-chunk shapes (chunk, r, dv, the feature map's kind) first appear, reused while
 /// they stay, and its per-token parts grow to the longest call and never shrink. A reused buffer
 /// is zeroed where a new one is zero, so a call returns the bits it returns without a
-/// workspace, whatever ran before it (tests/rule_gradients_test.cpp). The multi-head layer's
-/// backward and the MPI backward keep one per thread, across the items they run.
+/// workspace, whatever ran before it (tests: rule_gradients_test.cpp, saved_forward_test.cpp).
+/// The multi-head layer's backward and the MPI backward keep one per thread, across the items
+/// they run.
 /// Not shared between threads: two calls at once need two workspaces.
 
 #include <linattn/detail/backward_chunked.hpp>
@@ -43,7 +44,7 @@ struct BackwardBuffers {
   std::optional<BackwardScratch<Scalar>> additive;          // causal_backward
   std::optional<BackwardScratch<Scalar>> additive_saved;    // saved_causal_backward
   GatedBackwardBuffers<Scalar> gated;                       // Decay, Gated
-  DeltaSavedStates<Scalar> delta;                           // Delta, GatedDelta: rebuilt forward data
+  DeltaSavedStates<Scalar> delta;                           // Delta, GatedDelta: rebuilt data
   std::optional<DeltaBackwardScratch<Scalar>> delta_sweep;  // their reverse sweep
   RowMatrix<Scalar> start_S;  // the state a call starts from where the caller's is not stored
   ColVector<Scalar> start_z;  // as such (stateless: zero; pending decode tokens: S() folded)
@@ -71,10 +72,10 @@ struct BackwardBuffers {
     const auto held = [](const std::optional<BackwardScratch<Scalar>>& scratch) {
       return scratch ? static_cast<Index>(scratch->bytes() / sizeof(Scalar)) : Index{0};
     };
-    const Index scalars = held(additive) + held(additive_saved) +
-                    delta.states.size() + delta.corrected.size() + delta.reads.size() +
-                    (delta_sweep ? delta_sweep->scalars() : 0) + start_S.size() + start_z.size() +
-                    head_Q.size() + head_K.size() + head_V.size();
+    const Index scalars = held(additive) + held(additive_saved) + delta.states.size() +
+                          delta.corrected.size() + delta.reads.size() +
+                          (delta_sweep ? delta_sweep->scalars() : 0) + start_S.size() +
+                          start_z.size() + head_Q.size() + head_K.size() + head_V.size();
     return static_cast<std::size_t>(scalars) * sizeof(Scalar) + gated.bytes();
   }
 };

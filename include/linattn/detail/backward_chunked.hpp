@@ -521,7 +521,8 @@ void start_state_gradient(BackwardScratch<Scalar>& w, const RowMatrix<Scalar>* d
 /// and writes dK, dV. Per token about 10 r dv + C (4 r + 3 dv) flops (4 r dv in pass 1's
 /// products against the state, 6 r dv in pass 2) plus the feature maps twice and their
 /// derivatives once; memory: BackwardScratch, O(C (r + C + dv) + r dv) plus 2 or 3 scalars per
-/// token, in `scratch` (kept there for the next call: scratch_in). DenominatorError as the forward read would throw it (nothing then is meaningful).
+/// token, in `scratch` (kept there for the next call: scratch_in). DenominatorError as the
+/// forward read would throw it (nothing then is meaningful).
 /// The state is rebuilt with the arithmetic of the register forward (detail::causal_chunked:
 /// the same product sums in the same order, z a running sum row by row), so where both run on
 /// the register kernel the rebuilt states are the forward's bits, and this backward equals

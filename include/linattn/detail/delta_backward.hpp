@@ -413,7 +413,8 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
 }
 
 /// Pass 1 of the delta backward: the forward's chunk kernel over K, V from S0, keeping what the
-/// reverse sweep reads in `saved` (fitted for chunks of `chunk` rows: DeltaSavedStates::fit). The same arithmetic as
+/// reverse sweep reads in `saved` (fitted for chunks of `chunk` rows: DeltaSavedStates::fit).
+/// The same arithmetic as
 /// the chunked forward with SaveDeltaChunks, so `saved` gets the saving forward's bits.
 template <class Scalar, class Phi, class DK, class DV>
 void delta_save_chunks(const Phi& phi, const DK& K, const DV& V, const TokenInputs<Scalar>& in,
@@ -445,7 +446,8 @@ void delta_save_chunks(const Phi& phi, const DK& K, const DV& V, const TokenInpu
 
 /// The chunked delta-rule backward on the WY / UT form (see the file comment): pass 1
 /// (delta_save_chunks) from S0 into `saved` (fitted; a caller that keeps it and `scratch`
-/// between calls allocates them once per shape), then the reverse sweep (delta_backward_saved). `in`: bound beta
+/// between calls allocates them once per shape), then the reverse sweep (delta_backward_saved).
+/// `in`: bound beta
 /// and (GatedDelta) log_alpha. Writes dQ, dK, dV, d_beta (length T), d_log_alpha (length T;
 /// null for Delta) and dS0 (resized). dS_T null: 0. Memory: DeltaBackwardScratch::bytes_for.
 template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
