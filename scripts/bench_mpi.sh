@@ -16,7 +16,8 @@
 # Environment: BUILD_DIR (default build-bench, shared with scripts/bench.sh), TOKENS (65536),
 # REPEAT (3: best of), RANKS (2), CARRY_COST (0.35: rank 0's extra share in the balanced split,
 # see mpi::balanced_slices), DOCUMENTS (0; --backward only: > 0 packs that many documents of
-# uneven lengths, bench_mpi --documents), JOBS. Where MPI is not installed it prints a "skipped" line and
+# uneven lengths, bench_mpi --documents), WORKSPACE (1; --backward only: each call keeps one
+# BackwardWorkspace across its calls, as a training loop would; 0: none), JOBS. Where MPI is not installed it prints a "skipped" line and
 # exits 0, so the main command can call it unconditionally.
 # The machine is shared: the line reports the load average (1 minute, before and after the
 # rule's runs), and the speed-up is a ratio of runs made one after the other in this invocation
@@ -79,10 +80,11 @@ if [ "$backward" -eq 1 ]; then
   # runs (the faster of the two, as below), then each schedule on $ranks ranks.
   btokens="${BACKWARD_TOKENS:-8192}"
   documents="${DOCUMENTS:-0}"
+  workspace="${WORKSPACE:-1}"
   for rule in additive decay gated delta gated_delta; do
     b() {  # b <ranks> <args...>: the benchmark's lines
       mpirun "${flags[@]}" -np "$1" "$build/bench_mpi" --backward 1 --tokens "$btokens" \
-        --documents "$documents" --repeat "$repeat" --rule "$rule" "${@:2}"
+        --documents "$documents" --workspace "$workspace" --repeat "$repeat" --rule "$rule" "${@:2}"
     }
     one="$(b 1 --schedule pipeline | grep call=single_process)"
     summaries="$(b "$ranks" --schedule summaries | grep call=sequence_parallel)"
@@ -90,15 +92,17 @@ if [ "$backward" -eq 1 ]; then
     auto="$(b "$ranks" --schedule automatic | grep call=sequence_parallel)"
     again="$(b 1 --schedule pipeline | grep call=single_process)"
     [ "$raw" -eq 1 ] && printf '%s\n%s\n%s\n%s\n%s\n' "$one" "$summaries" "$piped" "$auto" "$again"
-    awk -v rule="$rule" -v T="$btokens" -v N="$documents" -v P="$ranks" -v a="$(field seconds "$one")" \
+    awk -v rule="$rule" -v T="$btokens" -v N="$documents" -v P="$ranks" -v W="$workspace" \
+        -v a="$(field seconds "$one")" \
         -v b="$(field seconds "$again")" -v ts="$(field seconds "$summaries")" \
         -v tp="$(field seconds "$piped")" -v ta="$(field seconds "$auto")" \
         -v picks="$(field schedule "$auto")" 'BEGIN {
       t1 = (a < b) ? a : b
       layout = (N > 0) ? sprintf(" %d documents", N) : ""
-      printf "mpi backward: layer T=%d%s H=8 d=128 %s (float): 1 process %.3f s; %d ranks: " \
+      kept = (W != 0) ? "workspace kept" : "no workspace"
+      printf "mpi backward: layer T=%d%s H=8 d=128 %s (float, %s): 1 process %.3f s; %d ranks: " \
              "summaries %.3f s (%.2fx), pipeline %.3f s (%.2fx); automatic picks %s: %.3f s (%.2fx)\n",
-             T, layout, rule, t1, P, ts, t1 / ts, tp, t1 / tp, picks, ta, t1 / ta
+             T, layout, rule, kept, t1, P, ts, t1 / ts, tp, t1 / tp, picks, ta, t1 / ta
     }'
   done
   exit 0

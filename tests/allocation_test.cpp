@@ -1,11 +1,16 @@
 // What the library promises not to allocate: a decode step (every write rule; the additive
 // rule's fused and deferred steps), a saved forward that is filled again for inputs of the
 // same size (its saved data stays where it is), and the additive rule's backward with a
-// BackwardWorkspace that has served a call of the same chunk shape. Eigen's run-time allocation check
-// (EIGEN_RUNTIME_NO_MALLOC) reports through eigen_assert, which this file turns into an
-// exception so that the check also runs in Release builds (where Eigen's own assert is off).
+// BackwardWorkspace that has served a call of the same chunk shape (one head, and the layer's).
+// Eigen's run-time allocation check (EIGEN_RUNTIME_NO_MALLOC) reports through eigen_assert,
+// which this file turns into an exception so that the check also runs in Release builds (where
+// Eigen's own assert is off).
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <stdexcept>
+#include <vector>
 
 #define EIGEN_RUNTIME_NO_MALLOC
 #define eigen_assert(x)                                                    \
@@ -15,6 +20,7 @@
 
 #include <linattn/attention.hpp>
 #include <linattn/gradients.hpp>
+#include <linattn/multihead_gradients.hpp>
 #include <linattn/rule_saved_forward.hpp>
 #include <linattn/saved_forward.hpp>
 
@@ -182,6 +188,56 @@ TEST_CASE("the additive backward with a warmed BackwardWorkspace allocates nothi
                     parallel_backward_into(attn, warm_Q, warm_Q, warm_Q.leftCols(dv),
                                            Mask::causal, warm_Q.leftCols(dv), {dQ, dK, dV},
                                            &initial);
+                  }),
+                  std::logic_error);
+}
+
+TEST_CASE("the additive layer backward with a warmed BackwardWorkspace allocates nothing") {
+  // The layer keeps each thread's buffers in a lane of the workspace: the single-head scratch,
+  // the head's gradient rows (grown to the longest document) and a query head's share of its
+  // group's shared state gradient. So after the longest document has run, packed batches of
+  // other document lengths allocate nothing, stateless and carried, with grouped heads.
+  constexpr Index C = 8, T = 48, Hq = 4, Hkv = 2, dk = 8, dv = 4;
+  using Attention = LinearAttention<EluPlusOne, float>;
+  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv},
+                                            Attention(EluPlusOne{}, Options{{}, C}));
+  const auto values = [](Index n, std::uint64_t seed) {
+    const RowMatrix<float> m = random_matrix<float>(1, n, seed);
+    return std::vector<float>(m.data(), m.data() + m.size());
+  };
+  const std::vector<float> Q = values(T * Hq * dk, 41), K = values(T * Hkv * dk, 42),
+                           V = values(T * Hkv * dv, 43), dY = values(T * Hq * dv, 44);
+  std::vector<float> dQ(Q.size()), dK(K.size()), dV(V.size());
+  using View = TensorView<const float>;
+  const View q = View::batch_first(Q.data(), 1, T, Hq, dk), k = View::batch_first(K.data(), 1, T, Hkv, dk),
+             v = View::batch_first(V.data(), 1, T, Hkv, dv), dy = View::batch_first(dY.data(), 1, T, Hq, dv);
+  const GradientViews<float> grads{TensorView<float>::batch_first(dQ.data(), 1, T, Hq, dk),
+                                   TensorView<float>::batch_first(dK.data(), 1, T, Hkv, dk),
+                                   TensorView<float>::batch_first(dV.data(), 1, T, Hkv, dv)};
+  const std::vector<Index> longest{0, 40, 44, 48}, offsets_a{0, 17, 30, 48}, offsets_b{0, 5, 38, 48};
+  BackwardWorkspace<float> workspace;
+  auto state = layer.make_state(3);
+  BatchStateGradient<float> initial(state);
+  parallel_backward_into(layer, q, k, v, Mask::causal, dy, grads, SequenceLayout::packed(longest),
+                         &workspace);
+  prefill_backward_into(layer, state, q, k, v, dy, nullptr, grads, initial,
+                        SequenceLayout::packed(longest), &workspace);
+  const std::size_t held = workspace.bytes();
+  for (const auto* offsets : {&offsets_a, &offsets_b}) {
+    const SequenceLayout layout = SequenceLayout::packed(*offsets);
+    CHECK_NOTHROW(without_allocation([&] {
+      parallel_backward_into(layer, q, k, v, Mask::causal, dy, grads, layout, &workspace);
+    }));
+    CHECK_NOTHROW(without_allocation([&] {
+      prefill_backward_into(layer, state, q, k, v, dy, nullptr, grads, initial, layout, &workspace);
+    }));
+  }
+  CHECK(workspace.bytes() == held);
+  CHECK(std::all_of(dQ.begin(), dQ.end(), [](float x) { return std::isfinite(x); }));
+  // Without a workspace the call allocates its buffers (what the workspace saves).
+  CHECK_THROWS_AS(without_allocation([&] {
+                    parallel_backward_into(layer, q, k, v, Mask::causal, dy, grads,
+                                           SequenceLayout::packed(offsets_a));
                   }),
                   std::logic_error);
 }

@@ -6,7 +6,7 @@
 //   mpirun -np 2 bench_mpi [--tokens 65536] [--heads 8] [--dim 128] [--rule additive]
 //                          [--split even|balanced] [--carry-cost 0.35] [--repeat 3]
 //                          [--schedule automatic|summaries|pipeline|hybrid] [--stage 1|0]
-//                          [--backward 1] [--documents N]
+//                          [--backward 1] [--workspace 1|0] [--documents N]
 //
 // Rules: additive, decay, gated, delta, gated_delta. Every rank holds only its slice of the
 // [1, T, H, d] buffers (distinct random data per head and token). A timed call is the slowest
@@ -20,6 +20,8 @@
 // mpi_gradients.hpp; schedules automatic, summaries or pipeline) against the single-process layer
 // backward (multihead_gradients.hpp), both from the states before the sequence (zero) with dY
 // given and no final-state gradient: lines "bench_mpi_backward rule=... call=... schedule=...".
+// Each keeps one BackwardWorkspace across its calls, as a training loop keeps one per layer
+// (--workspace 0: none, each call allocates its buffers).
 // --documents N (N > 0) packs N documents of uneven lengths (0.5 to 1.5 times T / N, from a
 // fixed hash) into the T tokens: both calls (forward or backward) take
 // SequenceLayout::packed(offsets), and a document may lie on one rank or cross into the next.
@@ -48,6 +50,7 @@ struct Config {
   int repeat = 3;
   bool stage = true;  // Carry::stage_token_major
   bool backward = false;
+  bool workspace = true;  // --backward: one BackwardWorkspace kept across the calls
   Index documents = 0;  // > 0: a packed layout of this many documents
 };
 
@@ -86,6 +89,7 @@ Config parse(int argc, char** argv) {
     else if (key == "--schedule") c.schedule = value;
     else if (key == "--stage") c.stage = value != "0";
     else if (key == "--backward") c.backward = value != "0";
+    else if (key == "--workspace") c.workspace = value != "0";
     else if (key == "--documents") c.documents = std::atol(value.c_str());
     else throw std::invalid_argument("bench_mpi: unknown option " + key);
   }
@@ -168,23 +172,27 @@ void run_backward(const Config& c, const Layer& layer, int rank, int ranks,
   const auto print = [&](const char* what, const char* ran, const Timing& t) {
     if (rank != 0) return;
     std::printf("bench_mpi_backward rule=%s ranks=%d T=%ld H=%ld d=%ld documents=%ld call=%s "
-                "schedule=%s seconds=%.4f call_seconds=",
+                "schedule=%s workspace=%d seconds=%.4f call_seconds=",
                 c.rule.c_str(), ranks, long(c.tokens), long(H), long(d), long(c.documents), what,
-                ran, t.seconds);
+                ran, c.workspace ? 1 : 0, t.seconds);
     for (std::size_t i = 0; i < t.calls.size(); ++i) std::printf("%s%.4f", i ? "," : "", t.calls[i]);
     std::printf("\n");
     std::fflush(stdout);
   };
+  BackwardWorkspace<float> single_kept, split_kept;
+  BackwardWorkspace<float>* single_ws = c.workspace ? &single_kept : nullptr;
+  BackwardWorkspace<float>* split_ws = c.workspace ? &split_kept : nullptr;
   if (ranks == 1) {
     print("single_process", "none", best_of(c.repeat, [&] {
       if constexpr (inputs == 0)
-        prefill_backward_into(layer, state, Q, K, V, dY, nullptr, grads, initial, layout);
+        prefill_backward_into(layer, state, Q, K, V, dY, nullptr, grads, initial, layout,
+                              single_ws);
       else if constexpr (inputs == 1)
         prefill_backward_into(layer, state, Q, K, V, gated ? Gt : B, dY, nullptr, grads,
-                              gated ? dGt : dB, initial, layout);
+                              gated ? dGt : dB, initial, layout, single_ws);
       else
         prefill_backward_into(layer, state, Q, K, V, B, Gt, dY, nullptr, grads, dB, dGt, initial,
-                              layout);
+                              layout, single_ws);
       return mpi::ExchangeStats{};
     }));
   }
@@ -196,13 +204,13 @@ void run_backward(const Config& c, const Layer& layer, int rank, int ranks,
   print("sequence_parallel", piped ? "pipeline" : "summaries", best_of(c.repeat, [&] {
     if constexpr (inputs == 0)
       mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state, Q, K, V, dY, nullptr, grads, initial,
-                                 layout, schedule);
+                                 layout, schedule, split_ws);
     else if constexpr (inputs == 1)
       mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state, Q, K, V, gated ? Gt : B, dY, nullptr,
-                                 grads, gated ? dGt : dB, initial, layout, schedule);
+                                 grads, gated ? dGt : dB, initial, layout, schedule, split_ws);
     else
       mpi::prefill_backward_into(MPI_COMM_WORLD, layer, state, Q, K, V, B, Gt, dY, nullptr, grads,
-                                 dB, dGt, initial, layout, schedule);
+                                 dB, dGt, initial, layout, schedule, split_ws);
     return mpi::ExchangeStats{};
   }));
 }

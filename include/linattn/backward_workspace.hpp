@@ -19,13 +19,18 @@
 /// they stay, and its per-token parts grow to the longest call and never shrink. A reused buffer
 /// is zeroed where a new one is zero, so a call returns the bits it returns without a
 /// workspace, whatever ran before it (tests: rule_gradients_test.cpp, saved_forward_test.cpp).
-/// The multi-head layer's backward and the MPI backward keep one per thread, across the items
-/// they run.
-/// Not shared between threads: two calls at once need two workspaces.
+/// The multi-head layer's backward (multihead_gradients.hpp, multihead_saved_forward.hpp) takes
+/// one too: it keeps one set of buffers per thread of the layer's executor (the workspace's
+/// lanes), shared by the items that thread runs. So does the sequence-parallel layer backward
+/// (mpi_gradients.hpp): with the pipeline schedule it also keeps the saved forwards of the items
+/// that cross ranks and its messages. Without one, each of these calls keeps its buffers for the
+/// call only.
+/// Not shared between calls at once: two concurrent calls need two workspaces.
 
 #include <linattn/detail/backward_chunked.hpp>
 #include <linattn/detail/delta_backward.hpp>
 #include <linattn/detail/gated_backward.hpp>
+#include <linattn/detail/saved_forward_data.hpp>
 #include <linattn/types.hpp>
 
 #include <Eigen/Core>
@@ -33,6 +38,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <optional>
+#include <vector>
 
 namespace linattn {
 
@@ -49,6 +55,15 @@ struct BackwardBuffers {
   RowMatrix<Scalar> start_S;  // the state a call starts from where the caller's is not stored
   ColVector<Scalar> start_z;  // as such (stateless: zero; pending decode tokens: S() folded)
   RowMatrix<Scalar> head_Q, head_K, head_V;  // a head's gradients before the model's rows (layer)
+  RowMatrix<Scalar> group_S;  // a query head's share of its group's shared state gradient
+  ColVector<Scalar> group_z;  // (layer)
+  RowMatrix<Scalar> unread_S;  // the initial-state gradient of a stateless call that does
+  ColVector<Scalar> unread_z;  // not ask for it (detail::UnreadStateGradient)
+  // The sequence-parallel backward's pipeline (detail/mpi_backward_pipeline.hpp): the saved
+  // forwards of the items that cross ranks (one per message slot, reused while its rows keep
+  // their length) and its messages (grown, never shrunk).
+  std::vector<SavedForward<Scalar>> crossing_saved;
+  std::vector<Scalar> messages;
 
   /// start_S, start_z: the zero initial state (S r x dv, z length r) of a stateless call.
   void zero_start(Index r, Index dv) {
@@ -75,8 +90,12 @@ struct BackwardBuffers {
     const Index scalars = held(additive) + held(additive_saved) + delta.states.size() +
                           delta.corrected.size() + delta.reads.size() +
                           (delta_sweep ? delta_sweep->scalars() : 0) + start_S.size() +
-                          start_z.size() + head_Q.size() + head_K.size() + head_V.size();
-    return static_cast<std::size_t>(scalars) * sizeof(Scalar) + gated.bytes();
+                          start_z.size() + head_Q.size() + head_K.size() + head_V.size() +
+                          group_S.size() + group_z.size() + unread_S.size() + unread_z.size() +
+                          static_cast<Index>(messages.size());
+    std::size_t saved = 0;
+    for (const auto& forward : crossing_saved) saved += forward.bytes();
+    return static_cast<std::size_t>(scalars) * sizeof(Scalar) + gated.bytes() + saved;
   }
 };
 
@@ -86,18 +105,28 @@ struct BackwardWorkspaceAccess;
 
 /// Buffers a backward keeps from one call to the next (see the file comment): pass a pointer to
 /// one as the last argument of parallel_backward_into / prefill_backward_into (null: a call
-/// without one). Memory: what the calls it served allocate, at the largest of their sizes.
+/// without one). Memory: what the calls it served allocate, at the largest of their sizes (a
+/// layer call on n threads: n sets of one item's buffers).
 template <class Scalar>
 class BackwardWorkspace {
  public:
-  /// Bytes held now (0 until a backward has used it).
-  [[nodiscard]] std::size_t bytes() const noexcept { return buffers_.bytes(); }
+  /// Bytes held now, every lane's (0 until a backward has used it).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t total = buffers_.bytes();
+    for (const auto& lane : lanes_) total += lane.bytes();
+    return total;
+  }
   /// Frees what it holds.
-  void release() noexcept { buffers_ = detail::BackwardBuffers<Scalar>{}; }
+  void release() noexcept {
+    buffers_ = detail::BackwardBuffers<Scalar>{};
+    lanes_.clear();
+  }
 
  private:
   friend struct detail::BackwardWorkspaceAccess;
   detail::BackwardBuffers<Scalar> buffers_;
+  // Lanes 1, 2, ... of a layer call on several threads (lane 0 is this object's own buffers).
+  std::vector<BackwardWorkspace> lanes_;
 };
 
 namespace detail {
@@ -106,6 +135,17 @@ struct BackwardWorkspaceAccess {
   template <class Scalar>
   static BackwardBuffers<Scalar>& buffers(BackwardWorkspace<Scalar>& w) noexcept {
     return w.buffers_;
+  }
+  /// Makes `w` hold at least `count` lanes (before the threads that use them start).
+  template <class Scalar>
+  static void fit_lanes(BackwardWorkspace<Scalar>& w, int count) {
+    if (count > 1 && w.lanes_.size() < static_cast<std::size_t>(count - 1))
+      w.lanes_.resize(static_cast<std::size_t>(count - 1));
+  }
+  /// Lane p (< the count fit_lanes made): a workspace of its own for one thread of a call.
+  template <class Scalar>
+  static BackwardWorkspace<Scalar>& lane(BackwardWorkspace<Scalar>& w, int p) noexcept {
+    return p == 0 ? w : w.lanes_[static_cast<std::size_t>(p - 1)];
   }
 };
 

@@ -75,18 +75,36 @@ class FirstItemError {
   std::exception_ptr error_;
 };
 
+/// How many ranges parallel_ranges below splits [0, n) into: 1 without an executor, with one
+/// thread or below the grain; else min(n, the executor's threads).
+inline int range_count(Index n, Executor* executor, double flops_per_item) noexcept {
+  const int parts =
+      executor == nullptr ? 1 : static_cast<int>(std::min<Index>(n, executor->concurrency()));
+  if (executor == nullptr || parts <= 1 ||
+      static_cast<double>(n) * flops_per_item < kParallelGrainFlops)
+    return 1;
+  return parts;
+}
+
 /// Calls range(begin, end) for the contiguous ranges that split [0, n) evenly over `executor`'s
 /// threads (one range [0, n) when it is null, has one thread, or the work, n * flops_per_item,
 /// is below kParallelGrainFlops). `range` must not throw.
 template <class F>
 void parallel_ranges(Index n, Executor* executor, double flops_per_item, F& range) {
-  const int parts =
-      executor == nullptr ? 1 : static_cast<int>(std::min<Index>(n, executor->concurrency()));
-  if (executor == nullptr || parts <= 1 ||
-      static_cast<double>(n) * flops_per_item < kParallelGrainFlops)
+  const int parts = range_count(n, executor, flops_per_item);
+  if (parts <= 1)
     range(Index{0}, n);
   else
     executor->run(n, parts, TaskRange(range));
+}
+
+/// Which of the `parts` ranges parallel_ranges splits [0, n) into starts at `begin` (a range's
+/// first item): a call that keeps buffers per range (BackwardWorkspace's lanes) picks them so.
+/// O(parts).
+inline int range_index(Index begin, Index n, int parts) noexcept {
+  for (int p = 1; p < parts; ++p)
+    if (static_cast<Index>(p) * n / parts > begin) return p - 1;
+  return parts - 1;
 }
 
 /// Calls f(i) for i in [0, n) on `executor` (or serially, as parallel_ranges decides). Every

@@ -50,6 +50,7 @@
 #include <cstddef>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 namespace linattn {
 
@@ -79,6 +80,34 @@ struct GradientsRef {
 };
 
 namespace detail {
+
+/// Where a stateless backward puts the initial state's gradient that its caller does not ask
+/// for: while the call runs, in the workspace's buffers (moved in, and back on return), so a
+/// warmed workspace allocates nothing for it; without a workspace, in its own.
+template <class Scalar>
+class UnreadStateGradient {
+ public:
+  explicit UnreadStateGradient(BackwardWorkspace<Scalar>* workspace) noexcept
+      : workspace_(workspace) {
+    if (workspace_ == nullptr) return;
+    BackwardBuffers<Scalar>& kept = BackwardWorkspaceAccess::buffers(*workspace_);
+    gradient_.S = std::move(kept.unread_S);
+    gradient_.z = std::move(kept.unread_z);
+  }
+  ~UnreadStateGradient() {
+    if (workspace_ == nullptr) return;
+    BackwardBuffers<Scalar>& kept = BackwardWorkspaceAccess::buffers(*workspace_);
+    kept.unread_S = std::move(gradient_.S);
+    kept.unread_z = std::move(gradient_.z);
+  }
+  UnreadStateGradient(const UnreadStateGradient&) = delete;
+  UnreadStateGradient& operator=(const UnreadStateGradient&) = delete;
+  [[nodiscard]] StateGradient<Scalar>& get() noexcept { return gradient_; }
+
+ private:
+  BackwardWorkspace<Scalar>* workspace_;
+  StateGradient<Scalar> gradient_;
+};
 
 template <class Phi, class Scalar>
 constexpr void require_differentiable() {
@@ -176,8 +205,8 @@ void parallel_backward_into(const LinearAttention<Phi, Scalar>& attn,
   detail::BackwardBuffers<Scalar>& buffers = detail::buffers_of(workspace, call_only);
   buffers.zero_start(r, dv);
   const Scalar M0 = log_scaled ? -std::numeric_limits<Scalar>::infinity() : Scalar(0);
-  StateGradient<Scalar> discarded;
-  StateGradient<Scalar>& d0 = initial != nullptr ? *initial : discarded;
+  detail::UnreadStateGradient<Scalar> discarded(workspace);
+  StateGradient<Scalar>& d0 = initial != nullptr ? *initial : discarded.get();
   detail::causal_backward<Scalar>(phi, Qm, Km, Vm, dYm, buffers.start_S, buffers.start_z, M0,
                                   nullptr, nullptr, detail::backward_chunk_size(attn, r, dv),
                                   attn.options().normalization, out.Q, out.K, out.V, d0.S, d0.z,

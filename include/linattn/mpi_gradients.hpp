@@ -194,9 +194,10 @@ template <class Phi, linattn::detail::GradientRule Rule, class Scalar, class DQ,
 }
 
 /// mpi::prefill_backward_into(comm, layer, state, Q, K, V, in..., dY, final_gradients, grads,
-/// d_in..., initial_gradients[, layout[, slots]][, schedule]): the multi-head layer's backward
-/// of a sequence-parallel prefill (every rule; SequenceParallel<MultiHeadAttention>::prefill_into
-/// with the same layout and slots), each rank holding its slice of the tokens as [B, T_p, H, d]
+/// d_in..., initial_gradients[, layout[, slots]][, schedule][, workspace]): the multi-head
+/// layer's backward of a sequence-parallel prefill (every rule;
+/// SequenceParallel<MultiHeadAttention>::prefill_into with the same layout and slots), each rank
+/// holding its slice of the tokens as [B, T_p, H, d]
 /// views (T_p may differ between ranks and be 0). The gradients of this rank's rows go into
 /// `grads` and d_in... (as multihead_gradients.hpp's prefill_backward_into). `state` (the states
 /// before the sequences) is read on rank 0, `final_gradients` (null: zero) on the last rank;
@@ -232,6 +233,10 @@ template <class Phi, linattn::detail::GradientRule Rule, class Scalar, class DQ,
 ///   (detail::backward_costs) says its slots take less time (on 2 ranks: from 2 items; Decay
 ///   and Gated from 1), else the summaries; a packed or padded layout: the pipeline.
 /// - Schedule::hybrid: std::invalid_argument (the backward has none), on every rank.
+/// `workspace` (a BackwardWorkspace<Scalar>*, null: the call's own): the pipeline's buffers kept
+/// across calls (the single-head backwards' scratch, the saved forwards of the items that cross
+/// ranks, the messages), as a training loop keeps one per layer; the same bits with or without
+/// it. The summaries schedule's per-item collectives do not use it.
 /// Throws as the single-process backward, on every rank (naming the rank whose input was
 /// wrong); ranks that disagree on the layer, dims, heads, layout or schedule throw
 /// RankMismatchError; the gradient views' contents are then unspecified.
@@ -246,11 +251,12 @@ void prefill_backward_into(
   using Rule = typename Attention::rule_type;
   namespace ld = linattn::detail;
   constexpr std::size_t N = Rule::token_inputs, fixed = 2 * N + 4;
-  static_assert(sizeof...(Args) >= fixed && sizeof...(Args) <= fixed + 3,
+  static_assert(sizeof...(Args) >= fixed && sizeof...(Args) <= fixed + 4,
                 "mpi::prefill_backward_into takes comm, the layer, the state, Q, K, V, the rule's "
                 "per-token input views, dY, the final states' gradient (or nullptr), the "
                 "GradientViews, the per-token inputs' gradient views, the initial states' "
-                "gradient and optionally a SequenceLayout, slots and an mpi::Schedule");
+                "gradient and optionally a SequenceLayout, slots, an mpi::Schedule and a "
+                "BackwardWorkspace*");
   const auto all = std::forward_as_tuple(args...);
   const auto inputs = ld::token_views<N, Scalar>(all);
   const TensorView<const Scalar> dY = std::get<N>(all);
@@ -261,6 +267,7 @@ void prefill_backward_into(
   SequenceLayout layout = SequenceLayout::batch();
   std::span<const Index> slots;
   Schedule schedule = Schedule::automatic;
+  BackwardWorkspace<Scalar>* workspace = nullptr;
   [&]<std::size_t... I>(std::index_sequence<I...>) {
     const auto take = [&]<std::size_t At>(std::integral_constant<std::size_t, At>) {
       using Arg = std::remove_cvref_t<std::tuple_element_t<At, decltype(all)>>;
@@ -268,10 +275,13 @@ void prefill_backward_into(
         layout = std::get<At>(all);
       else if constexpr (std::is_same_v<Arg, Schedule>)
         schedule = std::get<At>(all);
+      else if constexpr (std::is_same_v<Arg, BackwardWorkspace<Scalar>*>)
+        workspace = std::get<At>(all);
       else {
         static_assert(std::is_convertible_v<const Arg&, std::span<const Index>>,
                       "mpi::prefill_backward_into: after the initial states' gradient come a "
-                      "SequenceLayout, the slots (a span of Index) and an mpi::Schedule");
+                      "SequenceLayout, the slots (a span of Index), an mpi::Schedule and a "
+                      "BackwardWorkspace<Scalar>*");
         slots = std::get<At>(all);
       }
     };
@@ -350,9 +360,10 @@ void prefill_backward_into(
         ld::backward_pipeline_pays(Index(items.size()), P, ld::backward_costs<Rule>())))) {
     const ld::BackwardEnds ends{records.front().initial_nonzero == 0, records.front().initial_tokens,
                                 records.back().final_gradients != 0};
-    if (auto failure = ld::run_backward_pipeline(comm, rank, P, layer, items, whole_rows, ends,
-                                                 state, Q, K, V, inputs, dY, final_gradients,
-                                                 grads, d_inputs, initial))
+    BackwardWorkspace<Scalar> call_only;
+    if (auto failure = ld::run_backward_pipeline(
+            comm, rank, P, layer, items, whole_rows, ends, state, Q, K, V, inputs, dY,
+            final_gradients, grads, d_inputs, initial, workspace != nullptr ? *workspace : call_only))
       detail::raise(*failure);
     return;
   }

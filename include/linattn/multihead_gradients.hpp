@@ -6,10 +6,10 @@
 /// model's own buffers.
 ///
 ///   parallel_backward_into(layer, Q, K, V, in..., mask, dY, GradientViews{dQ, dK, dV},
-///                          d_in..., layout = batch())
+///                          d_in..., layout = batch(), workspace = nullptr)
 ///   prefill_backward_into(layer, state, Q, K, V, in..., dY, final_gradients,
 ///                         GradientViews{dQ, dK, dV}, d_in..., initial_gradients,
-///                         layout = batch(), slots = {})
+///                         layout = batch(), slots = {}, workspace = nullptr)
 ///
 /// The backward from a saved forward (no sweep that rebuilds the states) is in
 /// multihead_saved_forward.hpp.
@@ -34,9 +34,13 @@
 ///
 /// Complexity: 3 to 4 times the forward's flops; per item, the single-head backward's scratch
 /// (causal_backward_bytes / rule_backward_bytes) plus, for G > 1, T x (dk + dv + inputs) and one
-/// state's gradient for the group's sums. The delta rules' rebuilt forward data (the bulk of
-/// their rule_backward_bytes) lives in one BackwardWorkspace per thread and call, reused by the
-/// items that thread runs. The gradient views must not overlap the inputs.
+/// state's gradient for the group's sums. These buffers (for the delta rules also their rebuilt
+/// forward data, the bulk of rule_backward_bytes) live in one lane of a BackwardWorkspace per
+/// thread, reused by the items that thread runs: the call's own, or `workspace` (a
+/// BackwardWorkspace<Scalar>*, the last argument) kept by the caller across calls, which then
+/// allocate nothing once warm for the additive rule (tests/allocation_test.cpp; the rules' per
+/// token input gradients are still sized per item). The same bits with or without one. The
+/// gradient views must not overlap the inputs.
 
 #include <linattn/batch_state.hpp>
 #include <linattn/detail/multihead_backward.hpp>
@@ -168,6 +172,58 @@ T argument_or(const Tuple& all, T fallback) {
     return fallback;
 }
 
+/// The optional last arguments of a layer backward, in this order: a SequenceLayout, the slots
+/// (a span of Index, or what converts to one: carried calls only) and a BackwardWorkspace*.
+template <class Scalar>
+struct LayerBackwardOptions {
+  SequenceLayout layout = SequenceLayout::batch();
+  std::span<const Index> slots;
+  BackwardWorkspace<Scalar>* workspace = nullptr;
+};
+
+// 0: a layout, 1: slots, 2: a workspace, -1: none of them.
+template <class Scalar, class Arg>
+constexpr int layer_option_kind() {
+  using A = std::remove_cvref_t<Arg>;
+  if constexpr (std::is_same_v<A, SequenceLayout>)
+    return 0;
+  else if constexpr (std::is_same_v<A, BackwardWorkspace<Scalar>*>)
+    return 2;
+  else if constexpr (std::is_convertible_v<const A&, std::span<const Index>>)
+    return 1;
+  else
+    return -1;
+}
+
+/// The options among all's elements [From, end): at most one of each kind, in the order above;
+/// slots only where `takes_slots`.
+template <class Scalar, std::size_t From, bool TakesSlots, class Tuple>
+LayerBackwardOptions<Scalar> layer_backward_options(const Tuple& all) {
+  constexpr std::size_t count = std::tuple_size_v<Tuple> - From;
+  LayerBackwardOptions<Scalar> options;
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    constexpr int kinds[] = {layer_option_kind<Scalar, std::tuple_element_t<From + I, Tuple>>()...,
+                             3};
+    static_assert(((kinds[I] >= 0 && (TakesSlots || kinds[I] != 1)) && ... && true),
+                  "a layer backward's last arguments are a SequenceLayout, the slots (a span of "
+                  "Index; carried calls only) and a BackwardWorkspace<Scalar>*, each optional");
+    static_assert(((kinds[I] < kinds[I + 1]) && ... && true),
+                  "a layer backward's optional arguments come in the order: SequenceLayout, "
+                  "slots, BackwardWorkspace<Scalar>* (each at most once)");
+    const auto take = [&]<std::size_t At>(std::integral_constant<std::size_t, At>) {
+      constexpr int kind = layer_option_kind<Scalar, std::tuple_element_t<At, Tuple>>();
+      if constexpr (kind == 0)
+        options.layout = std::get<At>(all);
+      else if constexpr (kind == 1)
+        options.slots = std::get<At>(all);
+      else if constexpr (kind == 2)
+        options.workspace = std::get<At>(all);
+    };
+    (take(std::integral_constant<std::size_t, From + I>{}), ...);
+  }(std::make_index_sequence<count>{});
+  return options;
+}
+
 // The state gradients of a carried backward from a saved forward (no state to compare them
 // with): shaped for this layer's state heads, like each other, two objects, and positions for
 // the call's sequences (or slots).
@@ -219,7 +275,8 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
                     const std::array<TensorView<typename Attention::scalar_type>, N>& d_inputs,
                     BatchStateGradient<typename Attention::scalar_type>* initial,
                     const SequenceLayout& layout, std::span<const Index> slots,
-                    const Saved* saved = nullptr) {
+                    const Saved* saved = nullptr,
+                    BackwardWorkspace<typename Attention::scalar_type>* workspace = nullptr) {
   using Rule = typename Attention::rule_type;
   const HeadConfig& heads = layer.heads();
   const Index r = layer.feature_dim();
@@ -291,15 +348,21 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
                   grads.Q, grads.K, grads.V, d_inputs, shared, state_of, final_of, initial_of,
                   saved_of, workspace);
   };
-  // Each thread's items share one workspace: the delta rules then allocate their rebuilt
-  // forward data once per thread and call, not once per item (same bits either way).
+  // Each thread's items share one lane of the workspace (the caller's, kept across calls, or
+  // this call's): the buffers are then allocated once per thread, not once per item (same bits
+  // either way).
   const Index items = sequences * Hkv;
+  const int parts = range_count(items, layer.executor(), flops);
+  BackwardWorkspace<Scalar> call_only;
+  BackwardWorkspace<Scalar>& kept = workspace != nullptr ? *workspace : call_only;
+  BackwardWorkspaceAccess::fit_lanes(kept, parts);
   FirstItemError errors(items);
   auto range = [&](Index begin, Index end) {
-    BackwardWorkspace<Scalar> workspace;
+    BackwardWorkspace<Scalar>& lane =
+        BackwardWorkspaceAccess::lane(kept, range_index(begin, items, parts));
     for (Index item = begin; item < end; ++item) {
       try {
-        run(item, workspace);
+        run(item, lane);
       } catch (...) {
         errors.record(item);
       }
@@ -327,11 +390,12 @@ void parallel_backward_into(
   using Scalar = typename Attention::scalar_type;
   using Rule = typename Attention::rule_type;
   constexpr std::size_t N = Rule::token_inputs;
-  static_assert(sizeof...(Args) == 2 * N + 3 || sizeof...(Args) == 2 * N + 4,
+  static_assert(sizeof...(Args) >= 2 * N + 3 && sizeof...(Args) <= 2 * N + 5,
                 "parallel_backward_into takes the layer, Q, K, V, the rule's per-token input "
                 "views, the mask, dY, the GradientViews, the per-token inputs' gradient views "
-                "and optionally a SequenceLayout");
+                "and optionally a SequenceLayout and a BackwardWorkspace*");
   const auto all = std::forward_as_tuple(args...);
+  const auto options = detail::layer_backward_options<Scalar, 2 * N + 3, false>(all);
   const auto& mask = std::get<N>(all);
   static_assert(Rule::kind == WriteKind::additive ||
                     std::is_same_v<std::remove_cvref_t<decltype(mask)>, CausalMask>,
@@ -340,7 +404,8 @@ void parallel_backward_into(
       layer, nullptr, Q, K, V, detail::token_views<N, Scalar>(all), mask,
       TensorView<const Scalar>(std::get<N + 1>(all)), nullptr,
       GradientViews<Scalar>(std::get<N + 2>(all)), detail::views_at<N + 3, N, Scalar>(all),
-      nullptr, detail::argument_or<2 * N + 3>(all, SequenceLayout::batch()), {});
+      nullptr, options.layout, {}, static_cast<const detail::NoSavedForward*>(nullptr),
+      options.workspace);
 }
 
 /// prefill_backward_into(layer, state, Q, K, V, in..., dY, final_gradients, grads, d_in...,
@@ -363,20 +428,21 @@ void prefill_backward_into(
     std::type_identity_t<TensorView<const typename Attention::scalar_type>> V, Args&&... args) {
   using Scalar = typename Attention::scalar_type;
   constexpr std::size_t N = Attention::rule_type::token_inputs;
-  static_assert(sizeof...(Args) >= 2 * N + 4 && sizeof...(Args) <= 2 * N + 6,
+  static_assert(sizeof...(Args) >= 2 * N + 4 && sizeof...(Args) <= 2 * N + 7,
                 "prefill_backward_into takes the layer, the state, Q, K, V, the rule's per-token "
                 "input views, dY, the final states' gradient (or nullptr), the GradientViews, the "
                 "per-token inputs' gradient views, the initial states' gradient and optionally a "
-                "SequenceLayout and slots");
+                "SequenceLayout, slots and a BackwardWorkspace*");
   const auto all = std::forward_as_tuple(args...);
+  const auto options = detail::layer_backward_options<Scalar, 2 * N + 4, true>(all);
   const BatchStateGradient<Scalar>* final_gradients = std::get<N + 1>(all);
   BatchStateGradient<Scalar>& initial = std::get<2 * N + 3>(all);
   detail::layer_backward<Attention>(
       layer, &state, Q, K, V, detail::token_views<N, Scalar>(all), Mask::causal,
       TensorView<const Scalar>(std::get<N>(all)), final_gradients,
       GradientViews<Scalar>(std::get<N + 2>(all)), detail::views_at<N + 3, N, Scalar>(all),
-      &initial, detail::argument_or<2 * N + 4>(all, SequenceLayout::batch()),
-      detail::argument_or<2 * N + 5>(all, std::span<const Index>()));
+      &initial, options.layout, options.slots, static_cast<const detail::NoSavedForward*>(nullptr),
+      options.workspace);
 }
 
 }  // namespace linattn

@@ -320,20 +320,21 @@ void prefill_backward_into(
     std::type_identity_t<TensorView<const typename Attention::scalar_type>> V, Args&&... args) {
   using Scalar = typename Attention::scalar_type;
   constexpr std::size_t N = Attention::rule_type::token_inputs;
-  static_assert(sizeof...(Args) >= 2 * N + 4 && sizeof...(Args) <= 2 * N + 6,
+  static_assert(sizeof...(Args) >= 2 * N + 4 && sizeof...(Args) <= 2 * N + 7,
                 "prefill_backward_into from a saved forward takes the layer, the "
                 "LayerSavedForward, Q, K, V, the rule's per-token input views, dY, the final "
                 "states' gradient (or nullptr), the GradientViews, the per-token inputs' gradient "
-                "views, the initial states' gradient and optionally a SequenceLayout and slots");
+                "views, the initial states' gradient and optionally a SequenceLayout, slots and a "
+                "BackwardWorkspace*");
   const auto all = std::forward_as_tuple(args...);
+  const auto options = detail::layer_backward_options<Scalar, 2 * N + 4, true>(all);
   const BatchStateGradient<Scalar>* final_gradients = std::get<N + 1>(all);
   BatchStateGradient<Scalar>& initial = std::get<2 * N + 3>(all);
   detail::layer_backward<Attention>(
       layer, nullptr, Q, K, V, detail::token_views<N, Scalar>(all), Mask::causal,
       TensorView<const Scalar>(std::get<N>(all)), final_gradients,
       GradientViews<Scalar>(std::get<N + 2>(all)), detail::views_at<N + 3, N, Scalar>(all),
-      &initial, detail::argument_or<2 * N + 4>(all, SequenceLayout::batch()),
-      detail::argument_or<2 * N + 5>(all, std::span<const Index>()), &saved);
+      &initial, options.layout, options.slots, &saved, options.workspace);
 }
 
 /// parallel_backward_into(layer, saved, Q, K, V, in..., Mask::causal, dY, grads, d_in...,
@@ -352,12 +353,13 @@ void parallel_backward_into(
   using Scalar = typename Attention::scalar_type;
   using Rule = typename Attention::rule_type;
   constexpr std::size_t N = Rule::token_inputs;
-  static_assert(sizeof...(Args) == 2 * N + 3 || sizeof...(Args) == 2 * N + 4,
+  static_assert(sizeof...(Args) >= 2 * N + 3 && sizeof...(Args) <= 2 * N + 5,
                 "parallel_backward_into from a saved forward takes the layer, the "
                 "LayerSavedForward, Q, K, V, the rule's per-token input views, Mask::causal, dY, "
                 "the GradientViews, the per-token inputs' gradient views and optionally a "
-                "SequenceLayout");
+                "SequenceLayout and a BackwardWorkspace*");
   const auto all = std::forward_as_tuple(args...);
+  const auto options = detail::layer_backward_options<Scalar, 2 * N + 3, false>(all);
   static_assert(std::is_same_v<std::remove_cvref_t<std::tuple_element_t<N, decltype(all)>>,
                                CausalMask>,
                 "a saved forward is causal: pass Mask::causal before dY");
@@ -365,7 +367,7 @@ void parallel_backward_into(
       layer, nullptr, Q, K, V, detail::token_views<N, Scalar>(all), Mask::causal,
       TensorView<const Scalar>(std::get<N + 1>(all)), nullptr,
       GradientViews<Scalar>(std::get<N + 2>(all)), detail::views_at<N + 3, N, Scalar>(all),
-      nullptr, detail::argument_or<2 * N + 3>(all, SequenceLayout::batch()), {}, &saved);
+      nullptr, options.layout, {}, &saved, options.workspace);
 }
 
 }  // namespace linattn

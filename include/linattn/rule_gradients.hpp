@@ -238,13 +238,13 @@ void parallel_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   const auto& dY = std::get<n + 1>(all);
   GradientsRef<Scalar> out = std::get<n + 2>(all);
   RuleInputGradients<Scalar>& d_inputs = std::get<n + 3>(all);
-  StateGradient<Scalar> discarded;
-  StateGradient<Scalar>* initial = &discarded;
-  if constexpr (sizeof...(Args) >= n + 5)
-    if (std::get<n + 4>(all) != nullptr) initial = std::get<n + 4>(all);
   BackwardWorkspace<Scalar>* workspace = nullptr;
   if constexpr (sizeof...(Args) == n + 6)
     workspace = detail::workspace_argument<Scalar>(std::get<n + 5>(all));
+  detail::UnreadStateGradient<Scalar> discarded(workspace);
+  StateGradient<Scalar>* initial = &discarded.get();
+  if constexpr (sizeof...(Args) >= n + 5)
+    if (std::get<n + 4>(all) != nullptr) initial = std::get<n + 4>(all);
   detail::with_first<n>(all, [&](const auto&... in) {
     detail::rule_backward_into(attn, nullptr, Q, K, V, dY, nullptr, out, d_inputs, *initial,
                                workspace, in...);

@@ -433,6 +433,11 @@ void check_layer(const Attention& attn, const std::array<std::array<double, 3>, 
           }
     return worst <= allowed * (1 + scale);
   };
+  // One workspace through every slicing and schedule, with a call whose keys are NaN before
+  // each use: the second call of each pair must still give the first's bits.
+  BackwardWorkspace<Scalar> workspace;
+  const std::vector<Scalar> nan_keys(Kb.size(), std::numeric_limits<Scalar>::quiet_NaN());
+  const auto poisoned_K = TensorView<const Scalar>::batch_first(nan_keys.data(), B, T, Hkv, dk);
   for (const auto& lengths : slicings(T, P)) {
     Index first = 0;
     for (int p = 0; p < rank; ++p) first += lengths[std::size_t(p)];
@@ -446,7 +451,8 @@ void check_layer(const Attention& attn, const std::array<std::array<double, 3>, 
     for (const mpi::Schedule schedule :
          {mpi::Schedule::summaries, mpi::Schedule::pipeline, mpi::Schedule::automatic}) {
     INFO("schedule " << int(schedule));
-    const auto run = [&](Grads& g) {
+    const auto run = [&](Grads& g, const TensorView<const Scalar>& keys,
+                         BackwardWorkspace<Scalar>* kept) {
       const auto vd = views(g, first, n);
       const auto& gv = vd.first;
       const auto& d = vd.second;
@@ -456,16 +462,21 @@ void check_layer(const Attention& attn, const std::array<std::array<double, 3>, 
       std::apply([&](const auto&... x) {
         std::apply([&](const auto&... dx) {
           mpi::prefill_backward_into(MPI_COMM_WORLD, layer, rank == 0 ? state : other,
-                                     token_rows(Q, first, n), token_rows(K, first, n),
+                                     token_rows(Q, first, n), token_rows(keys, first, n),
                                      token_rows(V, first, n), x..., token_rows(dY, first, n),
-                                     rank == P - 1 ? &fin : nullptr, gv, dx..., initial, schedule);
+                                     rank == P - 1 ? &fin : nullptr, gv, dx..., initial, schedule,
+                                     kept);
         }, d);
       }, mine_in);
     };
-    Grads got = make(), again = make();
-    run(got);
+    Grads got = make(), again = make(), poisoned = make();
+    run(got, K, nullptr);
     BatchStateGradient<Scalar> first_initial = initial;
-    run(again);
+    try {  // every rank throws the same, or none does (NaN through unnormalized reads)
+      run(poisoned, poisoned_K, &workspace);
+    } catch (const std::exception&) {
+    }
+    run(again, K, &workspace);
     CHECK(near_rows(got.Q, whole.Q, Hq, dk, first, n));
     CHECK(near_rows(got.K, whole.K, Hkv, dk, first, n));
     CHECK(near_rows(got.V, whole.V, Hkv, dv, first, n));
@@ -482,7 +493,7 @@ void check_layer(const Attention& attn, const std::array<std::array<double, 3>, 
         CHECK(initial.head(b, h).S == first_initial.head(b, h).S);
         CHECK(initial.head(b, h).z == first_initial.head(b, h).z);
       }
-    // Same P and slices: the same bits.
+    // Same P and slices: the same bits, with a workspace that served other calls or without.
     CHECK(again.Q == got.Q);
     CHECK(again.K == got.K);
     CHECK(again.V == got.V);
@@ -605,6 +616,10 @@ void check_layout(const Attention& attn, const std::array<std::array<double, 3>,
       }
     return ok && padding_zero;
   };
+  // One workspace through every slicing and schedule, as in check_layer.
+  BackwardWorkspace<Scalar> workspace;
+  const std::vector<Scalar> nan_keys(Kb.size(), std::numeric_limits<Scalar>::quiet_NaN());
+  const auto poisoned_K = TensorView<const Scalar>::batch_first(nan_keys.data(), B, T, Hkv, dk);
   for (const auto& lengths : slicings_to_test(T, P)) {
     Index first = 0;
     for (int p = 0; p < rank; ++p) first += lengths[std::size_t(p)];
@@ -615,7 +630,8 @@ void check_layout(const Attention& attn, const std::array<std::array<double, 3>,
       INFO((packed ? "packed" : "padded") << (given_ends ? "" : ", zero ends") << ", rank " << rank << " of " << P << ", rows " << first
                                           << " + " << n << ", schedule " << int(schedule));
       BatchStateGradient<Scalar> initial = marked();
-      const auto run = [&](Grads& g) {
+      const auto run = [&](Grads& g, const TensorView<const Scalar>& keys,
+                           BackwardWorkspace<Scalar>* kept) {
         const auto vd = views(g, first, n);
         std::array<TensorView<const Scalar>, N> mine_in;
         for (std::size_t i = 0; i < N; ++i) mine_in[i] = token_rows(in[i], first, n);
@@ -623,18 +639,22 @@ void check_layout(const Attention& attn, const std::array<std::array<double, 3>,
         std::apply([&](const auto&... x) {
           std::apply([&](const auto&... dx) {
             mpi::prefill_backward_into(MPI_COMM_WORLD, layer, rank == 0 ? state : other,
-                                       token_rows(Q, first, n), token_rows(K, first, n),
+                                       token_rows(Q, first, n), token_rows(keys, first, n),
                                        token_rows(V, first, n), x..., token_rows(dY, first, n),
                                        rank == P - 1 && given_ends ? &fin : nullptr, vd.first,
                                        dx..., initial,
-                                       layout, std::span<const Index>(slots), schedule);
+                                       layout, std::span<const Index>(slots), schedule, kept);
           }, vd.second);
         }, mine_in);
       };
-      Grads got = make(), again = make();
-      run(got);
+      Grads got = make(), again = make(), poisoned = make();
+      run(got, K, nullptr);
       const BatchStateGradient<Scalar> first_initial = initial;
-      run(again);
+      try {  // every rank throws the same, or none does
+        run(poisoned, poisoned_K, &workspace);
+      } catch (const std::exception&) {
+      }
+      run(again, K, &workspace);
       CHECK(near_rows(got.Q, whole.Q, Hq, dk, first, n));
       CHECK(near_rows(got.K, whole.K, Hkv, dk, first, n));
       CHECK(near_rows(got.V, whole.V, Hkv, dv, first, n));
@@ -653,7 +673,7 @@ void check_layout(const Attention& attn, const std::array<std::array<double, 3>,
           }
       // Rows of other ranks: not written.
       CHECK(std::all_of(got.Q.begin(), got.Q.begin() + first * Hq * dk, [](Scalar x) { return x == 7; }));
-      // Same P and slices: the same bits.
+      // Same P and slices: the same bits, with a workspace that served other calls or without.
       CHECK(again.Q == got.Q);
       CHECK(again.K == got.K);
       CHECK(again.V == got.V);

@@ -219,13 +219,18 @@ struct BackwardScratch {
   }
 
   /// Whether this scratch serves a call with these arguments (the constructor's): the same
-  /// per-chunk shapes. If so it is made to hold what a new one holds where that matters (the
+  /// per-chunk shapes, or a call of one chunk shorter than this scratch's C <= chunk (a short
+  /// document after longer ones: its one chunk of T rows runs in the larger buffers with the
+  /// same operations, which read n and its padded width only; the buffers' width is only their
+  /// leading dimension). If so it is made to hold what a new one holds where that matters (the
   /// zero-initialised buffers zeroed again: the call's bits cannot depend on an earlier call,
   /// even one that read NaN) and its per-token buffers grown to T where shorter (never shrunk:
   /// a workspace over documents of many lengths keeps the longest's). O(C (r + dv + C)).
   [[nodiscard]] bool reuse(Index T, Index chunk, Index r, Index dv, bool log_scaled, bool copy_v,
                            bool copy_dy, bool rebuilds_state = true) {
-    if (C != std::min(chunk, std::max<Index>(T, 1)) || qf.cols() != r || rows_v.cols() != dv ||
+    const Index needed = std::min(chunk, std::max<Index>(T, 1));
+    const bool one_short_chunk = needed <= C && C <= chunk;
+    if ((C != needed && !one_short_chunk) || qf.cols() != r || rows_v.cols() != dv ||
         (weights.size() > 0) != log_scaled || (v_copy.rows() > 0) != copy_v ||
         (dy_copy.rows() > 0) != copy_dy || (state.size() > 0) != rebuilds_state)
       return false;

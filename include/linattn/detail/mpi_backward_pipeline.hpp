@@ -22,9 +22,10 @@
 // ~ (n + P - 1) slots of one forward and one saved backward of T_p tokens for the batch layout,
 // against the summaries schedule's n times a summary forward and two recomputing backwards
 // (each a forward and a sweep); with a packed layout about one rank's share of the documents,
-// plus the waits of the crossing documents. The saved forwards of the items a rank runs are kept
-// between the wavefronts (rule_saved_forward.hpp and saved_forward.hpp give the bytes), and three
-// messages per item (its state and gradient in, what it sends).
+// plus the waits of the crossing documents. The saved forwards of the items that cross ranks are
+// kept between the wavefronts (rule_saved_forward.hpp and saved_forward.hpp give the bytes), and
+// three messages per such item (its state and gradient in, what it sends), all in the call's
+// BackwardWorkspace: a caller that keeps one across calls allocates them once.
 //
 // Errors: as the forward's pipeline (mpi_pipeline.hpp): a rank that fails on an item, or hears
 // of a failure, sends every later message with a 'failed' status and computes nothing more;
@@ -210,7 +211,8 @@ struct BackwardEnds {
 /// `grads` and `d_inputs` (this rank's rows of the items it runs) and into `initial`: where
 /// `every_rank_initial`, on every rank the gradient with respect to the state its slice starts
 /// from; else on rank 0 the initial states' gradients (another rank adds up there those of the
-/// items it runs first, and sends them to rank 0).
+/// items it runs first, and sends them to rank 0). `workspace` keeps the buffers: the single-head
+/// backwards', the saved forwards of the items that cross ranks and the messages.
 template <class Attention, std::size_t N>
 std::optional<Failure> run_backward_pipeline(
     MPI_Comm comm, int rank, int P, const MultiHeadAttention<Attention>& layer,
@@ -224,7 +226,8 @@ std::optional<Failure> run_backward_pipeline(
     const BatchStateGradient<typename Attention::scalar_type>* final_gradients,
     const GradientViews<typename Attention::scalar_type>& grads,
     const std::array<TensorView<typename Attention::scalar_type>, N>& d_inputs,
-    BatchStateGradient<typename Attention::scalar_type>& initial) {
+    BatchStateGradient<typename Attention::scalar_type>& initial,
+    BackwardWorkspace<typename Attention::scalar_type>& workspace) {
   using Scalar = typename Attention::scalar_type;
   using Rule = typename Attention::rule_type;
   using Message = CarryMessage<Scalar, Rule::keeps_normalizer>;
@@ -259,11 +262,17 @@ std::optional<Failure> run_backward_pipeline(
   Index slots = 0;
   for (Index i = 0; i < n; ++i)
     if (has_slot(items[std::size_t(i)])) slot[std::size_t(i)] = slots++;
-  std::vector<Scalar> states_in(std::size_t(slots * m)), outgoing(std::size_t(slots * m)),
-      gradients_in(std::size_t(slots * m)), scratch(static_cast<std::size_t>(m));
-  const auto at = [&](std::vector<Scalar>& buffer, Index i) {
-    return buffer.data() + slot[std::size_t(i)] * m;
-  };
+  // The three message buffers and one message of scratch, in the workspace (grown, never
+  // shrunk; every message is written before it is read, so what an earlier call left there is
+  // never read).
+  BackwardBuffers<Scalar>& buffers = BackwardWorkspaceAccess::buffers(workspace);
+  if (buffers.messages.size() < std::size_t((3 * slots + 1) * m))
+    buffers.messages.resize(std::size_t((3 * slots + 1) * m));
+  Scalar* const states_in = buffers.messages.data();
+  Scalar* const outgoing = states_in + slots * m;
+  Scalar* const gradients_in = outgoing + slots * m;
+  Scalar* const scratch = gradients_in + slots * m;
+  const auto at = [&](Scalar* buffer, Index i) { return buffer + slot[std::size_t(i)] * m; };
   std::vector<MPI_Request> sends;
   sends.reserve(std::size_t(2 * slots));
   const auto state_head = [&](const BackwardItem& it) { return shared ? it.head / G : it.head; };
@@ -332,17 +341,23 @@ std::optional<Failure> run_backward_pipeline(
   // states stay in cache where saved ones would come back from memory.
   constexpr bool keep_saved = keeps_saved_forward<Rule>();
   const auto saves = [&](const BackwardItem& it) { return keep_saved && crossing(it); };
-  std::vector<SavedForward<Scalar>> saved(keep_saved ? std::size_t(n) : 0);
+  // One per message slot (an item that crosses has one), kept in the workspace: a slot whose
+  // rows keep their length from call to call reuses its saved forward's memory.
+  std::vector<SavedForward<Scalar>>& saved = buffers.crossing_saved;
+  if (keep_saved && saved.size() < std::size_t(slots)) saved.resize(std::size_t(slots));
+  const auto saved_of = [&](Index i) -> SavedForward<Scalar>& {
+    return saved[std::size_t(slot[std::size_t(i)])];
+  };
   // The state before item i's rows on this rank, as a message.
   const auto start_message = [&](const BackwardItem& it, Index i) -> const Scalar* {
     if (slot[std::size_t(i)] >= 0) return at(states_in, i);  // received or packed (step 1)
     if (first) {
-      pack_initial(it, scratch.data());
+      pack_initial(it, scratch);
     } else {  // a zero initial state (otherwise it has a slot)
-      Message::set_header(scratch.data(), kOk, ends.initial_tokens);
-      message.clear(scratch.data());
+      Message::set_header(scratch, kOk, ends.initial_tokens);
+      message.clear(scratch);
     }
-    return scratch.data();
+    return scratch;
   };
 
   // 1. The forward wavefront. First the messages each item expects; rank 0 sends the initial
@@ -359,7 +374,6 @@ std::optional<Failure> run_backward_pipeline(
     }
   }
   {
-    RowMatrix<Scalar> discarded;  // the forward's outputs: the caller has them
     auto state = attn.make_state(dk, dv);
     for (const Index i : wavefront_order(items, true)) {
       const BackwardItem& it = items[std::size_t(i)];
@@ -384,11 +398,13 @@ std::optional<Failure> run_backward_pipeline(
             const auto q = Q.head_rows(it.entry, it.head, it.first, it.rows);
             const auto k = K.head_rows(it.entry, g, it.first, it.rows);
             const auto v = V.head_rows(it.entry, g, it.first, it.rows);
-            if (discarded.rows() != it.rows) discarded.resize(it.rows, dv);
+            // The forward's outputs (the caller has them) go into the head gradient rows' room.
+            buffers.fit_heads(it.rows, it.rows, dk, dv);
+            auto discarded = buffers.head_V.topRows(it.rows);
             std::apply(
                 [&](const auto&... x) {
                   if (saves(it))
-                    prefill_saving_into(attn, state, q, k, v, x..., discarded, saved[std::size_t(i)]);
+                    prefill_saving_into(attn, state, q, k, v, x..., discarded, saved_of(i));
                   else
                     attn.prefill_into(state, q, k, v, x..., discarded);
                 },
@@ -437,8 +453,6 @@ std::optional<Failure> run_backward_pipeline(
     }
   }
   RuleInputGradients<Scalar> d_in_head;
-  BackwardWorkspace<Scalar> workspace;  // the backward's buffers, item to item
-  BackwardBuffers<Scalar>& buffers = BackwardWorkspaceAccess::buffers(workspace);
   auto start = attn.make_state(dk, dv);
   StateGradient<Scalar> after{RowMatrix<Scalar>::Zero(r, dv), ColVector<Scalar>::Zero(message.z)};
   StateGradient<Scalar> before = after;
@@ -486,10 +500,10 @@ std::optional<Failure> run_backward_pipeline(
                                           d_in_head, before, &workspace);
                 } else if constexpr (keep_saved) {
                   if constexpr (Rule::kind == WriteKind::additive)
-                    prefill_backward_into(attn, saved[std::size_t(i)], q, k, v, dy, &after,
+                    prefill_backward_into(attn, saved_of(i), q, k, v, dy, &after,
                                           out_rows, before, &workspace);
                   else
-                    prefill_backward_into(attn, saved[std::size_t(i)], q, k, v, x..., dy,
+                    prefill_backward_into(attn, saved_of(i), q, k, v, x..., dy,
                                           &after, out_rows, d_in_head, before, &workspace);
                 }
               },
@@ -533,20 +547,20 @@ std::optional<Failure> run_backward_pipeline(
       StateGradient<Scalar>& d0 = initial.head(it.position, state_head(it));
       if (first) {
         MPI_Status status;
-        check_mpi(MPI_Recv(scratch.data(), message.bytes(true), MPI_BYTE, it.first_rank,
+        check_mpi(MPI_Recv(scratch, message.bytes(true), MPI_BYTE, it.first_rank,
                            kInitialGradientTag, comm, &status),
                   "MPI_Recv (backward pipeline)");
-        if (Message::status(scratch.data()) == kOk) {
-          d0.S = message.S(scratch.data());
-          d0.z = message.zmap(scratch.data());
+        if (Message::status(scratch) == kOk) {
+          d0.S = message.S(scratch);
+          d0.z = message.zmap(scratch);
         }
       } else {
-        Message::set_header(scratch.data(), failed ? kFailed : kOk, 0);
+        Message::set_header(scratch, failed ? kFailed : kOk, 0);
         if (!failed) {
-          Eigen::Map<RowMatrix<Scalar>>(scratch.data() + Message::header, r, dv) = d0.S;
-          Eigen::Map<ColVector<Scalar>>(scratch.data() + Message::header + r * dv, message.z) = d0.z;
+          Eigen::Map<RowMatrix<Scalar>>(scratch + Message::header, r, dv) = d0.S;
+          Eigen::Map<ColVector<Scalar>>(scratch + Message::header + r * dv, message.z) = d0.z;
         }
-        check_mpi(MPI_Send(scratch.data(), message.bytes(!failed), MPI_BYTE, 0,
+        check_mpi(MPI_Send(scratch, message.bytes(!failed), MPI_BYTE, 0,
                            kInitialGradientTag, comm),
                   "MPI_Send (backward pipeline)");
       }

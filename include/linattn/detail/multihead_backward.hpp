@@ -151,7 +151,9 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
   auto dK_head = buffers.head_K.topRows(k_len);
   auto dV_head = buffers.head_V.topRows(k_len);
   RuleInputGradients<Scalar> d_in_head;
-  StateGradient<Scalar> d0_head;
+  // Query head j > 0's share of a shared state's gradient: the lane's buffers, moved in and
+  // back (no allocation once they have the state's shape).
+  StateGradient<Scalar> d0_head{std::move(buffers.group_S), std::move(buffers.group_z)};
   for (Index j = 0; j < G; ++j) {
     const Index h = g * G + j;
     const auto q = Q.head_rows(entry, h, first, q_len);
@@ -206,6 +208,8 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
       if (initial->z.size() > 0) initial->z += d0_head.z;
     }
   }
+  buffers.group_S = std::move(d0_head.S);
+  buffers.group_z = std::move(d0_head.z);
 }
 
 }  // namespace linattn::detail
