@@ -711,8 +711,9 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
     ColVector<Scalar> q_norms, k_norms;
     StateGradient<Scalar> final_gradient, initial;
     RuleInputGradients<Scalar> d_in;
-    // The delta rules' rebuilt forward data (r dv / C + 2 dv scalars per token), kept for the
-    // items this thread runs instead of allocated and first touched per item (same bits).
+    // Every backward's buffers (the chunk scratch; for the delta rules also their rebuilt
+    // forward data, r dv / C + 2 dv scalars per token), kept for the items this thread runs
+    // instead of allocated and first touched per item (same bits).
     BackwardWorkspace<Scalar> workspace;
     for (int64_t task = begin; task < end; ++task) {
       const Index n = task / p.H, h = task % p.H;
@@ -738,15 +739,14 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
           if (saved_items != nullptr) {
             const SavedForward<Scalar>& item = (*saved_items)[static_cast<std::size_t>(task)];
             if constexpr (Rule::kind == WriteKind::additive)
-              prefill_backward_into(attn, item, Q, Kr, Vr, yb, carried, out, initial);
+              prefill_backward_into(attn, item, Q, Kr, Vr, yb, carried, out, initial, &workspace);
             else
-              prefill_backward_into(attn, item, Q, Kr, Vr, inputs..., yb, carried, out, d_in, initial);
+              prefill_backward_into(attn, item, Q, Kr, Vr, inputs..., yb, carried, out, d_in, initial,
+                                    &workspace);
           } else {
             const auto state = initial_state(attn, p, n, h);
             if constexpr (Rule::kind == WriteKind::additive)
-              prefill_backward_into(attn, state, Q, Kr, Vr, yb, carried, out, initial);
-            else if constexpr (Rule::kind == WriteKind::gated)
-              prefill_backward_into(attn, state, Q, Kr, Vr, inputs..., yb, carried, out, d_in, initial);
+              prefill_backward_into(attn, state, Q, Kr, Vr, yb, carried, out, initial, &workspace);
             else
               prefill_backward_into(attn, state, Q, Kr, Vr, inputs..., yb, carried, out, d_in, initial,
                                     &workspace);
