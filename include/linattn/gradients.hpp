@@ -102,7 +102,11 @@ class UnreadStateGradient {
   }
   UnreadStateGradient(const UnreadStateGradient&) = delete;
   UnreadStateGradient& operator=(const UnreadStateGradient&) = delete;
-  [[nodiscard]] StateGradient<Scalar>& get() noexcept { return gradient_; }
+  /// Where the call writes the initial state's gradient: `wanted` where the caller asked for
+  /// it (not null), else here.
+  [[nodiscard]] StateGradient<Scalar>& target(StateGradient<Scalar>* wanted) noexcept {
+    return wanted != nullptr ? *wanted : gradient_;
+  }
 
  private:
   BackwardWorkspace<Scalar>* workspace_;
@@ -206,7 +210,7 @@ void parallel_backward_into(const LinearAttention<Phi, Scalar>& attn,
   buffers.zero_start(r, dv);
   const Scalar M0 = log_scaled ? -std::numeric_limits<Scalar>::infinity() : Scalar(0);
   detail::UnreadStateGradient<Scalar> discarded(workspace);
-  StateGradient<Scalar>& d0 = initial != nullptr ? *initial : discarded.get();
+  StateGradient<Scalar>& d0 = discarded.target(initial);
   detail::causal_backward<Scalar>(phi, Qm, Km, Vm, dYm, buffers.start_S, buffers.start_z, M0,
                                   nullptr, nullptr, detail::backward_chunk_size(attn, r, dv),
                                   attn.options().normalization, out.Q, out.K, out.V, d0.S, d0.z,

@@ -185,6 +185,25 @@ BackwardWorkspace<Scalar>* workspace_argument(W workspace) {
   return workspace;
 }
 
+/// The optional last arguments of a rule's stateless `_into` backward: all's elements n + 4
+/// (the initial state's gradient, a StateGradient*; null or absent: not wanted) and n + 5
+/// (a BackwardWorkspace*).
+template <class Scalar>
+struct StatelessTail {
+  StateGradient<Scalar>* initial = nullptr;
+  BackwardWorkspace<Scalar>* workspace = nullptr;
+};
+
+template <class Scalar, std::size_t n, class Tuple>
+StatelessTail<Scalar> stateless_tail(const Tuple& all) {
+  StatelessTail<Scalar> tail;
+  if constexpr (std::tuple_size_v<Tuple> >= n + 5)
+    if (std::get<n + 4>(all) != nullptr) tail.initial = std::get<n + 4>(all);
+  if constexpr (std::tuple_size_v<Tuple> == n + 6)
+    tail.workspace = workspace_argument<Scalar>(std::get<n + 5>(all));
+  return tail;
+}
+
 }  // namespace detail
 
 /// parallel_backward(attn, Q, K, V, inputs..., Mask::causal, dY): gradients of
@@ -238,16 +257,12 @@ void parallel_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   const auto& dY = std::get<n + 1>(all);
   GradientsRef<Scalar> out = std::get<n + 2>(all);
   RuleInputGradients<Scalar>& d_inputs = std::get<n + 3>(all);
-  BackwardWorkspace<Scalar>* workspace = nullptr;
-  if constexpr (sizeof...(Args) == n + 6)
-    workspace = detail::workspace_argument<Scalar>(std::get<n + 5>(all));
-  detail::UnreadStateGradient<Scalar> discarded(workspace);
-  StateGradient<Scalar>* initial = &discarded.get();
-  if constexpr (sizeof...(Args) >= n + 5)
-    if (std::get<n + 4>(all) != nullptr) initial = std::get<n + 4>(all);
+  const auto tail = detail::stateless_tail<Scalar, n>(all);
+  detail::UnreadStateGradient<Scalar> discarded(tail.workspace);
+  StateGradient<Scalar>& initial = discarded.target(tail.initial);
   detail::with_first<n>(all, [&](const auto&... in) {
-    detail::rule_backward_into(attn, nullptr, Q, K, V, dY, nullptr, out, d_inputs, *initial,
-                               workspace, in...);
+    detail::rule_backward_into(attn, nullptr, Q, K, V, dY, nullptr, out, d_inputs, initial,
+                               tail.workspace, in...);
   });
 }
 

@@ -183,18 +183,14 @@ void parallel_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   const auto& dY = std::get<n + 1>(all);
   GradientsRef<Scalar> out = std::get<n + 2>(all);
   RuleInputGradients<Scalar>& d_inputs = std::get<n + 3>(all);
-  BackwardWorkspace<Scalar>* workspace = nullptr;
-  if constexpr (sizeof...(Args) == n + 6)
-    workspace = detail::workspace_argument<Scalar>(std::get<n + 5>(all));
-  detail::UnreadStateGradient<Scalar> discarded(workspace);
-  StateGradient<Scalar>* initial = &discarded.get();
-  if constexpr (sizeof...(Args) >= n + 5)
-    if (std::get<n + 4>(all) != nullptr) initial = std::get<n + 4>(all);
+  const auto tail = detail::stateless_tail<Scalar, n>(all);
+  detail::UnreadStateGradient<Scalar> discarded(tail.workspace);
+  StateGradient<Scalar>& initial = discarded.target(tail.initial);
   detail::BackwardBuffers<Scalar> call_only;
   detail::with_first<n>(all, [&](const auto&... in) {
     detail::rule_saved_backward(attn, saved, Q, K, V, dY,
                                 static_cast<const StateGradient<Scalar>*>(nullptr), out, d_inputs,
-                                *initial, detail::buffers_of(workspace, call_only), in...);
+                                initial, detail::buffers_of(tail.workspace, call_only), in...);
   });
 }
 

@@ -221,7 +221,7 @@ void parallel_backward_into(const LinearAttention<Phi, Scalar>& attn,
   detail::UnreadStateGradient<Scalar> discarded(workspace);
   prefill_backward_into(attn, saved, Q, K, V, dY,
                         static_cast<const StateGradient<Scalar>*>(nullptr), out,
-                        initial != nullptr ? *initial : discarded.get(), workspace);
+                        discarded.target(initial), workspace);
 }
 
 /// parallel_backward() from a saved forward: dQ, dK, dV and `initial` (Mask::causal only).
