@@ -1,15 +1,18 @@
 // What the library promises not to allocate: a decode step (every write rule; the additive
 // rule's fused and deferred steps), a saved forward that is filled again for inputs of the
-// same size (its saved data stays where it is), and the additive rule's backward with a
+// same size (its saved data stays where it is), and every rule's backward with a
 // BackwardWorkspace that has served a call of the same chunk shape (one head, and the layer's).
 // Eigen's run-time allocation check (EIGEN_RUNTIME_NO_MALLOC) reports through eigen_assert,
 // which this file turns into an exception so that the check also runs in Release builds (where
 // Eigen's own assert is off).
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #define EIGEN_RUNTIME_NO_MALLOC
@@ -33,6 +36,7 @@ namespace allocation_test {  // this file's own names: tests/CMakeLists.txt comp
 using namespace linattn;
 using linattn_test::random_matrix;
 using linattn_test::uniform_matrix;
+using detail::input_gradient_rows;
 
 namespace {
 
@@ -240,6 +244,184 @@ TEST_CASE("the additive layer backward with a warmed BackwardWorkspace allocates
                                            SequenceLayout::packed(offsets_a));
                   }),
                   std::logic_error);
+}
+
+namespace {
+
+// Calls f(attention, name, per-token input columns: 0 none, 1 one per token, r per channel)
+// for Decay, Gated (one gate per token and per channel), Delta and GatedDelta in float with
+// chunks of C rows.
+template <class F>
+void for_each_write_rule(Index C, Index r, F&& f) {
+  Options strict{Normalization::strict(), C};
+  Options plain{Normalization::unnormalized(), C};
+  f(RuleAttention<EluPlusOne, Decay, float>(EluPlusOne{}, Decay(0.9), strict), "decay", Index{0});
+  f(RuleAttention<EluPlusOne, Gated, float>(EluPlusOne{}, strict), "gated", Index{1});
+  f(RuleAttention<EluPlusOne, Gated, float>(EluPlusOne{}, strict), "gated per channel", r);
+  f(RuleAttention<L2Normalize, Delta, float>(L2Normalize{}, plain), "delta", Index{1});
+  f(RuleAttention<L2Normalize, GatedDelta, float>(L2Normalize{}, plain), "gated delta", Index{1});
+}
+
+// Per-token inputs of `Rule` for T tokens (`columns` log-gate columns for Gated), in their
+// ranges: log-gates in [-0.3, -0.1], beta in [0.1, 0.9], log_alpha in [-0.3, -0.1].
+template <class Rule>
+std::vector<RowMatrix<float>> token_inputs_for(Index T, Index columns, std::uint64_t seed) {
+  std::vector<RowMatrix<float>> in;
+  if constexpr (Rule::kind == WriteKind::gated) {
+    in.push_back(uniform_matrix<float>(T, columns, seed, -0.3, -0.1));
+  } else if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta) {
+    in.push_back(uniform_matrix<float>(T, 1, seed, 0.1, 0.9));
+    if constexpr (Rule::kind == WriteKind::gated_delta)
+      in.push_back(uniform_matrix<float>(T, 1, seed + 1, -0.3, -0.1));
+  }
+  return in;
+}
+
+// f(inputs...) with the rule's per-token inputs from `in` (as token_inputs_for made them).
+template <class Rule, class F>
+void with_token_inputs(const std::vector<RowMatrix<float>>& in, F&& f) {
+  if constexpr (Rule::token_inputs == 0)
+    f();
+  else if constexpr (Rule::token_inputs == 1)
+    f(in[0]);
+  else
+    f(in[0], in[1]);
+}
+
+}  // namespace
+
+TEST_CASE("every write rule's backward with a warmed BackwardWorkspace allocates nothing") {
+  // The workspace keeps each rule's chunk scratch, the forward's chunk kernel (which rebuilds
+  // the chunk states), the per-token buffers and (Delta, GatedDelta) the rebuilt forward data,
+  // grown to the longest call. After one call of T = 48, calls of 48, 17, 33 and 5 tokens (5 is
+  // shorter than the chunk of 8, 17 and 33 shorter than the Gated backward's chunk when it is
+  // larger) allocate nothing: the recomputing backward, stateless and carried, and the saved
+  // forward's. The caller's outputs are sized beforehand (they are the caller's allocation).
+  // dk = dv = 16: whole packets of float with AVX2 and AVX-512 (the register kernel's path).
+  constexpr Index C = 8, dk = 16, dv = 16, warm = 48;
+  for_each_write_rule(C, dk, [&](const auto& attn, const char* name, Index columns) {
+    using Rule = typename std::decay_t<decltype(attn)>::rule_type;
+    INFO(name);
+    BackwardWorkspace<float> workspace;
+    auto state = attn.make_state(dk, dv);
+    SavedForward<float> saved;
+    RuleInputGradients<float> d_in;
+    StateGradient<float> initial;
+    std::size_t held = 0;
+    for (const Index T : {warm, warm, Index{17}, Index{33}, Index{5}}) {
+      const bool warming = held == 0;
+      INFO("T = " << T << (warming ? " (warming)" : ""));
+      const RowMatrix<float> Q = random_matrix<float>(T, dk, 61), K = random_matrix<float>(T, dk, 62);
+      const RowMatrix<float> V = random_matrix<float>(T, dv, 63), dY = random_matrix<float>(T, dv, 64);
+      const std::vector<RowMatrix<float>> in = token_inputs_for<Rule>(T, columns, 65);
+      RowMatrix<float> dQ(T, dk), dK(T, dk), dV(T, dv), Y(T, dv);
+      // The outputs at this call's sizes (the backward then only writes them).
+      static_cast<void>(input_gradient_rows<Rule>(d_in, T, columns));
+      initial.S.resize(dk, dv);
+      initial.z.resize(Rule::keeps_normalizer ? dk : 0);
+      with_token_inputs<Rule>(in, [&](const auto&... x) {
+        parallel_saving_into(attn, Q, K, V, x..., Mask::causal, Y, saved);
+        const GradientsRef<float> out{dQ, dK, dV};
+        const auto calls = [&] {
+          parallel_backward_into(attn, Q, K, V, x..., Mask::causal, dY, out, d_in, &initial,
+                                 &workspace);
+          prefill_backward_into(attn, state, Q, K, V, x..., dY, nullptr, out, d_in, initial,
+                                &workspace);
+          parallel_backward_into(attn, saved, Q, K, V, x..., Mask::causal, dY, out, d_in,
+                                 &initial, &workspace);
+        };
+        if (warming)
+          calls();
+        else
+          CHECK_NOTHROW(without_allocation(calls));
+      });
+      CHECK(dQ.allFinite());
+      if (warming)
+        held = workspace.bytes();
+      else
+        CHECK(workspace.bytes() == held);
+    }
+    // Without a workspace the call allocates its scratch (what the workspace saves).
+    const RowMatrix<float> Q = random_matrix<float>(warm, dk, 66);
+    const std::vector<RowMatrix<float>> in = token_inputs_for<Rule>(warm, columns, 67);
+    RowMatrix<float> dQ(warm, dk), dK(warm, dk), dV(warm, dv);
+    // (Sized first: an allocation refused inside Eigen's resize would leave a freed pointer.)
+    static_cast<void>(input_gradient_rows<Rule>(d_in, warm, columns));
+    with_token_inputs<Rule>(in, [&](const auto&... x) {
+      CHECK_THROWS_AS(without_allocation([&] {
+                        parallel_backward_into(attn, Q, Q, Q, x..., Mask::causal, Q,
+                                               GradientsRef<float>{dQ, dK, dV}, d_in, &initial);
+                      }),
+                      std::logic_error);
+    });
+  });
+}
+
+TEST_CASE("every write rule's layer backward with a warmed BackwardWorkspace allocates nothing") {
+  // The layer also keeps, per thread, the head's gradient rows and its per-token inputs'
+  // gradients (grown to the longest document) and a query head's share of a shared state's
+  // gradient. So after the longest document has run, packed batches of other document lengths
+  // (one of 5 tokens, shorter than the chunk of 8) allocate nothing, stateless and carried,
+  // with grouped heads.
+  constexpr Index C = 8, T = 48, Hq = 4, Hkv = 2, dk = 16, dv = 16;
+  for_each_write_rule(C, dk, [&](const auto& attn, const char* name, Index columns) {
+    using Attention = std::decay_t<decltype(attn)>;
+    using Rule = typename Attention::rule_type;
+    constexpr std::size_t N = Rule::token_inputs;
+    INFO(name);
+    const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, attn);
+    const auto values = [](Index n, std::uint64_t seed, double lo, double hi) {
+      const RowMatrix<float> m = uniform_matrix<float>(1, n, seed, lo, hi);
+      return std::vector<float>(m.data(), m.data() + m.size());
+    };
+    const std::vector<float> Q = values(T * Hq * dk, 71, -1, 1), K = values(T * Hkv * dk, 72, -1, 1),
+                             V = values(T * Hkv * dv, 73, -1, 1), dY = values(T * Hq * dv, 74, -1, 1);
+    std::vector<float> dQ(Q.size()), dK(K.size()), dV(V.size());
+    using View = TensorView<const float>;
+    const View q = View::batch_first(Q.data(), 1, T, Hq, dk), k = View::batch_first(K.data(), 1, T, Hkv, dk),
+               v = View::batch_first(V.data(), 1, T, Hkv, dv), dy = View::batch_first(dY.data(), 1, T, Hq, dv);
+    const GradientViews<float> grads{TensorView<float>::batch_first(dQ.data(), 1, T, Hq, dk),
+                                     TensorView<float>::batch_first(dK.data(), 1, T, Hkv, dk),
+                                     TensorView<float>::batch_first(dV.data(), 1, T, Hkv, dv)};
+    // Per-token inputs [1, T, Hkv, c] and their gradients: log-gates (c = 1 or r), beta, log_alpha.
+    std::array<std::vector<float>, N> in_data, d_in_data;
+    std::array<View, N> ins;
+    std::array<TensorView<float>, N> d_ins;
+    for (std::size_t i = 0; i < N; ++i) {
+      const Index c = Rule::kind == WriteKind::gated ? columns : 1;
+      const bool is_beta = Rule::kind != WriteKind::gated && i == 0;
+      in_data[i] = is_beta ? values(T * Hkv * c, 75 + i, 0.1, 0.9) : values(T * Hkv * c, 75 + i, -0.3, -0.1);
+      d_in_data[i].resize(in_data[i].size());
+      ins[i] = View::batch_first(in_data[i].data(), 1, T, Hkv, c);
+      d_ins[i] = TensorView<float>::batch_first(d_in_data[i].data(), 1, T, Hkv, c);
+    }
+    const std::vector<Index> longest{0, 40, 44, 48}, offsets_a{0, 17, 30, 48}, offsets_b{0, 5, 38, 48};
+    BackwardWorkspace<float> workspace;
+    auto state = layer.make_state(3);
+    BatchStateGradient<float> initial(state);
+    const auto calls = [&](const SequenceLayout& layout) {
+      std::apply(
+          [&](const auto&... x) {
+            std::apply(
+                [&](const auto&... d) {
+                  parallel_backward_into(layer, q, k, v, x..., Mask::causal, dy, grads, d...,
+                                         layout, &workspace);
+                  prefill_backward_into(layer, state, q, k, v, x..., dy, nullptr, grads, d...,
+                                        initial, layout, &workspace);
+                },
+                d_ins);
+          },
+          ins);
+    };
+    calls(SequenceLayout::packed(longest));
+    const std::size_t held = workspace.bytes();
+    for (const auto* offsets : {&offsets_a, &offsets_b}) {
+      const SequenceLayout layout = SequenceLayout::packed(*offsets);
+      CHECK_NOTHROW(without_allocation([&] { calls(layout); }));
+    }
+    CHECK(workspace.bytes() == held);
+    CHECK(std::all_of(dQ.begin(), dQ.end(), [](float x) { return std::isfinite(x); }));
+  });
 }
 
 }  // namespace allocation_test

@@ -1162,7 +1162,9 @@ TEST_CASE("a BackwardWorkspace kept across the layer's calls gives the bits of c
     MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, d, d}, c.attn);
     ThreadPool pool(2);
     BackwardWorkspace<float> workspace;
-    const std::vector<Index> offsets_a{0, 50, 130, 200}, offsets_b{0, 90, 90, 200}, lengths{200, 61};
+    // Documents of 3 tokens, shorter than the chunk of 4: served by the longer ones' buffers.
+    const std::vector<Index> offsets_a{0, 3, 50, 130, 200}, offsets_b{0, 90, 90, 93, 200},
+        lengths{200, 61};
     enum class Kind { stateless, carried, saved };  // saved: stateless, from a saved forward
     struct Call {
       SequenceLayout layout;

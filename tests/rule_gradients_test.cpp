@@ -805,106 +805,129 @@ TEST_CASE("prefill_backward_into writes prefill_backward's bits into reused buff
   }
 }
 
-TEST_CASE("a BackwardWorkspace kept across calls and lengths gives the bits of calls without") {
-  // Every rule keeps its buffers in the workspace: the chunk scratch (zeroed again where a new
-  // one is zero), per-token buffers grown and never shrunk, and for Delta and GatedDelta the
-  // rebuilt forward data. Each call, whatever ran before it, must return exactly what a call
-  // without a workspace returns. Lengths 9, 14, 9, 3, 9 in chunks of 4: short last chunks,
-  // growth, a longer buffer reused, another chunk shape (T = 3: C = 3) and back; before each
-  // call one whose query holds NaN leaves NaN in the buffers. The recomputing backward
-  // (stateless and carried) and the saved forward's, one workspace for all.
-  constexpr Index dk = 3, dv = 2, chunk = 4;
+TEMPLATE_TEST_CASE("a BackwardWorkspace kept across calls and lengths gives the bits of calls without",
+                   "", float, double) {
+  // Every rule keeps its buffers in the workspace: the chunk scratch and the forward's chunk
+  // kernel (zeroed again where a new one is zero), per-token buffers grown and never shrunk,
+  // and for Delta and GatedDelta the rebuilt forward data. Each call, whatever ran before it,
+  // must return exactly what a call without a workspace returns. Two shapes: dk = 3, dv = 2 in
+  // chunks of 4 (the row-by-row fallback of the products) with lengths 9, 14, 9, 3, 9 (short
+  // last chunks, growth, a longer buffer reused, a call shorter than the chunk and back); and
+  // dk = dv = 16 in chunks of 40 (the register kernel; three per-channel sub-chunks) with
+  // lengths 100, 130, 100, 37, 13, 10, 9, 100 (single chunks of three sub-chunks and of one,
+  // each served by buffers made for 40 rows; workspace_bits_test.cpp checks such chunks at the
+  // host's packet width too). Before each call one whose query holds NaN leaves NaN in the
+  // buffers. The recomputing backward (stateless and carried) and the saved forward's, one
+  // workspace for all.
+  using Scalar = TestType;
+  using M = RowMatrix<Scalar>;
+  using Vec = ColVector<Scalar>;
+  struct Shape {
+    Index dk, dv, chunk;
+    std::vector<Index> lengths;
+  };
+  const Shape shapes[] = {
+      {3, 2, 4, std::vector<Index>(std::begin(linattn_test::kWorkspaceLengths),
+                                   std::end(linattn_test::kWorkspaceLengths))},
+      {16, 16, 40, {100, 130, 100, 37, 13, 10, 9, 100}}};
+  // run(make): every shape through make(T, seed, shape), a harness (the shapes loop inside each
+  // SECTION: Catch runs one section per pass through the test case).
   const auto run = [&](const auto& make) {
-    using H = std::decay_t<decltype(make(Index{1}, std::uint64_t{1}))>;
-    BackwardWorkspace<double> workspace;
-    CHECK(workspace.bytes() == 0);
-    linattn_test::WorkspaceGrowth growth;
-    std::uint64_t seed = 251;
-    for (const Index T : linattn_test::kWorkspaceLengths) {
-      INFO("T = " << T);
-      const H h = make(T, seed);
-      seed += 10;
-      const auto st = h.initial_state();
-      const StateGradient<double> final_gradient{
-          h.WS, H::Attn::rule_type::keeps_normalizer ? h.wz : VectorXd()};
-      MatrixXdR dQ(T, dk), dK(T, dk), dV(T, dv), Y(T, dv);
-      RuleInputGradients<double> d_in;
-      StateGradient<double> initial;
-      const auto same = [&](const RuleGradients<double>& g) {
-        CHECK(dQ == g.Q);
-        CHECK(dK == g.K);
-        CHECK(dV == g.V);
-        CHECK(d_in.log_gate == g.inputs.log_gate);
-        CHECK(d_in.beta == g.inputs.beta);
-        CHECK(d_in.log_alpha == g.inputs.log_alpha);
-        CHECK(initial.S == g.initial.S);
-        CHECK(initial.z == g.initial.z);
-      };
-      const auto poison = [&] {
-        MatrixXdR bad = h.Q;
-        bad(T - 1, 0) = std::numeric_limits<double>::quiet_NaN();
+    for (const Shape& shape : shapes) {
+      const Index dk = shape.dk, dv = shape.dv;
+      INFO("dk " << dk << ", dv " << dv << ", chunk " << shape.chunk);
+      using H = std::decay_t<decltype(make(Index{1}, std::uint64_t{1}, shape))>;
+      BackwardWorkspace<Scalar> workspace;
+      CHECK(workspace.bytes() == 0);
+      linattn_test::WorkspaceGrowth growth(
+          *std::max_element(shape.lengths.begin(), shape.lengths.end()));
+      std::uint64_t seed = 251;
+      for (const Index T : shape.lengths) {
+        INFO("T = " << T);
+        const H h = make(T, seed, shape);
+        seed += 10;
+        const auto st = h.initial_state();
+        const StateGradient<Scalar> final_gradient{
+            h.WS, H::Attn::rule_type::keeps_normalizer ? h.wz : Vec()};
+        M dQ(T, dk), dK(T, dk), dV(T, dv), Y(T, dv);
+        RuleInputGradients<Scalar> d_in;
+        StateGradient<Scalar> initial;
+        const auto same = [&](const RuleGradients<Scalar>& g) {
+          CHECK(dQ == g.Q);
+          CHECK(dK == g.K);
+          CHECK(dV == g.V);
+          CHECK(d_in.log_gate == g.inputs.log_gate);
+          CHECK(d_in.beta == g.inputs.beta);
+          CHECK(d_in.log_alpha == g.inputs.log_alpha);
+          CHECK(initial.S == g.initial.S);
+          CHECK(initial.z == g.initial.z);
+        };
+        const auto poison = [&] {
+          M bad = h.Q;
+          bad(T - 1, 0) = std::numeric_limits<Scalar>::quiet_NaN();
+          h.with_inputs([&](const auto&... in) {
+            try {
+              parallel_backward_into(h.attn, bad, h.K, h.V, in..., Mask::causal, h.WY,
+                                     GradientsRef<Scalar>{dQ, dK, dV}, d_in, &initial, &workspace);
+            } catch (const std::exception&) {  // a NaN denominator may throw: the buffers stay used
+            }
+          });
+        };
         h.with_inputs([&](const auto&... in) {
-          try {
-            parallel_backward_into(h.attn, bad, h.K, h.V, in..., Mask::causal, h.WY,
-                                   GradientsRef<double>{dQ, dK, dV}, d_in, &initial, &workspace);
-          } catch (const std::exception&) {  // a NaN denominator may throw: the buffers stay used
-          }
+          poison();
+          const auto stateless = parallel_backward(h.attn, h.Q, h.K, h.V, in..., Mask::causal, h.WY);
+          parallel_backward_into(h.attn, h.Q, h.K, h.V, in..., Mask::causal, h.WY,
+                                 GradientsRef<Scalar>{dQ, dK, dV}, d_in, &initial, &workspace);
+          same(stateless);
+
+          poison();
+          const auto carried = prefill_backward(h.attn, st, h.Q, h.K, h.V, in..., h.WY,
+                                                &final_gradient);
+          prefill_backward_into(h.attn, st, h.Q, h.K, h.V, in..., h.WY, &final_gradient,
+                                GradientsRef<Scalar>{dQ, dK, dV}, d_in, initial, &workspace);
+          same(carried);
+
+          SavedForward<Scalar> saved;
+          parallel_saving_into(h.attn, h.Q, h.K, h.V, in..., Mask::causal, Y, saved);
+          poison();
+          const auto from_saved = parallel_backward(h.attn, saved, h.Q, h.K, h.V, in...,
+                                                    Mask::causal, h.WY);
+          parallel_backward_into(h.attn, saved, h.Q, h.K, h.V, in..., Mask::causal, h.WY,
+                                 GradientsRef<Scalar>{dQ, dK, dV}, d_in, &initial, &workspace);
+          same(from_saved);
         });
-      };
-      h.with_inputs([&](const auto&... in) {
-        poison();
-        const auto stateless = parallel_backward(h.attn, h.Q, h.K, h.V, in..., Mask::causal, h.WY);
-        parallel_backward_into(h.attn, h.Q, h.K, h.V, in..., Mask::causal, h.WY,
-                               GradientsRef<double>{dQ, dK, dV}, d_in, &initial, &workspace);
-        same(stateless);
-
-        poison();
-        const auto carried = prefill_backward(h.attn, st, h.Q, h.K, h.V, in..., h.WY,
-                                              &final_gradient);
-        prefill_backward_into(h.attn, st, h.Q, h.K, h.V, in..., h.WY, &final_gradient,
-                              GradientsRef<double>{dQ, dK, dV}, d_in, initial, &workspace);
-        same(carried);
-
-        SavedForward<double> saved;
-        parallel_saving_into(h.attn, h.Q, h.K, h.V, in..., Mask::causal, Y, saved);
-        poison();
-        const auto from_saved = parallel_backward(h.attn, saved, h.Q, h.K, h.V, in...,
-                                                  Mask::causal, h.WY);
-        parallel_backward_into(h.attn, saved, h.Q, h.K, h.V, in..., Mask::causal, h.WY,
-                               GradientsRef<double>{dQ, dK, dV}, d_in, &initial, &workspace);
-        same(from_saved);
-      });
-      // Grown, never shrunk: after the longest call a shorter one of the same chunk shape
-      // allocates nothing new.
-      CHECK(growth.holds(T, workspace.bytes()));
+        // Grown, never shrunk: after the longest call every later one, shorter than the chunk
+        // too, is served by what it left.
+        CHECK(growth.holds(T, workspace.bytes()));
+      }
+      workspace.release();
+      CHECK(workspace.bytes() == 0);
     }
-    workspace.release();
-    CHECK(workspace.bytes() == 0);
   };
   const auto strict = Normalization::strict(), none = Normalization::unnormalized();
   SECTION("Decay") {
-    run([&](Index T, std::uint64_t seed) {
-      return make_harness<EluPlusOne, Decay, double>(EluPlusOne{}, Decay(0.8), strict, T, dk, dv,
-                                                     chunk, false, seed);
+    run([&](Index T, std::uint64_t seed, const Shape& sh) {
+      return make_harness<EluPlusOne, Decay, Scalar>(EluPlusOne{}, Decay(0.8), strict, T, sh.dk,
+                                                     sh.dv, sh.chunk, false, seed);
     });
   }
   SECTION("Gated, one gate per token and per channel") {
     for (const bool per_channel : {false, true}) {
       INFO("per channel " << per_channel);
-      run([&](Index T, std::uint64_t seed) {
-        return make_harness<EluPlusOne, Gated, double>(EluPlusOne{}, Gated{}, strict, T, dk, dv,
-                                                       chunk, per_channel, seed);
+      run([&](Index T, std::uint64_t seed, const Shape& sh) {
+        return make_harness<EluPlusOne, Gated, Scalar>(EluPlusOne{}, Gated{}, strict, T, sh.dk,
+                                                       sh.dv, sh.chunk, per_channel, seed);
       });
     }
   }
   SECTION("Delta and GatedDelta") {
-    run([&](Index T, std::uint64_t seed) {
-      return make_harness<L2Normalize, Delta, double>(L2Normalize{}, Delta{}, none, T, dk, dv,
-                                                      chunk, false, seed);
+    run([&](Index T, std::uint64_t seed, const Shape& sh) {
+      return make_harness<L2Normalize, Delta, Scalar>(L2Normalize{}, Delta{}, none, T, sh.dk,
+                                                      sh.dv, sh.chunk, false, seed);
     });
-    run([&](Index T, std::uint64_t seed) {
-      return make_harness<L2Normalize, GatedDelta, double>(L2Normalize{}, GatedDelta{}, none, T,
-                                                           dk, dv, chunk, false, seed);
+    run([&](Index T, std::uint64_t seed, const Shape& sh) {
+      return make_harness<L2Normalize, GatedDelta, Scalar>(L2Normalize{}, GatedDelta{}, none, T,
+                                                           sh.dk, sh.dv, sh.chunk, false, seed);
     });
   }
 }
@@ -980,7 +1003,8 @@ void check_saved_delta(Index T, Index dk, Index dv, Index chunk, std::uint64_t s
 
   // Pass 1 of the recomputing backward keeps the forward's bits.
   detail::DeltaSavedStates<Scalar> rebuilt;
-  detail::delta_save_chunks(attn.feature_map(), K, V, in, S0, C, rebuilt);
+  detail::DeltaForwardScratch<Scalar> pass1;
+  detail::delta_save_chunks(attn.feature_map(), K, V, in, S0, C, rebuilt, pass1);
   CHECK(rebuilt.chunk_size == saved.chunk_size);
   CHECK(rebuilt.states == saved.states);
   CHECK(rebuilt.corrected == saved.corrected);
@@ -999,7 +1023,7 @@ void check_saved_delta(Index T, Index dk, Index dv, Index chunk, std::uint64_t s
   detail::DeltaSavedStates<Scalar> rebuilt_again;
   detail::delta_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, &dS_T, C, eQ, eK, eV,
                          e_beta.data(), gated ? e_log_alpha.data() : no_alpha, eS0,
-                         rebuilt_again, scratch_again);
+                         rebuilt_again, pass1, scratch_again);
   CHECK(dQ == eQ);
   CHECK(dK == eK);
   CHECK(dV == eV);

@@ -460,7 +460,7 @@ TEST_CASE("a BackwardWorkspace kept across calls gives the bits of calls without
     constexpr Index dk = 8, dv = 16;
     BackwardWorkspace<Scalar> workspace;
     CHECK(workspace.bytes() == 0);
-    linattn_test::WorkspaceGrowth growth;
+    linattn_test::WorkspaceGrowth growth(14);  // the longest of kWorkspaceLengths
     std::uint64_t seed = 700;
     for (const Index T : linattn_test::kWorkspaceLengths) {
       INFO("T = " << T);

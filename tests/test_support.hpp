@@ -70,16 +70,17 @@ inline double bound_units(Index r, Index T) { return 2.0 * static_cast<double>(r
 // last chunk, growth, a longer buffer reused, another chunk shape (T = 3: C = 3) and back.
 inline constexpr Index kWorkspaceLengths[] = {9, 14, 9, 3, 9};
 
-// A workspace's bytes along kWorkspaceLengths: the call after the longest one (14; the next is
-// 9, the same chunk shape) must hold exactly what the longest left (grown, never shrunk).
+// A workspace's bytes along a list of call lengths: from the longest call on, every call (a
+// shorter one, shorter than the chunk too) must hold exactly what the longest left (grown,
+// never shrunk, and served by the longest's buffers).
 struct WorkspaceGrowth {
+  explicit WorkspaceGrowth(Index longest_length) : longest(longest_length) {}
+  Index longest;
   std::size_t after_longest = 0;
-  Index previous = 0;
   // Whether `bytes`, held after the call of length T, keeps that.
   bool holds(Index T, std::size_t bytes) {
-    const bool ok = previous != 14 || bytes == after_longest;
-    if (T == 14) after_longest = bytes;
-    previous = T;
+    if (T == longest && after_longest == 0) after_longest = bytes;
+    const bool ok = after_longest == 0 || bytes == after_longest;
     return ok && bytes > 0;
   }
 };

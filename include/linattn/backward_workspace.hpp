@@ -16,9 +16,11 @@
 ///
 /// Pass one to the *_into backward calls (the last argument) to keep them: a buffer is made when
 /// the call's per-chunk shapes (chunk, r, dv, the feature map's kind) first appear, reused while
-/// they stay, and its per-token parts grow to the longest call and never shrink. A reused buffer
-/// is zeroed where a new one is zero, so a call returns the bits it returns without a
-/// workspace, whatever ran before it (tests: rule_gradients_test.cpp, saved_forward_test.cpp).
+/// they stay, and its per-token parts grow to the longest call and never shrink; a call shorter
+/// than one chunk runs in the buffers of a longer chunk. A reused buffer is zeroed where a new
+/// one is zero, so a call returns the bits it returns without a workspace, whatever ran before
+/// it (tests: rule_gradients_test.cpp, saved_forward_test.cpp), and once the workspace has
+/// served a chunk shape its calls allocate nothing (allocation_test.cpp).
 /// The multi-head layer's backward (multihead_gradients.hpp, multihead_saved_forward.hpp) takes
 /// one too: it keeps one set of buffers per thread of the layer's executor (the workspace's
 /// lanes), shared by the items that thread runs. So does the sequence-parallel layer backward
@@ -51,10 +53,12 @@ struct BackwardBuffers {
   std::optional<BackwardScratch<Scalar>> additive_saved;    // saved_causal_backward
   GatedBackwardBuffers<Scalar> gated;                       // Decay, Gated
   DeltaSavedStates<Scalar> delta;                           // Delta, GatedDelta: rebuilt data
+  DeltaForwardScratch<Scalar> delta_forward;                // their forward kernel (pass 1)
   std::optional<DeltaBackwardScratch<Scalar>> delta_sweep;  // their reverse sweep
   RowMatrix<Scalar> start_S;  // the state a call starts from where the caller's is not stored
   ColVector<Scalar> start_z;  // as such (stateless: zero; pending decode tokens: S() folded)
   RowMatrix<Scalar> head_Q, head_K, head_V;  // a head's gradients before the model's rows (layer)
+  ColVector<Scalar> inputs;  // and its per-token inputs' gradients (grown, never shrunk)
   RowMatrix<Scalar> group_S;  // a query head's share of its group's shared state gradient
   ColVector<Scalar> group_z;  // (layer)
   RowMatrix<Scalar> unread_S;  // the initial-state gradient of a stateless call that does
@@ -89,8 +93,10 @@ struct BackwardBuffers {
     };
     const Index scalars = held(additive) + held(additive_saved) + delta.states.size() +
                           delta.corrected.size() + delta.reads.size() +
+                          delta_forward.scalars() +
                           (delta_sweep ? delta_sweep->scalars() : 0) + start_S.size() +
                           start_z.size() + head_Q.size() + head_K.size() + head_V.size() +
+                          inputs.size() +
                           group_S.size() + group_z.size() + unread_S.size() + unread_z.size() +
                           static_cast<Index>(messages.size());
     std::size_t saved = 0;

@@ -80,35 +80,70 @@ namespace detail {
 template <class Rule>
 concept GradientRule = Rule::kind != WriteKind::additive;
 
-// The causal backward from (S0, z0) for bound inputs: checks, then the rule's kernel.
+/// Where a backward writes the per-token inputs' gradients: contiguous rows, T x gate columns
+/// for Gated's log-gates, T each for beta and log_alpha (null where the rule has none). The
+/// multi-head layer passes rows of its workspace (sized by the caller) in place of a
+/// RuleInputGradients, which the backward resizes.
+template <class Scalar>
+struct InputGradientRows {
+  Scalar* log_gate = nullptr;
+  Scalar* beta = nullptr;
+  Scalar* log_alpha = nullptr;
+};
+
+/// `d` resized for T tokens of `Rule` with `gate_columns` log-gate columns (Gated), as rows.
+template <class Rule, class Scalar>
+InputGradientRows<Scalar> input_gradient_rows(RuleInputGradients<Scalar>& d, Index T,
+                                              Index gate_columns) {
+  InputGradientRows<Scalar> rows;
+  if constexpr (Rule::kind == WriteKind::gated) {
+    d.log_gate.resize(T, gate_columns);
+    rows.log_gate = d.log_gate.data();
+  } else if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta) {
+    d.beta.resize(T);
+    rows.beta = d.beta.data();
+    if constexpr (Rule::kind == WriteKind::gated_delta) {
+      d.log_alpha.resize(T);
+      rows.log_alpha = d.log_alpha.data();
+    }
+  }
+  return rows;
+}
+
+/// Rows the caller sized: as given.
+template <class Rule, class Scalar>
+InputGradientRows<Scalar> input_gradient_rows(InputGradientRows<Scalar> d, Index, Index) {
+  return d;
+}
+
+/// The d_inputs argument of the *_into overloads: a RuleInputGradients (resized) or rows.
+template <class Scalar, class D>
+constexpr void check_input_gradients() {
+  static_assert(std::is_same_v<std::remove_cvref_t<D>, RuleInputGradients<Scalar>> ||
+                    std::is_same_v<std::remove_cvref_t<D>, InputGradientRows<Scalar>>,
+                "the argument after the GradientsRef must be the inputs' gradients, a "
+                "RuleInputGradients<Scalar>&");
+}
+
+// The causal backward from (S0, z0) for bound inputs: the rule's kernel (the caller checked
+// the shapes, the final gradient among them).
 template <class Phi, class Rule, class Scalar, class DQ, class DK, class DV, class DY>
 void rule_backward_bound(const RuleAttention<Phi, Rule, Scalar>& attn,
                          const TokenInputs<Scalar>& in, const RowMatrix<Scalar>& S0,
                          const ColVector<Scalar>& z0, const DQ& Q, const DK& K, const DV& V,
                          const DY& dY, const StateGradient<Scalar>* final_gradient,
-                         GradientsRef<Scalar> out, RuleInputGradients<Scalar>& d_in,
+                         GradientsRef<Scalar> out, InputGradientRows<Scalar> d_in,
                          StateGradient<Scalar>& initial, BackwardBuffers<Scalar>& buffers) {
-  const Index T = Q.rows(), r = S0.rows(), dv = S0.cols();
-  check_final_gradient(final_gradient, r, dv, Rule::keeps_normalizer);
+  const Index r = S0.rows(), dv = S0.cols();
   const Index C = attn.chunk_size(r, dv);
   const RowMatrix<Scalar>* dS_T = final_gradient != nullptr ? &final_gradient->S : nullptr;
   if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta) {
-    d_in.beta.resize(T);
-    Scalar* d_alpha = nullptr;
-    if constexpr (Rule::kind == WriteKind::gated_delta) {
-      d_in.log_alpha.resize(T);
-      d_alpha = d_in.log_alpha.data();
-    }
     delta_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, dS_T, C, out.Q, out.K,
-                           out.V, d_in.beta.data(), d_alpha, initial.S, buffers.delta,
-                           buffers.delta_sweep);
+                           out.V, d_in.beta, d_in.log_alpha, initial.S, buffers.delta,
+                           buffers.delta_forward, buffers.delta_sweep);
     initial.z.resize(0);
   } else {
-    Scalar* d_gate = nullptr;
-    if constexpr (Rule::kind == WriteKind::gated) {
-      d_in.log_gate.resize(T, in.log_gate.cols);
-      d_gate = d_in.log_gate.data();
-    }
+    Scalar* d_gate = d_in.log_gate;  // null for Decay
     // Chunks of backward_chunk_size (32 rows under kAuto, a multiple of the forward's C).
     gated_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, z0, dS_T,
                            final_gradient != nullptr ? &final_gradient->z : nullptr,
@@ -117,15 +152,17 @@ void rule_backward_bound(const RuleAttention<Phi, Rule, Scalar>& attn,
   }
 }
 
-template <class Phi, class Rule, class Scalar, class DQ, class DK, class DV, class DY,
+// The causal backward from `state` (null: stateless): checks, then rule_backward_bound.
+// `d_in`: a RuleInputGradients (resized) or InputGradientRows (sized by the caller).
+template <class Phi, class Rule, class Scalar, class DQ, class DK, class DV, class DY, class DIn,
           class... In>
 void rule_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
                         const std::type_identity_t<RuleState<Rule, Scalar>>* state,
                         const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                         const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DY>& dY,
                         const std::type_identity_t<StateGradient<Scalar>>* final_gradient,
-                        std::type_identity_t<GradientsRef<Scalar>> out,
-                        RuleInputGradients<Scalar>& d_in, StateGradient<Scalar>& initial,
+                        std::type_identity_t<GradientsRef<Scalar>> out, DIn&& d_in,
+                        StateGradient<Scalar>& initial,
                         std::type_identity_t<BackwardWorkspace<Scalar>>* workspace,
                         const In&... in) {
   require_differentiable<Phi, Scalar>();
@@ -143,15 +180,19 @@ void rule_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   if (state != nullptr) {
     state->check_shape(r, dk, dv);
     state->check_identity(attn.state_identity());
-    const ColVector<Scalar> no_z = ColVector<Scalar>::Zero(r);
+  }
+  check_final_gradient(final_gradient, r, dv, Rule::keeps_normalizer);
+  const InputGradientRows<Scalar> d_rows = input_gradient_rows<Rule>(d_in, T, bound.log_gate.cols);
+  if (state != nullptr) {
+    const ColVector<Scalar> no_z;  // the delta rules keep no z and do not read this one
     const ColVector<Scalar>* z0 = &no_z;
     if constexpr (Rule::keeps_normalizer) z0 = &state->z();
-    rule_backward_bound(attn, bound, state->S(), *z0, Qm, Km, Vm, dYm, final_gradient, out, d_in,
-                        initial, buffers);
+    rule_backward_bound(attn, bound, state->S(), *z0, Qm, Km, Vm, dYm, final_gradient, out,
+                        d_rows, initial, buffers);
   } else {
     buffers.zero_start(r, dv);
     rule_backward_bound(attn, bound, buffers.start_S, buffers.start_z, Qm, Km, Vm, dYm,
-                        final_gradient, out, d_in, initial, buffers);
+                        final_gradient, out, d_rows, initial, buffers);
   }
 }
 
@@ -256,7 +297,8 @@ void parallel_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
                 "the argument before dY must be Mask::causal (a write rule's read is causal)");
   const auto& dY = std::get<n + 1>(all);
   GradientsRef<Scalar> out = std::get<n + 2>(all);
-  RuleInputGradients<Scalar>& d_inputs = std::get<n + 3>(all);
+  auto&& d_inputs = std::get<n + 3>(all);
+  detail::check_input_gradients<Scalar, decltype(d_inputs)>();
   const auto tail = detail::stateless_tail<Scalar, n>(all);
   detail::UnreadStateGradient<Scalar> discarded(tail.workspace);
   StateGradient<Scalar>& initial = discarded.target(tail.initial);
@@ -287,7 +329,8 @@ void prefill_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   const auto& dY = std::get<n>(all);
   const StateGradient<Scalar>* final_gradient = std::get<n + 1>(all);
   GradientsRef<Scalar> out = std::get<n + 2>(all);
-  RuleInputGradients<Scalar>& d_inputs = std::get<n + 3>(all);
+  auto&& d_inputs = std::get<n + 3>(all);
+  detail::check_input_gradients<Scalar, decltype(d_inputs)>();
   StateGradient<Scalar>& initial = std::get<n + 4>(all);
   BackwardWorkspace<Scalar>* workspace = nullptr;
   if constexpr (sizeof...(Args) == n + 6)

@@ -124,7 +124,8 @@ void prefill_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   const auto& dY = std::get<n>(all);
   const StateGradient<Scalar>* final_gradient = std::get<n + 1>(all);
   GradientsRef<Scalar> out = std::get<n + 2>(all);
-  RuleInputGradients<Scalar>& d_inputs = std::get<n + 3>(all);
+  auto&& d_inputs = std::get<n + 3>(all);
+  detail::check_input_gradients<Scalar, decltype(d_inputs)>();
   StateGradient<Scalar>& initial = std::get<n + 4>(all);
   BackwardWorkspace<Scalar>* workspace = nullptr;
   if constexpr (sizeof...(Args) == n + 6)
@@ -182,7 +183,8 @@ void parallel_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
                 "the argument before dY must be Mask::causal (a write rule's read is causal)");
   const auto& dY = std::get<n + 1>(all);
   GradientsRef<Scalar> out = std::get<n + 2>(all);
-  RuleInputGradients<Scalar>& d_inputs = std::get<n + 3>(all);
+  auto&& d_inputs = std::get<n + 3>(all);
+  detail::check_input_gradients<Scalar, decltype(d_inputs)>();
   const auto tail = detail::stateless_tail<Scalar, n>(all);
   detail::UnreadStateGradient<Scalar> discarded(tail.workspace);
   StateGradient<Scalar>& initial = discarded.target(tail.initial);

@@ -81,10 +81,12 @@ struct DeltaSavedStates {
 
   /// Sized for at least T tokens (resize, but kept where it already holds as many or more rows
   /// for the same C, r and dv): a workspace over documents of many lengths allocates the
-  /// longest's once. The readers use only the first T tokens' rows.
+  /// longest's once. The readers use only the first T tokens' rows. A call of one chunk (T <=
+  /// C) also keeps data of a longer chunk: its one state lies first either way.
   void fit(Index T, Index C, Index r, Index dv) {
     const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
-    if (chunk_size == C && states.cols() == dv && corrected.cols() == dv &&
+    if ((chunk_size == C || (T <= C && T <= chunk_size)) && states.cols() == dv &&
+        corrected.cols() == dv &&
         states.rows() >= chunks * r && corrected.rows() >= T && reads.rows() >= T)
       return;
     resize(T, C, r, dv);
@@ -134,16 +136,24 @@ struct DeltaBackwardScratch {
   RowMatrix<Scalar> H;                           // r x dv
   SpreadPrefetch prefetch;                       // the next chunk's rows (reverse sweep)
 
-  DeltaBackwardScratch(Index chunk, Index r, Index dv, bool copy_v, bool copy_dy)
+  DeltaBackwardScratch(Index chunk, Index r, Index dv, bool copy_v, bool copy_dy,
+                       bool one_chunk = false)
       : C(chunk), L(padded_columns<Scalar>(chunk)) {
+    static_cast<void>(one_chunk);  // (reuse's argument)
     allocate(r, dv, copy_v, copy_dy);
   }
 
-  /// Whether this scratch serves a call with these (the constructor's) arguments; if so it is
-  /// zeroed again as a new one is (BackwardScratch::reuse). O(C (r + dv + L)).
-  [[nodiscard]] bool reuse(Index chunk, Index r, Index dv, bool copy_v, bool copy_dy) {
-    if (chunk != C || qf.cols() != r || H.cols() != dv || (v_copy.rows() > 0) != copy_v ||
-        (dy_copy.rows() > 0) != copy_dy)
+  /// Whether this scratch serves a call with these (the constructor's) arguments, or with a
+  /// smaller chunk when the call is one chunk of that many rows (`one_chunk`: a short document
+  /// after longer ones); if so it is zeroed again as a new one is (BackwardScratch::reuse). A
+  /// chunk of n rows reads n and its padded width np; the wider padding L only adds zero
+  /// columns to the transposed blocks [qf^T | kf^T] and zero rows to [gamma dO ; -gamma dR],
+  /// which the register kernel's in-order sums (one accumulator per entry) pass through
+  /// unchanged, and every row starts on a packet boundary either way. O(C (r + dv + L)).
+  [[nodiscard]] bool reuse(Index chunk, Index r, Index dv, bool copy_v, bool copy_dy,
+                           bool one_chunk = false) {
+    if (!(chunk == C || (one_chunk && chunk < C)) || qf.cols() != r || H.cols() != dv ||
+        (v_copy.rows() > 0) != copy_v || (dy_copy.rows() > 0) != copy_dy)
       return false;
     allocate(r, dv, copy_v, copy_dy);  // the same sizes: zero-fills, allocates nothing
     return true;
@@ -218,7 +228,7 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
                saved.states.rows() >= (T + C - 1) / C * r && saved.states.cols() == dv);
   DeltaBackwardScratch<Scalar>& w =
       scratch_in(scratch, std::min(C, std::max<Index>(T, 1)), r, dv, !has_row_major_storage<DV>(),
-                 !has_row_major_storage<DY>());
+                 !has_row_major_storage<DY>(), T <= C);
   const Index L = w.L, L2 = 2 * L;
   const bool gated = !in.log_alpha.empty();
   if (dS_T != nullptr)
@@ -412,19 +422,43 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   dS0 = w.H;
 }
 
+/// Pass 1's buffers (delta_save_chunks), kept by a caller between calls (BackwardWorkspace):
+/// the forward's chunk kernel, the running state, a chunk's key features and a copy of its
+/// values (strided V).
+template <class Scalar>
+struct DeltaForwardScratch {
+  std::optional<DeltaChunk<Scalar>> kernel;
+  RowMatrix<Scalar> S, kf, v_copy;
+
+  /// Scalars held.
+  [[nodiscard]] Index scalars() const noexcept {
+    return (kernel ? kernel->scalars() : 0) + S.size() + kf.size() + v_copy.size();
+  }
+};
+
 /// Pass 1 of the delta backward: the forward's chunk kernel over K, V from S0, keeping what the
 /// reverse sweep reads in `saved` (fitted for chunks of `chunk` rows: DeltaSavedStates::fit).
-/// The same arithmetic as
-/// the chunked forward with SaveDeltaChunks, so `saved` gets the saving forward's bits.
+/// The same arithmetic as the chunked forward with SaveDeltaChunks, so `saved` gets the saving
+/// forward's bits. Its kernel and buffers are `scratch`'s (made where they do not fit this
+/// call; a call of one chunk takes a kernel for more rows).
 template <class Scalar, class Phi, class DK, class DV>
 void delta_save_chunks(const Phi& phi, const DK& K, const DV& V, const TokenInputs<Scalar>& in,
-                       const RowMatrix<Scalar>& S0, Index chunk, DeltaSavedStates<Scalar>& saved) {
+                       const RowMatrix<Scalar>& S0, Index chunk, DeltaSavedStates<Scalar>& saved,
+                       DeltaForwardScratch<Scalar>& scratch) {
   const Index T = K.rows(), r = S0.rows(), dv = S0.cols();
   const Index C = std::min(chunk, std::max<Index>(T, 1));
   saved.fit(T, C, r, dv);
   if (T == 0) return;
-  DeltaChunk<Scalar> kernel(C, r, dv);
-  RowMatrix<Scalar> S = S0, kf(C, r), v_copy(has_row_major_storage<DV>() ? 0 : C, dv);
+  if (!scratch.kernel || !scratch.kernel->reuse(C, r, dv, T <= C)) scratch.kernel.emplace(C, r, dv);
+  DeltaChunk<Scalar>& kernel = *scratch.kernel;
+  RowMatrix<Scalar>& S = scratch.S;
+  RowMatrix<Scalar>& kf = scratch.kf;
+  RowMatrix<Scalar>& v_copy = scratch.v_copy;
+  S = S0;
+  // kf and v_copy: at least C rows (a kept kernel's chunk may hold more; rows [0, n) are read).
+  if (kf.rows() < C || kf.cols() != r) kf.resize(std::max(C, kernel.chunk_rows()), r);
+  if (!has_row_major_storage<DV>() && (v_copy.rows() < C || v_copy.cols() != dv))
+    v_copy.resize(std::max(C, kernel.chunk_rows()), dv);
   const SaveDeltaChunks<Scalar> save{saved};
   SpreadPrefetch next_rows;  // the next chunk's K, V rows behind this chunk's products
   kernel.prefetch = &next_rows;
@@ -445,8 +479,9 @@ void delta_save_chunks(const Phi& phi, const DK& K, const DV& V, const TokenInpu
 }
 
 /// The chunked delta-rule backward on the WY / UT form (see the file comment): pass 1
-/// (delta_save_chunks) from S0 into `saved` (fitted; a caller that keeps it and `scratch`
-/// between calls allocates them once per shape), then the reverse sweep (delta_backward_saved).
+/// (delta_save_chunks) from S0 into `saved` with `forward`'s buffers (fitted; a caller that
+/// keeps them and `scratch` between calls allocates them once per shape), then the reverse
+/// sweep (delta_backward_saved).
 /// `in`: bound beta
 /// and (GatedDelta) log_alpha. Writes dQ, dK, dV, d_beta (length T), d_log_alpha (length T;
 /// null for Delta) and dS0 (resized). dS_T null: 0. Memory: DeltaBackwardScratch::bytes_for.
@@ -457,8 +492,9 @@ void delta_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const
                     Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
                     Eigen::Ref<RowMatrix<Scalar>> dV, Scalar* d_beta, Scalar* d_log_alpha,
                     RowMatrix<Scalar>& dS0, DeltaSavedStates<Scalar>& saved,
+                    DeltaForwardScratch<Scalar>& forward,
                     std::optional<DeltaBackwardScratch<Scalar>>& scratch) {
-  delta_save_chunks(phi, K, V, in, S0, chunk_size, saved);
+  delta_save_chunks(phi, K, V, in, S0, chunk_size, saved, forward);
   delta_backward_saved(phi, Q, K, V, dY, in, saved, dS_T, dQ, dK, dV, d_beta, d_log_alpha, dS0,
                        scratch);
 }

@@ -277,6 +277,22 @@ class DeltaChunk {
         scores_(RowMatrix<Scalar>::Zero(C, ld_)), corrected_(C, dv), reads_(C, dv), gate_(C),
         decay_in_(C), weight_out_(C) {}
 
+  /// As ScalarGatedChunk::reuse (gated_kernels.hpp).
+  [[nodiscard]] bool reuse(Index C, Index r, Index dv, bool one_chunk) {
+    if (r != r_ || dv != dv_ || !(C == chunk_rows() || (one_chunk && C < chunk_rows()))) return false;
+    for (auto* m : {&kf_t_, &decay_, &system_, &scores_}) m->setZero();
+    return true;
+  }
+  /// The rows of a chunk this kernel takes.
+  [[nodiscard]] Index chunk_rows() const noexcept { return gate_.size(); }
+  /// Scalars held by its buffers.
+  [[nodiscard]] Index scalars() const noexcept {
+    Index n = gate_.size() + decay_in_.size() + weight_out_.size();
+    for (const auto* m : {&kf_t_, &kw_t_, &decay_, &system_, &scores_, &corrected_, &reads_})
+      n += m->size();
+    return n;
+  }
+
   /// The key side of n tokens from state S: kf (n x r, row stride ld_kf), v (n x dv, row stride
   /// ld_v), beta[t] and, for GatedDelta, log_alpha[t] (t < n; log_alpha.data null for Delta).
   void prepare(Index n, const Scalar* kf, Index ld_kf, const Scalar* v, Index ld_v,

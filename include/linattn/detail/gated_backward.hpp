@@ -70,9 +70,11 @@ namespace linattn::detail {
 template <class Scalar>
 class GatedBackwardChunk {
  public:
-  GatedBackwardChunk(Index C, Index r, Index dv, bool per_channel, bool copy_v, bool copy_dy)
+  GatedBackwardChunk(Index C, Index r, Index dv, bool per_channel, bool copy_v, bool copy_dy,
+                     bool one_chunk = false)
       : C_(C), P_(padded(C)), r_(r), dv_(dv), gc_(per_channel ? r : 1),
         per_channel_(per_channel), blocks_((C + sub - 1) / sub) {
+    static_cast<void>(one_chunk);  // (reuse's argument)
     qf_.resize(C, r);
     kf_.resize(C, r);
     qhat_.resize(C, r);
@@ -89,7 +91,8 @@ class GatedBackwardChunk {
     decay_end_.resize(gc_);
     acc_.resize(r);
     if (per_channel) {
-      const Index off = std::max<Index>(blocks_ - 1, 0) * C;  // rows of the sub-chunk blocks
+      // Rows of the sub-chunk blocks: I sub rows for I = 1 ... b - 1 (kw_offset).
+      const Index off = blocks_ > 1 ? kw_offset(blocks_, r) / r : 0;
       for (auto* m : {&gates_, &khat_, &qt_, &qt_scale_, &tmp_}) m->resize(C, r);
       kw_.resize(off, r);
       kw_scale_.resize(off, r);
@@ -100,12 +103,18 @@ class GatedBackwardChunk {
     }
   }
 
-  /// Whether this chunk's buffers serve a call with these (the constructor's) arguments; if so
-  /// they are made to hold what new ones hold where that matters (the zero-initialised ones
-  /// zeroed again), as BackwardScratch::reuse. O(C (r + dv + C)).
+  /// Whether this chunk's buffers serve a call with these (the constructor's) arguments, or
+  /// with a smaller C when the call is one chunk of C rows (`one_chunk`: a short document after
+  /// longer ones); if so they are made to hold what new ones hold where that matters (the
+  /// zero-initialised ones zeroed again), as BackwardScratch::reuse. A chunk of n rows reads n
+  /// and its padded width only: the buffers' width is a leading dimension, and what depends on
+  /// where a value lies (Eigen's packet exp against its scalar tail) is laid out by n (the
+  /// weights, n x n) or by the sub-chunk (the per-channel blocks), so the bits are those of
+  /// new buffers for C rows. O(C (r + dv + C)).
   [[nodiscard]] bool reuse(Index C, Index r, Index dv, bool per_channel, bool copy_v,
-                           bool copy_dy) {
-    if (C != C_ || r != r_ || dv != dv_ || per_channel != per_channel_ ||
+                           bool copy_dy, bool one_chunk = false) {
+    if (!(C == C_ || (one_chunk && C < C_)) || r != r_ || dv != dv_ ||
+        per_channel != per_channel_ ||
         (v_copy_.rows() > 0) != copy_v || (dy_copy_.rows() > 0) != copy_dy)
       return false;
     for (auto* m : {&kf_t_, &qhat_t_, &rows_t_, &v_t_, &dy_t_, &scores_, &d_scores_, &scores_t_,
@@ -127,15 +136,16 @@ class GatedBackwardChunk {
   }
 
   /// Scalars the constructor allocates (see its body): 5 C r + 3 r P + 2 dv P + 4 C P +
-  /// C dv (2 + copies) + 3 C g + g + r, plus C^2 (one gate per token) or 5 C r + 2 (b - 1) C r
-  /// + (b - 1) r P + C P (per channel; b = ceil(C / c) sub-chunks), P = C rounded up to the
-  /// register kernel's packet width, g = gate columns.
+  /// C dv (2 + copies) + 3 C g + g + r, plus C^2 (one gate per token) or 5 C r + (b - 1) b c r
+  /// + (b - 1) r P + C P (per channel; b = ceil(C / c) sub-chunks of c rows), P = C rounded up
+  /// to the register kernel's packet width, g = gate columns.
   [[nodiscard]] static Index scalars_for(Index C, Index r, Index dv, bool per_channel,
                                          bool copy_v, bool copy_dy) {
     const Index P = padded(C), g = per_channel ? r : 1, b1 = std::max<Index>((C + sub - 1) / sub - 1, 0);
+    const Index blocks = b1 * (b1 + 1) * sub * r;  // kw_ and kw_scale_: 2 kw_offset(b1 + 1, r)
     Index n = 5 * C * r + 3 * r * P + 2 * dv * P + 4 * C * P +
               C * dv * (2 + (copy_v ? 1 : 0) + (copy_dy ? 1 : 0)) + 3 * C * g + g + r;
-    n += per_channel ? 5 * C * r + 2 * b1 * C * r + b1 * r * P + C * P : C * C;
+    n += per_channel ? 5 * C * r + blocks + b1 * r * P + C * P : C * C;
     return n;
   }
 
@@ -209,13 +219,14 @@ class GatedBackwardChunk {
         gates_from_logs(&in.log_gate.data[(first + i) * in.log_gate.row_stride], 1,
                         gates_.row(i).data(), r_);
     } else {
-      // W_ij = exp(B_i - B_j) for j <= i (the rest of each row, exp(0), is never read).
+      // W_ij = exp(B_i - B_j) for j <= i (the rest of each row, exp(0), is never read), n x n
+      // with row stride n (weight_row).
       for (Index i = 0; i < n; ++i) {
         qhat_.row(i) = qf_.row(i) * qscale_(i, 0);
-        for (Index j = 0; j < C_; ++j)
-          weights_(i, j) = j <= i ? log_cum_(i, 0) - log_cum_(j, 0) : Scalar(0);
+        Scalar* w = weights_.data() + i * n;
+        for (Index j = 0; j < n; ++j) w[j] = j <= i ? log_cum_(i, 0) - log_cum_(j, 0) : Scalar(0);
       }
-      exp_in_place(weights_.data(), n * C_);
+      exp_in_place(weights_.data(), n * n);
     }
     const Index np = padded(n);
     transpose_block(n, dv_, v_, ld_v_, v_t_.data(), P_);
@@ -228,7 +239,7 @@ class GatedBackwardChunk {
       product<Scalar, false>(n, np, r_, qf_.data(), r_, kf_t_.data(), P_, scores_.data(), P_,
                              Triangle::lower_result, nullptr, &prefetch_);
       for (Index i = 0; i < n; ++i)
-        scores_.row(i).head(i + 1).array() *= weights_.row(i).head(i + 1).array();
+        scores_.row(i).head(i + 1).array() *= weight_row(i);
     }
     product<Scalar, false>(n, np, dv_, dy_, ld_dy_, v_t_.data(), P_, d_scores_.data(), P_,
                            Triangle::lower_result, nullptr, &prefetch_);
@@ -244,7 +255,7 @@ class GatedBackwardChunk {
     for (Index i = 0; i < n_; ++i) {
       auto row = d_scores_.row(i).head(i + 1).array();
       row = a[i] * row + b[i];
-      if (!per_channel_) row *= weights_.row(i).head(i + 1).array();
+      if (!per_channel_) row *= weight_row(i);
     }
   }
 
@@ -345,8 +356,17 @@ class GatedBackwardChunk {
     a = a.exp();
   }
   Scalar* kw_t(Index I) noexcept { return kw_t_.data() + (I - 1) * r_ * P_; }
-  Scalar* kw(Index I) noexcept { return kw_.data() + (I - 1) * C_ * r_; }
-  Scalar* kw_scale(Index I) noexcept { return kw_scale_.data() + (I - 1) * C_ * r_; }
+  // Row i's weights W_i0 ... W_ii of the loaded chunk (n x n, row stride n).
+  [[nodiscard]] Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>> weight_row(Index i) const {
+    return {weights_.data() + i * n_, i + 1};
+  }
+  // Sub-chunk row I's block of I sub rows (I >= 1), packed one after another from I = 1: where
+  // a block lies depends on I alone, not on the chunk (see reuse).
+  [[nodiscard]] static Index kw_offset(Index I, Index r) noexcept {
+    return (I - 1) * I / 2 * sub * r;
+  }
+  Scalar* kw(Index I) noexcept { return kw_.data() + kw_offset(I, r_); }
+  Scalar* kw_scale(Index I) noexcept { return kw_scale_.data() + kw_offset(I, r_); }
 
   // Rows [0, n) of m times their decay scales: per channel (scale's row, elementwise) or one
   // per row (scale's first column).
@@ -475,11 +495,24 @@ class GatedBackwardChunk {
 template <class Scalar>
 class GatedForwardStep {
  public:
-  GatedForwardStep(Index C, Index r, Index dv, bool per_channel) : C_(C) {
+  GatedForwardStep(Index C, Index r, Index dv, bool per_channel, bool one_chunk = false)
+      : C_(C), r_(r), dv_(dv) {
+    static_cast<void>(one_chunk);  // (reuse's argument)
     if (per_channel)
       channel_.emplace(C, r, dv);
     else
       scalar_.emplace(C, r, dv);
+  }
+  /// Whether this step serves a call with the constructor's arguments (a BackwardWorkspace
+  /// keeps it): the kernel's reuse, for the same C or a smaller one where the call is one chunk
+  /// (then absorb() takes its rows in one piece, as a step for C rows would). No allocation.
+  [[nodiscard]] bool reuse(Index C, Index r, Index dv, bool per_channel, bool one_chunk = false) {
+    if (per_channel != channel_.has_value()) return false;
+    return channel_ ? channel_->reuse(C, r, dv, one_chunk) : scalar_->reuse(C, r, dv, one_chunk);
+  }
+  /// Scalars held (scalars_for() of the constructor's arguments).
+  [[nodiscard]] Index scalars() const noexcept {
+    return scalars_for(C_, r_, dv_, channel_.has_value());
   }
   /// Scalars the forward kernel's constructor allocates (its buffers, gated_kernels.hpp).
   [[nodiscard]] static Index scalars_for(Index C, Index r, Index dv, bool per_channel) {
@@ -517,24 +550,26 @@ class GatedForwardStep {
   }
 
  private:
-  Index C_;
+  Index C_, r_, dv_;
   std::optional<ScalarGatedChunk<Scalar>> scalar_;
   std::optional<ChannelGatedChunk<Scalar>> channel_;
 };
 
 /// What gated_backward_from allocates, kept by a caller between calls (BackwardWorkspace): the
-/// chunk's buffers, the state and H (r x dv, r), and per token (a, b), grown to the longest call
-/// and never shrunk.
+/// chunk's buffers, the forward's chunk kernel, the state and H (r x dv, r), and per token
+/// (a, b), grown to the longest call and never shrunk.
 template <class Scalar>
 struct GatedBackwardBuffers {
   std::optional<GatedBackwardChunk<Scalar>> chunk;
+  std::optional<GatedForwardStep<Scalar>> forward;
   RowMatrix<Scalar> S, H;
   ColVector<Scalar> z, hz, a, b;
   RowVector<Scalar> final_term;
 
   /// Bytes held now.
   [[nodiscard]] std::size_t bytes() const noexcept {
-    const Index scalars = (chunk ? chunk->scalars() : 0) + S.size() + H.size() + z.size() +
+    const Index scalars = (chunk ? chunk->scalars() : 0) + (forward ? forward->scalars() : 0) +
+                          S.size() + H.size() + z.size() +
                           hz.size() + a.size() + b.size() + final_term.size();
     return static_cast<std::size_t>(scalars) * sizeof(Scalar);
   }
@@ -561,9 +596,8 @@ template <class Scalar>
 /// the forward of these inputs, one per `chunk_size` rows), or when null rebuilt from S0, z0
 /// (z0 of length r) with the forward's chunk kernel. dS_T, dz_T: gradient of the final state (null: 0). Writes dQ,
 /// dK, dV (may be strided views), d_gate (T x gate columns, contiguous, null: not wanted) and
-/// dS0, dz0 (resized). Its buffers are `buffers`' (kept there for the next call; the forward's
-/// chunk kernel, a few r x C blocks, is made per call). DenominatorError as the forward read
-/// would throw it.
+/// dS0, dz0 (resized). Its buffers, the forward's chunk kernel among them, are `buffers`' (kept
+/// there for the next call). DenominatorError as the forward read would throw it.
 template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
 void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
                          const TokenInputs<Scalar>& in, const RowMatrix<Scalar>* S0,
@@ -578,11 +612,13 @@ void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
   const bool per_channel = in.log_gate.cols > 1;
   const Index gc = per_channel ? r : 1;
   const Index C = std::min(chunk_size, std::max<Index>(T, 1));
+  // A call of one chunk (T <= C) may take a kept chunk's and kernel's buffers for more rows.
   GatedBackwardChunk<Scalar>& w =
       scratch_in(buffers.chunk, C, r, dv, per_channel, !has_row_major_storage<DV>(),
-                 !has_row_major_storage<DY>());
-  GatedForwardStep<Scalar> forward(std::min(forward_chunk, std::max<Index>(T, 1)), r, dv,
-                                   per_channel);
+                 !has_row_major_storage<DY>(), T <= C);
+  const Index forward_C = std::min(forward_chunk, std::max<Index>(T, 1));
+  GatedForwardStep<Scalar>& forward =
+      scratch_in(buffers.forward, forward_C, r, dv, per_channel, T <= forward_C);
   RowMatrix<Scalar>& S = buffers.S;
   RowMatrix<Scalar>& H = buffers.H;
   ColVector<Scalar>& z = buffers.z;

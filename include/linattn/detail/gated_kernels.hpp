@@ -486,6 +486,21 @@ class ScalarGatedChunk {
         decay_row_(RowVector<Scalar>::Zero(ld_)), gate_(C), decay_in_(C), weight_out_(C),
         inverse_(C), late_(C), z_run_(r) {}
 
+  /// Whether this kernel serves a call that would construct one for `C` rows, r features and
+  /// dv values (a BackwardWorkspace keeps it): the same C, or a larger one when the call is a
+  /// single chunk of C rows (C <= the kernel's rows; every operation reads n and its padded
+  /// width only, the buffers' width being a leading dimension). If so, what the constructor
+  /// zeroed is zeroed again. O(C (r + C)); no allocation.
+  [[nodiscard]] bool reuse(Index C, Index r, Index dv, bool one_chunk) {
+    if (r != r_ || dv != dv_ || !(C == chunk_rows() || (one_chunk && C < chunk_rows()))) return false;
+    for (auto* m : {&kf_t_, &decay_, &scores_}) m->setZero();
+    decay_row_.setZero();
+    built_rows_ = 0;
+    return true;
+  }
+  /// The rows of a chunk this kernel takes.
+  [[nodiscard]] Index chunk_rows() const noexcept { return gate_.size(); }
+
   /// The key side of n tokens: kf (n x r, row stride ld_kf), v (n x dv, row stride ld_v) and
   /// the chunk's log-gates (log_gate[t] for t < n; stride 0 for a fixed decay).
   void prepare(Index n, const Scalar* kf, Index ld_kf, const Scalar* v, Index ld_v,
@@ -612,6 +627,15 @@ class ChannelGatedChunk {
         kw_t_(RowMatrix<Scalar>::Zero(r, ld_)), scores_(RowMatrix<Scalar>::Zero(C, ld_)),
         totals_(blocks_, r), pre_(blocks_, r), chunk_total_(r), inverse_(C), late_(C), z_run_(r),
         qdec_(r) {}
+
+  /// As ScalarGatedChunk::reuse.
+  [[nodiscard]] bool reuse(Index C, Index r, Index dv, bool one_chunk) {
+    if (r != r_ || dv != dv_ || !(C == chunk_rows() || (one_chunk && C < chunk_rows()))) return false;
+    for (auto* m : {&w_, &kw_t_, &scores_}) m->setZero();
+    return true;
+  }
+  /// The rows of a chunk this kernel takes.
+  [[nodiscard]] Index chunk_rows() const noexcept { return gates_.rows(); }
 
   /// The key side of n tokens: kf (n x r, row stride ld_kf), v (n x dv, row stride ld_v) and
   /// the chunk's log-gates, r per token (log_gate[t], t < n).

@@ -452,7 +452,6 @@ std::optional<Failure> run_backward_pipeline(
       post_send(to, it.last_rank, kFinalGradientTag);
     }
   }
-  RuleInputGradients<Scalar> d_in_head;
   auto start = attn.make_state(dk, dv);
   StateGradient<Scalar> after{RowMatrix<Scalar>::Zero(r, dv), ColVector<Scalar>::Zero(message.z)};
   StateGradient<Scalar> before = after;
@@ -487,6 +486,8 @@ std::optional<Failure> run_backward_pipeline(
           auto dK_head = buffers.head_K.topRows(rows);
           auto dV_head = buffers.head_V.topRows(rows);
           GradientsRef<Scalar> out_rows{dQ_head, dK_head, dV_head};
+          const InputGradientRows<Scalar> d_in_head =
+              head_input_rows<Rule>(buffers.inputs, rows, d_inputs);
           std::apply(
               [&](const auto&... x) {
                 if (!saves(it)) {

@@ -34,9 +34,11 @@ std::array<TensorView<Element>, N> views_at(const Tuple& all) {
   }(std::make_index_sequence<N>{});
 }
 
-/// The gradient of per-token input i of `Rule` in a RuleInputGradients, as T x c.
+/// The gradient of per-token input i of `Rule` in a RuleInputGradients, as T x c (its own
+/// shape; the T and c given are those of the call).
 template <class Rule, class Scalar>
-Eigen::Map<const RowMatrix<Scalar>> input_gradient(const RuleInputGradients<Scalar>& d, std::size_t i) {
+Eigen::Map<const RowMatrix<Scalar>> input_gradient(const RuleInputGradients<Scalar>& d,
+                                                   std::size_t i, Index, Index) {
   if constexpr (Rule::kind == WriteKind::gated) {
     static_cast<void>(i);
     return {d.log_gate.data(), d.log_gate.rows(), d.log_gate.cols()};
@@ -46,17 +48,45 @@ Eigen::Map<const RowMatrix<Scalar>> input_gradient(const RuleInputGradients<Scal
   }
 }
 
+/// The same in InputGradientRows: T rows of c columns.
+template <class Rule, class Scalar>
+Eigen::Map<const RowMatrix<Scalar>> input_gradient(const InputGradientRows<Scalar>& d,
+                                                   std::size_t i, Index T, Index c) {
+  const Scalar* rows = Rule::kind == WriteKind::gated ? d.log_gate : i == 0 ? d.beta : d.log_alpha;
+  return {rows, T, c};
+}
+
+/// Rows for the per-token inputs' gradients of one head of `Rule` over T tokens (the columns of
+/// input i: d_inputs[i].dim()) in `buffer`, grown to the longest call and never shrunk.
+template <class Rule, class Scalar, std::size_t N>
+InputGradientRows<Scalar> head_input_rows(ColVector<Scalar>& buffer, Index T,
+                                          const std::array<TensorView<Scalar>, N>& d_inputs) {
+  InputGradientRows<Scalar> rows;
+  if constexpr (N > 0) {
+    Index columns = 0;
+    for (const auto& d : d_inputs) columns += d.dim();
+    if (buffer.size() < T * columns) buffer.resize(T * columns);
+    if constexpr (Rule::kind == WriteKind::gated) {
+      rows.log_gate = buffer.data();
+    } else {
+      rows.beta = buffer.data();
+      if constexpr (N > 1) rows.log_alpha = buffer.data() + T;
+    }
+  }
+  return rows;
+}
+
 /// Query head j's share of its key/value head's gradients (dK, dV and the per-token inputs'
 /// d_in) into the model's rows [first, first + n) of sequence `entry`, key/value head g: the
 /// group's first head (j = 0) writes them, the others add theirs in head order, so the sums
 /// have the same bits on every run and thread.
-template <class Rule, class Scalar, std::size_t N>
+template <class Rule, class Scalar, std::size_t N, class DIn>
 void add_group_share(Index j, const TensorView<Scalar>& dK, const TensorView<Scalar>& dV,
                      const std::array<TensorView<Scalar>, N>& d_inputs, Index entry, Index g,
                      Index first, Index n,
                      const std::type_identity_t<Eigen::Ref<const RowMatrix<Scalar>>>& dK_head,
                      const std::type_identity_t<Eigen::Ref<const RowMatrix<Scalar>>>& dV_head,
-                     const RuleInputGradients<Scalar>& d_in) {
+                     const DIn& d_in) {
   auto dk_rows = dK.head_rows(entry, g, first, n);
   auto dv_rows = dV.head_rows(entry, g, first, n);
   if (j == 0) {
@@ -69,9 +99,9 @@ void add_group_share(Index j, const TensorView<Scalar>& dK, const TensorView<Sca
   for (std::size_t i = 0; i < N; ++i) {
     auto d_rows = d_inputs[i].head_rows(entry, g, first, n);
     if (j == 0)
-      d_rows = input_gradient<Rule>(d_in, i);
+      d_rows = input_gradient<Rule>(d_in, i, n, d_inputs[i].dim());
     else
-      d_rows += input_gradient<Rule>(d_in, i);
+      d_rows += input_gradient<Rule>(d_in, i, n, d_inputs[i].dim());
   }
 }
 
@@ -150,7 +180,8 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
   auto dQ_head = buffers.head_Q.topRows(q_len);
   auto dK_head = buffers.head_K.topRows(k_len);
   auto dV_head = buffers.head_V.topRows(k_len);
-  RuleInputGradients<Scalar> d_in_head;
+  // The per-token inputs' gradients of one head, before the model's rows: the lane's buffer.
+  const InputGradientRows<Scalar> d_in_head = head_input_rows<Rule>(buffers.inputs, k_len, d_inputs);
   // Query head j > 0's share of a shared state's gradient: the lane's buffers, moved in and
   // back (no allocation once they have the state's shape).
   StateGradient<Scalar> d0_head{std::move(buffers.group_S), std::move(buffers.group_z)};

@@ -99,15 +99,16 @@ void rule_saving_forward(const RuleAttention<Phi, Rule, Scalar>& attn,
 }
 
 // The backward from `saved` for the inputs `in...`: checks, then gated_backward_from (Decay,
-// Gated) or delta_backward_saved (Delta, GatedDelta).
-template <class Phi, class Rule, class Scalar, class DQ, class DK, class DV, class DY,
+// Gated) or delta_backward_saved (Delta, GatedDelta). `d_in`: a RuleInputGradients (resized)
+// or InputGradientRows (sized by the caller).
+template <class Phi, class Rule, class Scalar, class DQ, class DK, class DV, class DY, class DIn,
           class... In>
 void rule_saved_backward(const RuleAttention<Phi, Rule, Scalar>& attn,
                          const SavedForward<Scalar>& saved, const Eigen::MatrixBase<DQ>& Q,
                          const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                          const Eigen::MatrixBase<DY>& dY,
                          const StateGradient<Scalar>* final_gradient, GradientsRef<Scalar> out,
-                         RuleInputGradients<Scalar>& d_in, StateGradient<Scalar>& initial,
+                         DIn&& d_in, StateGradient<Scalar>& initial,
                          BackwardBuffers<Scalar>& buffers, const In&... in) {
   require_differentiable<Phi, Scalar>();
   check_backward_shapes(Q, K, V, dY, Mask::causal);
@@ -118,24 +119,15 @@ void rule_saved_backward(const RuleAttention<Phi, Rule, Scalar>& attn,
   TokenInputs<Scalar> bound;
   bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
   const RowMatrix<Scalar>* dS_T = final_gradient != nullptr ? &final_gradient->S : nullptr;
+  const InputGradientRows<Scalar> d_rows = input_gradient_rows<Rule>(d_in, T, bound.log_gate.cols);
   if constexpr (is_delta_rule<Rule>) {
-    d_in.beta.resize(T);
-    Scalar* d_alpha = nullptr;
-    if constexpr (Rule::kind == WriteKind::gated_delta) {
-      d_in.log_alpha.resize(T);
-      d_alpha = d_in.log_alpha.data();
-    }
     delta_backward_saved<Scalar>(attn.feature_map(), materialize(Q), materialize(K),
                                  materialize(V), materialize(dY), bound,
                                  SavedForwardAccess::delta(saved), dS_T, out.Q, out.K, out.V,
-                                 d_in.beta.data(), d_alpha, initial.S, buffers.delta_sweep);
+                                 d_rows.beta, d_rows.log_alpha, initial.S, buffers.delta_sweep);
     initial.z.resize(0);
   } else {
-    Scalar* d_gate = nullptr;
-    if constexpr (Rule::kind == WriteKind::gated) {
-      d_in.log_gate.resize(T, bound.log_gate.cols);
-      d_gate = d_in.log_gate.data();
-    }
+    Scalar* d_gate = d_rows.log_gate;  // null for Decay
     gated_backward_from<Scalar>(
         attn.feature_map(), materialize(Q), materialize(K), materialize(V), materialize(dY),
         bound, nullptr, nullptr, &SavedForwardAccess::data(saved), r, dS_T,
