@@ -196,56 +196,6 @@ TEST_CASE("the additive backward with a warmed BackwardWorkspace allocates nothi
                   std::logic_error);
 }
 
-TEST_CASE("the additive layer backward with a warmed BackwardWorkspace allocates nothing") {
-  // The layer keeps each thread's buffers in a lane of the workspace: the single-head scratch,
-  // the head's gradient rows (grown to the longest document) and a query head's share of its
-  // group's shared state gradient. So after the longest document has run, packed batches of
-  // other document lengths allocate nothing, stateless and carried, with grouped heads.
-  constexpr Index C = 8, T = 48, Hq = 4, Hkv = 2, dk = 8, dv = 4;
-  using Attention = LinearAttention<EluPlusOne, float>;
-  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv},
-                                            Attention(EluPlusOne{}, Options{{}, C}));
-  const auto values = [](Index n, std::uint64_t seed) {
-    const RowMatrix<float> m = random_matrix<float>(1, n, seed);
-    return std::vector<float>(m.data(), m.data() + m.size());
-  };
-  const std::vector<float> Q = values(T * Hq * dk, 41), K = values(T * Hkv * dk, 42),
-                           V = values(T * Hkv * dv, 43), dY = values(T * Hq * dv, 44);
-  std::vector<float> dQ(Q.size()), dK(K.size()), dV(V.size());
-  using View = TensorView<const float>;
-  const View q = View::batch_first(Q.data(), 1, T, Hq, dk), k = View::batch_first(K.data(), 1, T, Hkv, dk),
-             v = View::batch_first(V.data(), 1, T, Hkv, dv), dy = View::batch_first(dY.data(), 1, T, Hq, dv);
-  const GradientViews<float> grads{TensorView<float>::batch_first(dQ.data(), 1, T, Hq, dk),
-                                   TensorView<float>::batch_first(dK.data(), 1, T, Hkv, dk),
-                                   TensorView<float>::batch_first(dV.data(), 1, T, Hkv, dv)};
-  const std::vector<Index> longest{0, 40, 44, 48}, offsets_a{0, 17, 30, 48}, offsets_b{0, 5, 38, 48};
-  BackwardWorkspace<float> workspace;
-  auto state = layer.make_state(3);
-  BatchStateGradient<float> initial(state);
-  parallel_backward_into(layer, q, k, v, Mask::causal, dy, grads, SequenceLayout::packed(longest),
-                         &workspace);
-  prefill_backward_into(layer, state, q, k, v, dy, nullptr, grads, initial,
-                        SequenceLayout::packed(longest), &workspace);
-  const std::size_t held = workspace.bytes();
-  for (const auto* offsets : {&offsets_a, &offsets_b}) {
-    const SequenceLayout layout = SequenceLayout::packed(*offsets);
-    CHECK_NOTHROW(without_allocation([&] {
-      parallel_backward_into(layer, q, k, v, Mask::causal, dy, grads, layout, &workspace);
-    }));
-    CHECK_NOTHROW(without_allocation([&] {
-      prefill_backward_into(layer, state, q, k, v, dy, nullptr, grads, initial, layout, &workspace);
-    }));
-  }
-  CHECK(workspace.bytes() == held);
-  CHECK(std::all_of(dQ.begin(), dQ.end(), [](float x) { return std::isfinite(x); }));
-  // Without a workspace the call allocates its buffers (what the workspace saves).
-  CHECK_THROWS_AS(without_allocation([&] {
-                    parallel_backward_into(layer, q, k, v, Mask::causal, dy, grads,
-                                           SequenceLayout::packed(offsets_a));
-                  }),
-                  std::logic_error);
-}
-
 namespace {
 
 // Calls f(attention, name, per-token input columns: 0 none, 1 one per token, r per channel)
@@ -357,14 +307,15 @@ TEST_CASE("every write rule's backward with a warmed BackwardWorkspace allocates
   });
 }
 
-TEST_CASE("every write rule's layer backward with a warmed BackwardWorkspace allocates nothing") {
-  // The layer also keeps, per thread, the head's gradient rows and its per-token inputs'
-  // gradients (grown to the longest document) and a query head's share of a shared state's
-  // gradient. So after the longest document has run, packed batches of other document lengths
-  // (one of 5 tokens, shorter than the chunk of 8) allocate nothing, stateless and carried,
-  // with grouped heads.
+TEST_CASE("every rule's layer backward with a warmed BackwardWorkspace allocates nothing") {
+  // The layer keeps each thread's buffers in a lane of the workspace: the single-head scratch,
+  // the head's gradient rows and its per-token inputs' gradients (grown to the longest
+  // document) and a query head's share of its group's shared state gradient. So after the
+  // longest document has run, packed batches of other document lengths (one of 5 tokens,
+  // shorter than the chunk of 8) allocate nothing, stateless and carried, with grouped heads,
+  // for Additive and every write rule. Without a workspace the call allocates.
   constexpr Index C = 8, T = 48, Hq = 4, Hkv = 2, dk = 16, dv = 16;
-  for_each_write_rule(C, dk, [&](const auto& attn, const char* name, Index columns) {
+  const auto check = [&](const auto& attn, const char* name, Index columns) {
     using Attention = std::decay_t<decltype(attn)>;
     using Rule = typename Attention::rule_type;
     constexpr std::size_t N = Rule::token_inputs;
@@ -421,7 +372,24 @@ TEST_CASE("every write rule's layer backward with a warmed BackwardWorkspace all
     }
     CHECK(workspace.bytes() == held);
     CHECK(std::all_of(dQ.begin(), dQ.end(), [](float x) { return std::isfinite(x); }));
-  });
+    // Without a workspace the call allocates its buffers (what the workspace saves).
+    std::apply(
+        [&](const auto&... x) {
+          std::apply(
+              [&](const auto&... d) {
+                CHECK_THROWS_AS(without_allocation([&] {
+                                  parallel_backward_into(layer, q, k, v, x..., Mask::causal, dy,
+                                                         grads, d...,
+                                                         SequenceLayout::packed(offsets_a));
+                                }),
+                                std::logic_error);
+              },
+              d_ins);
+        },
+        ins);
+  };
+  check(LinearAttention<EluPlusOne, float>(EluPlusOne{}, Options{{}, C}), "additive", 0);
+  for_each_write_rule(C, dk, check);
 }
 
 }  // namespace allocation_test
