@@ -286,6 +286,15 @@ Scratch& scratch_in(std::optional<Scratch>& slot, const Args&... args) {
   return *slot;
 }
 
+/// scratch_in for a call that may be one chunk shorter than the kept scratch's (`one_chunk`: the
+/// call is a single chunk, so Scratch::reuse(args..., one_chunk) may accept buffers for more
+/// rows); a new one is made for `args`.
+template <class Scratch, class... Args>
+Scratch& chunk_scratch_in(std::optional<Scratch>& slot, bool one_chunk, const Args&... args) {
+  if (!slot || !slot->reuse(args..., one_chunk)) slot.emplace(args...);
+  return *slot;
+}
+
 /// Issues what `queue` still holds, then queues rows [first, first + n) of Q, K, V and dY
 /// (clipped to their rows; nothing where n <= 0 or first < 0), in the order load_chunk reads
 /// them: called at the start of a chunk with the rows of the chunk that follows it in the

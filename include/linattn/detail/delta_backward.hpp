@@ -136,10 +136,8 @@ struct DeltaBackwardScratch {
   RowMatrix<Scalar> H;                           // r x dv
   SpreadPrefetch prefetch;                       // the next chunk's rows (reverse sweep)
 
-  DeltaBackwardScratch(Index chunk, Index r, Index dv, bool copy_v, bool copy_dy,
-                       bool one_chunk = false)
+  DeltaBackwardScratch(Index chunk, Index r, Index dv, bool copy_v, bool copy_dy)
       : C(chunk), L(padded_columns<Scalar>(chunk)) {
-    static_cast<void>(one_chunk);  // (reuse's argument)
     allocate(r, dv, copy_v, copy_dy);
   }
 
@@ -227,8 +225,8 @@ void delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   eigen_assert(saved.corrected.rows() >= T && saved.reads.rows() >= T &&
                saved.states.rows() >= (T + C - 1) / C * r && saved.states.cols() == dv);
   DeltaBackwardScratch<Scalar>& w =
-      scratch_in(scratch, std::min(C, std::max<Index>(T, 1)), r, dv, !has_row_major_storage<DV>(),
-                 !has_row_major_storage<DY>(), T <= C);
+      chunk_scratch_in(scratch, T <= C, std::min(C, std::max<Index>(T, 1)), r, dv,
+                       !has_row_major_storage<DV>(), !has_row_major_storage<DY>());
   const Index L = w.L, L2 = 2 * L;
   const bool gated = !in.log_alpha.empty();
   if (dS_T != nullptr)
@@ -449,8 +447,7 @@ void delta_save_chunks(const Phi& phi, const DK& K, const DV& V, const TokenInpu
   const Index C = std::min(chunk, std::max<Index>(T, 1));
   saved.fit(T, C, r, dv);
   if (T == 0) return;
-  if (!scratch.kernel || !scratch.kernel->reuse(C, r, dv, T <= C)) scratch.kernel.emplace(C, r, dv);
-  DeltaChunk<Scalar>& kernel = *scratch.kernel;
+  DeltaChunk<Scalar>& kernel = chunk_scratch_in(scratch.kernel, T <= C, C, r, dv);
   RowMatrix<Scalar>& S = scratch.S;
   RowMatrix<Scalar>& kf = scratch.kf;
   RowMatrix<Scalar>& v_copy = scratch.v_copy;

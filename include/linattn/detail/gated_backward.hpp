@@ -70,11 +70,9 @@ namespace linattn::detail {
 template <class Scalar>
 class GatedBackwardChunk {
  public:
-  GatedBackwardChunk(Index C, Index r, Index dv, bool per_channel, bool copy_v, bool copy_dy,
-                     bool one_chunk = false)
+  GatedBackwardChunk(Index C, Index r, Index dv, bool per_channel, bool copy_v, bool copy_dy)
       : C_(C), P_(padded(C)), r_(r), dv_(dv), gc_(per_channel ? r : 1),
         per_channel_(per_channel), blocks_((C + sub - 1) / sub) {
-    static_cast<void>(one_chunk);  // (reuse's argument)
     qf_.resize(C, r);
     kf_.resize(C, r);
     qhat_.resize(C, r);
@@ -495,9 +493,7 @@ class GatedBackwardChunk {
 template <class Scalar>
 class GatedForwardStep {
  public:
-  GatedForwardStep(Index C, Index r, Index dv, bool per_channel, bool one_chunk = false)
-      : C_(C), r_(r), dv_(dv) {
-    static_cast<void>(one_chunk);  // (reuse's argument)
+  GatedForwardStep(Index C, Index r, Index dv, bool per_channel) : C_(C), r_(r), dv_(dv) {
     if (per_channel)
       channel_.emplace(C, r, dv);
     else
@@ -614,11 +610,11 @@ void gated_backward_from(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
   const Index C = std::min(chunk_size, std::max<Index>(T, 1));
   // A call of one chunk (T <= C) may take a kept chunk's and kernel's buffers for more rows.
   GatedBackwardChunk<Scalar>& w =
-      scratch_in(buffers.chunk, C, r, dv, per_channel, !has_row_major_storage<DV>(),
-                 !has_row_major_storage<DY>(), T <= C);
+      chunk_scratch_in(buffers.chunk, T <= C, C, r, dv, per_channel, !has_row_major_storage<DV>(),
+                       !has_row_major_storage<DY>());
   const Index forward_C = std::min(forward_chunk, std::max<Index>(T, 1));
   GatedForwardStep<Scalar>& forward =
-      scratch_in(buffers.forward, forward_C, r, dv, per_channel, T <= forward_C);
+      chunk_scratch_in(buffers.forward, T <= forward_C, forward_C, r, dv, per_channel);
   RowMatrix<Scalar>& S = buffers.S;
   RowMatrix<Scalar>& H = buffers.H;
   ColVector<Scalar>& z = buffers.z;
