@@ -9,6 +9,7 @@
 // recurrent path.
 
 #include <linattn/attention.hpp>
+#include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/prefetch.hpp>
 #include <linattn/detail/recurrent_sweep.hpp>
 #include <linattn/detail/small_gemm.hpp>
@@ -820,6 +821,35 @@ TEMPLATE_TEST_CASE("a rejected denominator inside a token pair absorbs exactly t
   run({1, -4, 1, 1}, 3, 1, 1);  // first of the pair: nothing of the pair absorbed
   // Even carry: rows 0 and 1 pair, rows 2 and 3 pair; the second pair's second token fails.
   run({1, 1, 1, -7, 1}, 4, 3, 3);
+}
+
+TEMPLATE_TEST_CASE("all_finite finds a NaN or an Inf at every position, in packets and tail",
+                   "[kernels]", float, double) {
+  // Lengths 0 to 40 cover no packet, a partial one and several (up to 10 floats of AVX-512), as
+  // contiguous vectors and as a strided block; each bad value at each position must be found,
+  // and large finite values (whose sum would overflow) must not be taken for Inf.
+  using Scalar = TestType;
+  const Scalar bad[] = {std::numeric_limits<Scalar>::quiet_NaN(),
+                        std::numeric_limits<Scalar>::infinity(),
+                        -std::numeric_limits<Scalar>::infinity()};
+  int missed = 0, false_alarms = 0;
+  for (Index n = 0; n <= 40; ++n) {
+    ColVector<Scalar> x = ColVector<Scalar>::Constant(n, std::numeric_limits<Scalar>::max());
+    RowMatrix<Scalar> wide = RowMatrix<Scalar>::Constant(n, 3, -std::numeric_limits<Scalar>::max());
+    false_alarms += static_cast<int>(!detail::all_finite(x)) +
+                    static_cast<int>(!detail::all_finite(wide.col(1)));
+    for (Index i = 0; i < n; ++i)
+      for (const Scalar b : bad) {
+        ColVector<Scalar> y = x;
+        y(i) = b;
+        RowMatrix<Scalar> w = wide;
+        w(i, 1) = b;
+        missed += static_cast<int>(detail::all_finite(y)) +
+                  static_cast<int>(detail::all_finite(w.col(1)));
+      }
+  }
+  CHECK(missed == 0);
+  CHECK(false_alarms == 0);
 }
 
 }  // namespace kernels_test

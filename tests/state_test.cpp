@@ -129,4 +129,48 @@ TEST_CASE("assign() sets a carried or learned state, checked", "[state]") {
   CHECK(state.tokens() == 6);  // unchanged by the refusals
 }
 
+TEST_CASE("assign() refuses a non-finite value wherever it is, and one beyond the state's type",
+          "[state]") {
+  // 5 x 7 = 35 entries: a vectorized check covers them in packets and a scalar tail, so every
+  // position is tried, each with NaN, +Inf and -Inf, in S and in z.
+  const LinearAttention<EluPlusOne, float> attn;
+  auto state = attn.make_state(5, 7);
+  const RowMatrix<float> S = RowMatrix<float>::Constant(5, 7, -2.5f);
+  const ColVector<float> z = ColVector<float>::Constant(5, 1.5f);
+  const float bad[] = {std::numeric_limits<float>::quiet_NaN(),
+                       std::numeric_limits<float>::infinity(),
+                       -std::numeric_limits<float>::infinity()};
+  auto refuses = [&](const RowMatrix<float>& S_in, const ColVector<float>& z_in) {
+    try {
+      state.assign(S_in, z_in);
+    } catch (const std::invalid_argument&) {
+      return true;
+    }
+    return false;
+  };
+  int refused = 0;
+  for (const float x : bad) {
+    for (Index i = 0; i < S.size(); ++i) {
+      RowMatrix<float> T = S;
+      T.data()[i] = x;
+      refused += static_cast<int>(refuses(T, z));
+    }
+    for (Index i = 0; i < z.size(); ++i) {
+      ColVector<float> w = z;
+      w(i) = x;
+      refused += static_cast<int>(refuses(S, w));
+    }
+  }
+  CHECK(refused == 3 * (35 + 5));
+  CHECK(state.S().isZero());  // nothing was taken from a refused call
+  // A double beyond float's largest (3.4e38) would become Inf in a float state: refused, while
+  // the largest float itself is taken as it is.
+  RowMatrix<double> wide = RowMatrix<double>::Zero(5, 7);
+  wide(4, 6) = 1e39;
+  CHECK_THROWS_AS(state.assign(wide, z), std::invalid_argument);
+  wide(4, 6) = std::numeric_limits<float>::max();
+  state.assign(wide, z);
+  CHECK(state.S()(4, 6) == std::numeric_limits<float>::max());
+}
+
 }  // namespace state_test

@@ -97,7 +97,8 @@ class alignas(kStateAlignment) AttentionState : public detail::StateCore<Scalar>
   /// token: a carried or learned initial state. For a log-scaled state S and z are the stored
   /// sums at log-scale M = `log_scale` (true S = exp(M) S); an ordinary state takes M = 0 only.
   /// Throws ShapeError for other shapes or a count outside [0, 2^62], std::invalid_argument for
-  /// NaN or Inf in S or z, or an M this state cannot hold. O(r dv).
+  /// NaN or Inf in S or z (or a value beyond the range of Scalar, which would become Inf), or an
+  /// M this state cannot hold; the state is unchanged then. O(r dv).
   template <class DS, class DZ>
   void assign(const Eigen::MatrixBase<DS>& S, const Eigen::MatrixBase<DZ>& z, Index tokens = 0,
               Scalar log_scale = 0) {

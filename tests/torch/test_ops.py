@@ -209,6 +209,44 @@ def test_carried_state_continues_a_sequence(rule, kind):
 
 
 @pytest.mark.parametrize("rule,kind", OPS)
+def test_initial_state_in_any_strides_and_dtype_gives_the_same_bits(rule, kind):
+    # The state is read in place when its rows are contiguous, through general strides when
+    # they are not, and converted when its dtype is not the compute type: the three readers
+    # must give the bits of a contiguous state of the compute type.
+    q, k, v, g, beta = (None if x is None else x.float() for x in make_inputs(rule))
+    h0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(5))
+    o, ht = call(rule, kind, q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    wide = torch.zeros(B, H, K, V + 3)
+    wide[..., :V] = h0
+    column_major = h0.transpose(2, 3).contiguous().transpose(2, 3)
+    for variant in (wide[..., :V], column_major):
+        o2, ht2 = call(rule, kind, q, k, v, g, beta, initial_state=variant, output_final_state=True)
+        assert torch.equal(o2, o) and torch.equal(ht2, ht)
+    for variant in (h0.double(), h0.bfloat16(), column_major.double()):
+        # converted to float32 (rounded to nearest, as torch's .float()): the bits of that copy
+        o2, ht2 = call(rule, kind, q, k, v, g, beta, initial_state=variant, output_final_state=True)
+        o3, ht3 = call(rule, kind, q, k, v, g, beta, initial_state=variant.float().contiguous(),
+                       output_final_state=True)
+        assert torch.equal(o2, o3) and torch.equal(ht2, ht3)
+
+
+@pytest.mark.parametrize("rule,kind", OPS)
+def test_non_finite_initial_state_raises(rule, kind):
+    # Every position is checked (NaN and Inf at the first and last entry of the last head), and a
+    # float64 state beyond float32's range is refused for float32 inputs instead of becoming Inf.
+    q, k, v, g, beta = make_inputs(rule)
+    for value in (float("nan"), float("inf"), -float("inf")):
+        for index in ((0, 0, 0, 0), (B - 1, H - 1, K - 1, V - 1)):
+            h0 = torch.zeros(B, H, K, V, dtype=torch.float64)
+            h0[index] = value
+            bad(call, rule, kind, q, k, v, g, beta, initial_state=h0, match="finite")
+    h0 = torch.zeros(B, H, K, V, dtype=torch.float64)
+    h0[B - 1, H - 1, K - 1, V - 1] = 1e39
+    f32 = (None if x is None else x.float() for x in (q, k, v, g, beta))
+    bad(call, rule, kind, *f32, initial_state=h0, match="finite")
+
+
+@pytest.mark.parametrize("rule,kind", OPS)
 def test_thread_count_changes_no_bit(rule, kind):
     # Each (sequence, head) is one task with its own state: the split between threads cannot
     # change the arithmetic.

@@ -40,6 +40,7 @@
 // kBackwardInitialStateTag, kFinalGradientTag and kInitialGradientTag (from rank 0, from the
 // last rank, to rank 0). Every pair of ranks sends and receives each tag's messages in item order.
 
+#include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/mpi_exchange.hpp>
 #include <linattn/detail/mpi_pipeline.hpp>
 #include <linattn/detail/multihead_backward.hpp>
@@ -411,8 +412,8 @@ std::optional<Failure> run_backward_pipeline(
                 rows_inputs(inputs, it.entry, g, it.first, it.rows));
           }
           message.pack(state, out);
-          if (!Eigen::Map<const ColVector<Scalar>>(out + Message::header, m - Message::header)
-                   .allFinite())
+          if (!all_finite(
+                  Eigen::Map<const ColVector<Scalar>>(out + Message::header, m - Message::header)))
             throw std::domain_error("linattn::mpi: the state after the slice is not finite "
                                     "(an input held Inf or NaN, or the sums overflowed)");
         } catch (...) {

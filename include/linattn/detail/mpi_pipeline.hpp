@@ -34,6 +34,7 @@
 // then S (r x dv, row-major) and z (r, the rules that keep it). Tag kCarryTag (rank p-1 to p)
 // and kInitialTag (the initial state, holder to rank 0) on the caller's communicator.
 
+#include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/mpi_exchange.hpp>
 #include <linattn/detail/slice_runner.hpp>
 #include <linattn/detail/slice_summary.hpp>
@@ -246,8 +247,8 @@ std::optional<Failure> run_pipeline(MPI_Comm comm, const Attention& attention, I
           message.pack(state, out);
         }
         if (item.keys.rows > 0 &&
-            !Eigen::Map<const ColVector<Scalar>>(out + Message::header, m - Message::header)
-                 .allFinite())
+            !all_finite(
+                Eigen::Map<const ColVector<Scalar>>(out + Message::header, m - Message::header)))
           throw std::domain_error("linattn::mpi: the state after the slice is not finite "
                                   "(an input held Inf or NaN, or the sums overflowed)");
       } catch (...) {

@@ -21,6 +21,7 @@
 // (Carry::schedule, or the model of schedule_model.hpp for automatic); the pipeline and the
 // hybrid (mpi_pipeline.hpp) replace steps 3 to 6.
 
+#include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/mpi_exchange.hpp>
 #include <linattn/detail/mpi_pipeline.hpp>
 #include <linattn/detail/schedule_model.hpp>
@@ -337,7 +338,7 @@ SequenceParallelResult run_sequence_parallel(MPI_Comm comm, const Attention& att
           scan.advance(all.data() + std::size_t(q) * std::size_t(count) + 1 + i * m,
                        work.rows_in(i, offsets[std::size_t(q)], lengths[std::size_t(q)]));
         }
-        if (!scan.S().allFinite() || !scan.z().allFinite())
+        if (!all_finite(scan.S()) || !all_finite(scan.z()))
           throw std::domain_error("linattn::mpi: the state after the slice is not finite "
                                   "(an input held Inf or NaN, or the sums overflowed)");
         end_S[std::size_t(i)] = scan.S();

@@ -3,6 +3,7 @@
 // the dims, and the identity of the attention that made it) and the accessors over it;
 // AttentionState and RuleState add their own scratch.
 
+#include <linattn/detail/eigen_utils.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/types.hpp>
 
@@ -146,8 +147,11 @@ class StateCore {
                         z_.size(), ", got S ", shape_of(S), " and z ", shape_of(z));
     if (tokens < 0 || tokens > kMaxTokens)
       throw_shape_error("assign() needs a token count in [0, ", kMaxTokens, "], got ", tokens);
-    if (!S.allFinite() || !z.allFinite())
-      throw std::invalid_argument("linattn: assign() needs finite S and z");
+    // Checked after the cast to the state's type: a finite double beyond float's range would
+    // otherwise enter a float state as Inf.
+    if (!all_finite(S.template cast<Scalar>()) || !all_finite(z.template cast<Scalar>()))
+      throw std::invalid_argument(
+          "linattn: assign() needs S and z finite in the state's scalar type");
     S_ = S.template cast<Scalar>();
     if (z_.size() > 0) z_ = z.reshaped().template cast<Scalar>();
     tokens_ = tokens;

@@ -6,6 +6,7 @@
 // stride of H) is read in place; anything else (another scalar type, an expression) is copied
 // once per call.
 
+#include <linattn/detail/eigen_utils.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/types.hpp>
 #include <linattn/write_rules.hpp>
@@ -79,14 +80,14 @@ void check_betas(const TokenArray<Scalar>& beta, Index first_row = 0) {
 /// <= 0 (a gate in (0, 1]).
 template <class Scalar>
 void check_log_gates(const TokenArray<Scalar>& log_gate, const char* what, Index first_row = 0) {
-  // All valid in two vectorized reductions per row (x * 0 is 0 for finite x, NaN otherwise);
-  // only a row that fails is walked element by element for the message.
+  // All valid in two vectorized reductions per row (all_finite, maxCoeff); only a row that
+  // fails is walked element by element for the message.
   if (log_gate.col_stride == 1) {
     bool valid = true;
     for (Index t = 0; t < log_gate.rows && valid; ++t) {
       const Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>> row(
           log_gate.data + t * log_gate.row_stride, log_gate.cols);
-      valid = (row * Scalar(0)).sum() == Scalar(0) && row.maxCoeff() <= Scalar(0);
+      valid = all_finite(row) && row.maxCoeff() <= Scalar(0);
     }
     if (valid) return;
   }

@@ -378,21 +378,37 @@ void l2_normalize_rows(RowMatrix<Scalar>& x, ColVector<Scalar>& norms) {
   }
 }
 
-// Head matrix (K x V) or vector of state tensor `t` ([N, H, K, V] or [N, 1, H, K]) as Scalar,
-// read in place when `t` holds Scalar.
-template <class Scalar>
-RowMatrix<Scalar> read_state(const at::Tensor& t, Index n, Index h, bool is_z) {
+// Calls f with the head matrix (K x V) or vector (1 x K) of state tensor `t` ([N, H, K, V] or
+// [N, 1, H, K]) as an Eigen expression of Scalar: a view of t's memory when `t` holds Scalar
+// (row-contiguous views copy as packets, which a decode call, dominated by its states' copies,
+// feels), else a converted copy.
+template <class Scalar, class F>
+void with_state(const at::Tensor& t, Index n, Index h, bool is_z, F&& f) {
   const Index rows = is_z ? 1 : t.size(2), cols = t.size(3);
   const Index start = is_z ? n * t.stride(0) + h * t.stride(2) : n * t.stride(0) + h * t.stride(1);
-  const Index rs = is_z ? 0 : t.stride(2);
-  RowMatrix<Scalar> out;
+  const Index rs = is_z ? cols * t.stride(3) : t.stride(2), cs = t.stride(3);
   if (t.scalar_type() == c10::CppTypeToScalarType<Scalar>::value) {
-    using Strides = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
-    out = Eigen::Map<const RowMatrix<Scalar>, Eigen::Unaligned, Strides>(
-        t.data_ptr<Scalar>() + start, rows, cols, Strides(rs, t.stride(3)));
+    const Scalar* data = t.data_ptr<Scalar>() + start;
+    if (cs == 1 || cols <= 1) {
+      f(Eigen::Map<const RowMatrix<Scalar>, Eigen::Unaligned, Eigen::OuterStride<>>(
+          data, rows, cols, Eigen::OuterStride<>(rs)));
+    } else {
+      using Strides = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
+      f(Eigen::Map<const RowMatrix<Scalar>, Eigen::Unaligned, Strides>(data, rows, cols,
+                                                                       Strides(rs, cs)));
+    }
   } else {
-    convert_block(t, start, rows, cols, rs, t.stride(3), out);
+    RowMatrix<Scalar> converted;
+    convert_block(t, start, rows, cols, rs, cs, converted);
+    f(std::as_const(converted));
   }
+}
+
+// with_state's head matrix or vector, as a matrix.
+template <class Scalar>
+RowMatrix<Scalar> read_state(const at::Tensor& t, Index n, Index h, bool is_z) {
+  RowMatrix<Scalar> out;
+  with_state<Scalar>(t, n, h, is_z, [&](const auto& x) { out = x; });
   return out;
 }
 
@@ -452,21 +468,38 @@ inline Options options_for(bool normalize, double scale) {
   return options;
 }
 
-// The initial state of sequence n, head h: h0 (and z0) when given, else empty.
+// The initial state of sequence n, head h (h0 and z0 when given, else empty), in `slot`: made
+// on a thread's first task and reassigned for the next ones, so that a call allocates one state
+// per thread, not one per (sequence, head). (Per head, a decode call's allocations and frees of
+// K x V states made glibc grow and trim its heap on every call, page faults included: up to
+// 10 x the step's time at K = V = 128.)
 template <class Attention>
-typename Attention::State initial_state(const Attention& attn, const Prepared& p, Index n, Index h) {
+typename Attention::State& initial_state(const Attention& attn, const Prepared& p, Index n,
+                                         Index h, std::optional<typename Attention::State>& slot) {
   using Scalar = typename Attention::scalar_type;
   using Rule = typename Attention::rule_type;
-  auto state = attn.make_state(p.K, p.V);
-  if (!p.h0.defined() && !p.z0.defined()) return state;
-  const RowMatrix<Scalar> S0 =
-      p.h0.defined() ? read_state<Scalar>(p.h0, n, h, false) : RowMatrix<Scalar>::Zero(p.K, p.V);
+  if (!slot) slot.emplace(attn.make_state(p.K, p.V));
+  auto& state = *slot;
+  if (!p.h0.defined() && !p.z0.defined()) {
+    state.reset();
+    return state;
+  }
+  // assign() reads the tensors' memory in place (no intermediate copy) and checks it is finite.
   if constexpr (Rule::keeps_normalizer) {
-    ColVector<Scalar> z0 = ColVector<Scalar>::Zero(p.K);
-    if (p.z0.defined()) z0 = read_state<Scalar>(p.z0, n, h, true).transpose();
-    state.assign(S0, z0);
-  } else {
-    state.assign(S0);
+    if (p.h0.defined() && p.z0.defined()) {
+      with_state<Scalar>(p.h0, n, h, false, [&](const auto& S0) {
+        with_state<Scalar>(p.z0, n, h, true, [&](const auto& z0) { state.assign(S0, z0); });
+      });
+    } else if (p.h0.defined()) {
+      with_state<Scalar>(p.h0, n, h, false,
+                         [&](const auto& S0) { state.assign(S0, ColVector<Scalar>::Zero(p.K)); });
+    } else if (p.z0.defined()) {
+      with_state<Scalar>(p.z0, n, h, true, [&](const auto& z0) {
+        state.assign(RowMatrix<Scalar>::Zero(p.K, p.V), z0);
+      });
+    }
+  } else if (p.h0.defined()) {
+    with_state<Scalar>(p.h0, n, h, false, [&](const auto& S0) { state.assign(S0); });
   }
   return state;
 }
@@ -568,10 +601,11 @@ fla::Result forward(const Prepared& p, const Settings& s, fla::SavedForwards* sa
     at::parallel_for(0, p.N * p.H, 1, [&](int64_t begin, int64_t end) {
       RowMatrix<Scalar> qb, kb, vb, gb, bb, ob;
       ColVector<Scalar> norms;
+      std::optional<typename Attention::State> state_slot;
       for (int64_t task = begin; task < end; ++task) {
         const Index n = task / p.H, h = task % p.H;
         const Index b = p.batch_of(n), first = p.first_of(n), len = p.length_of(n);
-        auto state = initial_state(attn, p, n, h);
+        auto& state = initial_state(attn, p, n, h, state_slot);
         if (len > 0) {
           const ConstRowsView<Scalar> Q = read_qk<Scalar>(p.q, b, h, first, len, qb, s.qk_l2norm, norms);
           const ConstRowsView<Scalar> Kr = read_qk<Scalar>(p.k, b, h, first, len, kb, s.qk_l2norm, norms);
@@ -715,6 +749,7 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
     // forward data, r dv / C + 2 dv scalars per token), kept for the items this thread runs
     // instead of allocated and first touched per item (same bits).
     BackwardWorkspace<Scalar> workspace;
+    std::optional<typename Attention::State> state_slot;
     for (int64_t task = begin; task < end; ++task) {
       const Index n = task / p.H, h = task % p.H;
       const Index b = p.batch_of(n), first = p.first_of(n), len = p.length_of(n);
@@ -744,7 +779,7 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
               prefill_backward_into(attn, item, Q, Kr, Vr, inputs..., yb, carried, out, d_in, initial,
                                     &workspace);
           } else {
-            const auto state = initial_state(attn, p, n, h);
+            const auto& state = initial_state(attn, p, n, h, state_slot);
             if constexpr (Rule::kind == WriteKind::additive)
               prefill_backward_into(attn, state, Q, Kr, Vr, yb, carried, out, initial, &workspace);
             else
