@@ -15,6 +15,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace linattn::detail {
 
@@ -149,7 +150,14 @@ class StateCore {
       throw_shape_error("assign() needs a token count in [0, ", kMaxTokens, "], got ", tokens);
     // Checked after the cast to the state's type: a finite double beyond float's range would
     // otherwise enter a float state as Inf.
-    if (!all_finite(S.template cast<Scalar>()) || !all_finite(z.template cast<Scalar>()))
+    const bool finite = [&] {
+      if constexpr (std::is_same_v<typename DS::Scalar, Scalar> &&
+                    std::is_same_v<typename DZ::Scalar, Scalar>)
+        return all_finite(S) && all_finite(z);  // in place, as packets
+      else
+        return all_finite(S.template cast<Scalar>()) && all_finite(z.template cast<Scalar>());
+    }();
+    if (!finite)
       throw std::invalid_argument(
           "linattn: assign() needs S and z finite in the state's scalar type");
     S_ = S.template cast<Scalar>();
