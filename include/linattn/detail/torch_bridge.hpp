@@ -470,9 +470,7 @@ inline Options options_for(bool normalize, double scale) {
 
 // The initial state of sequence n, head h (h0 and z0 when given, else empty), in `slot`: made
 // on a thread's first task and reassigned for the next ones, so that a call allocates one state
-// per thread, not one per (sequence, head). (Per head, a decode call's allocations and frees of
-// K x V states made glibc grow and trim its heap on every call, page faults included: up to
-// 10 x the step's time at K = V = 128.)
+// per thread, not one per (sequence, head) (a decode call is dominated by such per-head work).
 template <class Attention>
 typename Attention::State& initial_state(const Attention& attn, const Prepared& p, Index n,
                                          Index h, std::optional<typename Attention::State>& slot) {
