@@ -239,11 +239,12 @@ def test_non_finite_initial_state_raises(rule, kind):
         for index in ((0, 0, 0, 0), (B - 1, H - 1, K - 1, V - 1)):
             h0 = torch.zeros(B, H, K, V, dtype=torch.float64)
             h0[index] = value
-            bad(call, rule, kind, q, k, v, g, beta, initial_state=h0, match="finite")
+            bad(call, rule, kind, q, k, v, g, beta, initial_state=h0,
+                match=f"sequence {index[0]}, head {index[1]} must be finite")
     h0 = torch.zeros(B, H, K, V, dtype=torch.float64)
     h0[B - 1, H - 1, K - 1, V - 1] = 1e39
     f32 = (None if x is None else x.float() for x in (q, k, v, g, beta))
-    bad(call, rule, kind, *f32, initial_state=h0, match="finite")
+    bad(call, rule, kind, *f32, initial_state=h0, match=f"head {H - 1} must be finite in Float")
 
 
 @pytest.mark.parametrize("rule,kind", OPS)

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -468,21 +469,9 @@ inline Options options_for(bool normalize, double scale) {
   return options;
 }
 
-// The initial state of sequence n, head h (h0 and z0 when given, else empty), in `slot`: made
-// on a thread's first task and reassigned for the next ones, so that a call allocates one state
-// per thread, not one per (sequence, head) (a decode call is dominated by such per-head work).
-template <class Attention>
-typename Attention::State& initial_state(const Attention& attn, const Prepared& p, Index n,
-                                         Index h, std::optional<typename Attention::State>& slot) {
-  using Scalar = typename Attention::scalar_type;
-  using Rule = typename Attention::rule_type;
-  if (!slot) slot.emplace(attn.make_state(p.K, p.V));
-  auto& state = *slot;
-  if (!p.h0.defined() && !p.z0.defined()) {
-    state.reset();
-    return state;
-  }
-  // assign() reads the tensors' memory in place (no intermediate copy) and checks it is finite.
+// initial_state's assignment from h0 and z0 (at least one defined).
+template <class Scalar, class Rule, class State>
+void assign_initial_state(State& state, const Prepared& p, Index n, Index h) {
   if constexpr (Rule::keeps_normalizer) {
     if (p.h0.defined() && p.z0.defined()) {
       with_state<Scalar>(p.h0, n, h, false, [&](const auto& S0) {
@@ -498,6 +487,30 @@ typename Attention::State& initial_state(const Attention& attn, const Prepared& 
     }
   } else if (p.h0.defined()) {
     with_state<Scalar>(p.h0, n, h, false, [&](const auto& S0) { state.assign(S0); });
+  }
+}
+
+// The initial state of sequence n, head h (h0 and z0 when given, else empty), in `slot`: made
+// on a thread's first task and reassigned for the next ones, so that a call allocates one state
+// per thread, not one per (sequence, head) (a decode call is dominated by such per-head work).
+template <class Attention>
+typename Attention::State& initial_state(const Attention& attn, const Prepared& p, Index n,
+                                         Index h, std::optional<typename Attention::State>& slot) {
+  using Scalar = typename Attention::scalar_type;
+  using Rule = typename Attention::rule_type;
+  if (!slot) slot.emplace(attn.make_state(p.K, p.V));
+  auto& state = *slot;
+  if (!p.h0.defined() && !p.z0.defined()) {
+    state.reset();
+    return state;
+  }
+  // assign() reads the tensors' memory in place (no intermediate copy) and checks it is finite;
+  // its refusal is restated with the sequence and head.
+  try {
+    assign_initial_state<Scalar, Rule>(state, p, n, h);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, "linattn: the initial state (or z) of sequence ", n, ", head ", h,
+                      " must be finite in ", scalar_type_of<Scalar>(), " (", e.what(), ")");
   }
   return state;
 }
