@@ -835,7 +835,9 @@ TEMPLATE_TEST_CASE("all_finite finds a NaN or an Inf at every position, in packe
   int missed = 0, false_alarms = 0;
   for (Index n = 0; n <= 40; ++n) {
     ColVector<Scalar> x = ColVector<Scalar>::Constant(n, std::numeric_limits<Scalar>::max());
-    RowMatrix<Scalar> wide = RowMatrix<Scalar>::Constant(n, 3, -std::numeric_limits<Scalar>::max());
+    // (n >= 1: a column of an empty matrix would offset its null data pointer)
+    RowMatrix<Scalar> wide =
+        RowMatrix<Scalar>::Constant(std::max<Index>(n, 1), 3, -std::numeric_limits<Scalar>::max());
     false_alarms += static_cast<int>(!detail::all_finite(x)) +
                     static_cast<int>(!detail::all_finite(wide.col(1)));
     for (Index i = 0; i < n; ++i)

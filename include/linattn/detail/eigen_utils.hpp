@@ -68,6 +68,7 @@ bool all_finite(const Scalar* p, Index n) noexcept {
 template <class Derived>
 bool all_finite(const Eigen::DenseBase<Derived>& x) {
   using Scalar = typename Derived::Scalar;
+  if (x.size() == 0) return true;  // (its data pointer may be null: no offset from it)
   if constexpr ((Derived::Flags & Eigen::DirectAccessBit) != 0) {
     const Derived& d = x.derived();
     if (d.innerStride() == 1) {
