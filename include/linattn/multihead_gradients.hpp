@@ -202,15 +202,16 @@ LayerBackwardOptions<Scalar> layer_backward_options(const Tuple& all) {
   constexpr std::size_t count = std::tuple_size_v<Tuple> - From;
   LayerBackwardOptions<Scalar> options;
   [&]<std::size_t... I>(std::index_sequence<I...>) {
-    constexpr int kinds[] = {layer_option_kind<Scalar, std::tuple_element_t<From + I, Tuple>>()...,
-                             3};
+    // ([[maybe_unused]]: a call without options expands the folds below over nothing)
+    [[maybe_unused]] constexpr int kinds[] = {
+        layer_option_kind<Scalar, std::tuple_element_t<From + I, Tuple>>()..., 3};
     static_assert(((kinds[I] >= 0 && (TakesSlots || kinds[I] != 1)) && ... && true),
                   "a layer backward's last arguments are a SequenceLayout, the slots (a span of "
                   "Index; carried calls only) and a BackwardWorkspace<Scalar>*, each optional");
     static_assert(((kinds[I] < kinds[I + 1]) && ... && true),
                   "a layer backward's optional arguments come in the order: SequenceLayout, "
                   "slots, BackwardWorkspace<Scalar>* (each at most once)");
-    const auto take = [&]<std::size_t At>(std::integral_constant<std::size_t, At>) {
+    [[maybe_unused]] const auto take = [&]<std::size_t At>(std::integral_constant<std::size_t, At>) {
       constexpr int kind = layer_option_kind<Scalar, std::tuple_element_t<At, Tuple>>();
       if constexpr (kind == 0)
         options.layout = std::get<At>(all);
