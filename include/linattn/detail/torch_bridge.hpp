@@ -405,14 +405,6 @@ void with_state(const at::Tensor& t, Index n, Index h, bool is_z, F&& f) {
   }
 }
 
-// with_state's head matrix or vector, as a matrix.
-template <class Scalar>
-RowMatrix<Scalar> read_state(const at::Tensor& t, Index n, Index h, bool is_z) {
-  RowMatrix<Scalar> out;
-  with_state<Scalar>(t, n, h, is_z, [&](const auto& x) { out = x; });
-  return out;
-}
-
 // Writes n x d rows (Scalar) into rows [first, first + n) of head h of batch entry b of a
 // logical tensor of any supported dtype, multiplied by `factor`.
 template <class Scalar, class Src>
@@ -765,10 +757,16 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
       const Index n = task / p.H, h = task % p.H;
       const Index b = p.batch_of(n), first = p.first_of(n), len = p.length_of(n);
       if (has_final) {
-        final_gradient.S = dht.defined() ? read_state<Scalar>(dht, n, h, false)
-                                         : RowMatrix<Scalar>::Zero(p.K, p.V);
-        final_gradient.z = dzt.defined() ? ColVector<Scalar>(read_state<Scalar>(dzt, n, h, true).transpose())
-                                         : ColVector<Scalar>::Zero(Rule::keeps_normalizer ? p.K : 0);
+        // Into the thread's kept matrices: one copy, allocated on the first item only.
+        if (dht.defined())
+          with_state<Scalar>(dht, n, h, false, [&](const auto& x) { final_gradient.S = x; });
+        else
+          final_gradient.S.setZero(p.K, p.V);
+        if (dzt.defined())
+          with_state<Scalar>(dzt, n, h, true,
+                             [&](const auto& x) { final_gradient.z = x.transpose(); });
+        else
+          final_gradient.z.setZero(Rule::keeps_normalizer ? p.K : 0);
       }
       const StateGradient<Scalar>* carried = has_final ? &final_gradient : nullptr;
       if (len > 0) {
