@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds linattn's tests and examples and runs every test through ctest.
-#   bash scripts/test.sh              g++, Release, in build/test
+#   bash scripts/test.sh              g++, Release (for AVX2 where the CPU has it), in build/test
 #   bash scripts/test.sh --sanitize   clang, Debug with AddressSanitizer + UBSan, in build/asan
 #                                     (CI runs both: every test under both compilers)
 # The g++ build also builds the PyTorch component and runs its pytest suite (tests/torch),
@@ -33,6 +33,22 @@ else
   # -O2, not CMake's Release default -O3: the same kernels and intrinsics run, and the build
   # compiles about 14% faster (g++ 12, the largest test file: 210 against 245 CPU seconds).
   flags=(-DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O2 -DNDEBUG")
+  # Every test at AVX2's packet width (x86-64-v3: 8 floats, FMA) where the CPU has it; the
+  # sanitizer build runs them at the baseline's (SSE2, 4 floats) and native_tests at the host's
+  # widest. Eigen starts its packets at a buffer's first aligned element, 32 bytes here against
+  # the 16 that malloc guarantees the tests' buffers, so this build is where a result that
+  # followed a buffer's address would show (tests/placement_test.cpp and the bit-for-bit
+  # comparisons). LINATTN_TEST_ARCH=<-march value> picks another; =baseline, none.
+  arch=${LINATTN_TEST_ARCH:-}
+  if [ -z "$arch" ] && grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw fma /proc/cpuinfo; then
+    arch=x86-64-v3
+  fi
+  if [ -n "$arch" ] && [ "$arch" != baseline ]; then
+    flags+=("-DCMAKE_CXX_FLAGS=-march=$arch")
+    echo "linattn: tests built with -march=$arch" >&2
+  else
+    flags+=("-DCMAKE_CXX_FLAGS=")
+  fi
   if [ "${LINATTN_TORCH:-ON}" = "OFF" ]; then
     flags+=(-DLINATTN_TORCH=OFF)
   else

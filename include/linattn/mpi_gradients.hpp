@@ -29,6 +29,7 @@
 
 #include <linattn/attention.hpp>
 #include <linattn/detail/bytes.hpp>
+#include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/mpi_backward_pipeline.hpp>
 #include <linattn/detail/mpi_exchange.hpp>
 #include <linattn/detail/mpi_prefill.hpp>
@@ -104,8 +105,13 @@ template <class Phi, class Scalar, class DQ, class DK, class DV, class DY>
   if (T > 0) {  // (Eigen's column sums of an empty matrix offset a null pointer)
     Eigen::Ref<RowMatrix<Scalar>> f(kf);
     attn.feature_map().apply(Km, f);
-    Eigen::Map<RowMatrix<Scalar>>(sums.data(), r, dv).noalias() = kf.transpose() * Vm;
-    Eigen::Map<ColVector<Scalar>>(sums.data() + r * dv, r) = kf.colwise().sum().transpose();
+    // `sums` is a fresh vector whose address differs between calls; Eigen's vectorized loops
+    // start at its first aligned element, so the product goes through product_into and the
+    // column sums (summed as a tree within packets, in order one by one) into a vector of
+    // Eigen's own alignment first: the same bits wherever `sums` lies.
+    ld::product_into<false>(Eigen::Map<RowMatrix<Scalar>>(sums.data(), r, dv), kf.transpose(), Vm);
+    const ColVector<Scalar> key_sums = kf.colwise().sum().transpose();
+    Eigen::Map<ColVector<Scalar>>(sums.data() + r * dv, r) = key_sums;
   } else {
     std::fill(sums.begin(), sums.end(), Scalar(0));
   }

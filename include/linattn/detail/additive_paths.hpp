@@ -60,7 +60,7 @@ void additive_full(const Phi& phi, const Normalization& norm, Index group, const
       if (Q.rows() == 0) continue;
       qf.resize(Q.rows(), r);
       map_rows<Scalar>(phi, Q, 0, Q.rows(), qf);
-      out.noalias() = qf * S;
+      product_into<false>(out, qf, S);
       if (!norm.divides()) continue;
       den.noalias() = qf * z;
       for (Index i = 0; i < out.rows(); ++i) out.row(i) /= norm.divisor(den(i), i);

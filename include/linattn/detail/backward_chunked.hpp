@@ -30,6 +30,7 @@
 // backward keeps a_i, b_i (and m_i for log-scaled maps), 2 or 3 scalars.
 
 #include <linattn/detail/chunked.hpp>
+#include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/log_domain.hpp>
 #include <linattn/detail/prefetch.hpp>
 #include <linattn/detail/small_gemm.hpp>
@@ -78,10 +79,7 @@ void product(Index m, Index n, Index depth, const Scalar* A, Index lda, const Sc
   const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> a(A, m, depth, Stride(lda));
   const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> b(B, depth, n, Stride(ldb));
   Eigen::Map<RowMatrix<Scalar>, 0, Stride> c(C, m, n, Stride(ldc));
-  if constexpr (Accumulate)
-    c.noalias() += a * b;
-  else
-    c.noalias() = a * b;
+  product_into<Accumulate>(c, a, b);
   if (row_scale != nullptr)
     for (Index i = 0; i < m; ++i) c.row(i) *= row_scale[i];
 }
@@ -128,10 +126,7 @@ void upper_product(Index n, Index cols, const Scalar* M, Index ld_m, const Scala
   const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> m(M, n, n, Stride(ld_m));
   const Eigen::Map<const RowMatrix<Scalar>, 0, Stride> b(B, n, cols, Stride(ldb));
   Eigen::Map<RowMatrix<Scalar>, 0, Stride> c(C, n, cols, Stride(ldc));
-  if constexpr (Accumulate)
-    c.noalias() += m.transpose() * b;
-  else
-    c.noalias() = m.transpose() * b;
+  product_into<Accumulate>(c, m.transpose(), b);
 }
 
 /// One row's share of the quotient rule: G = [numerator * dy, denominator].
@@ -649,7 +644,7 @@ void full_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const 
   dkf.rowwise() += h.transpose();
   dkf = e.asDiagonal() * dkf;
   phi.backward(K, kf, dkf, dK);
-  dV.noalias() = kf_scaled * H;
+  product_into<false>(dV, kf_scaled, H);
 }
 
 }  // namespace linattn::detail

@@ -4,6 +4,7 @@
 // scalar types and value widths the register kernel does not cover.
 
 #include <linattn/detail/chunk_observer.hpp>
+#include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/prefetch.hpp>
 #include <linattn/detail/small_gemm.hpp>
 #include <linattn/normalization.hpp>
@@ -101,7 +102,7 @@ void causal_chunked_eigen(const Phi& phi, Index group, const QueryAt& query, con
 
       Eigen::Ref<RowMatrix<Scalar>> out = output(g);
       auto o = out.middleRows(first, n);
-      o.noalias() = A.topLeftCorner(n, r + n) * B.topRows(r + n);
+      product_into<false>(o, A.topLeftCorner(n, r + n), B.topRows(r + n));
       if (norm.divides()) {
         auto d = den.head(n);
         d.noalias() = qf * z;

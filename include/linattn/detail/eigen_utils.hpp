@@ -92,6 +92,36 @@ bool overlaps(const Scalar* a, Index n, const Scalar* b, Index m) noexcept {
   return n > 0 && m > 0 && begin_a < end_b && begin_b < end_a;
 }
 
+/// c = a b (or c += a b with Accumulate) with bits that do not depend on c's address. For
+/// products this small (rows + columns + depth below EIGEN_GEMM_TO_COEFFBASED_THRESHOLD, 20)
+/// Eigen computes coefficient by coefficient, in packets from each row's first aligned element
+/// of c and one by one before it; a packet's multiply-add may be fused (FMA) where the scalar
+/// form rounds twice, so the bits of c(i, j) would follow c's address (a caller's buffer, a
+/// view into a batch). Here each coefficient is one plain sum over the depth in order, the same
+/// wherever c sits. Larger products go to Eigen's GEMM, whose blocks start at c's first row and
+/// column whatever the address. Cost: 2 m n depth flops either way.
+template <bool Accumulate, class C, class A, class B>
+void product_into(C&& c, const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b) {
+  using Scalar = typename std::remove_cvref_t<C>::Scalar;
+  const Index m = c.rows(), n = c.cols(), depth = a.cols();
+  if (m + n + depth >= EIGEN_GEMM_TO_COEFFBASED_THRESHOLD || depth == 0) {
+    if constexpr (Accumulate)
+      c.noalias() += a * b;
+    else
+      c.noalias() = a * b;
+    return;
+  }
+  for (Index i = 0; i < m; ++i)
+    for (Index j = 0; j < n; ++j) {
+      Scalar sum(0);
+      for (Index k = 0; k < depth; ++k) sum += a.coeff(i, k) * b.coeff(k, j);
+      if constexpr (Accumulate)
+        c.coeffRef(i, j) += sum;
+      else
+        c.coeffRef(i, j) = sum;
+    }
+}
+
 /// `x`, a row or column vector of length n = scratch.cols(), as a 1 x n row: a view of x's own
 /// elements when they are adjacent in memory (a row of a row-major matrix, a VectorX, a
 /// contiguous Map or Ref) and do not overlap `written` (the output the caller writes while it

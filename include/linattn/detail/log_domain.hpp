@@ -13,6 +13,7 @@
 // enter through the Normalization policy (absolute eps, or the unnormalized read).
 
 #include <linattn/detail/chunk_observer.hpp>
+#include <linattn/detail/eigen_utils.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/normalization.hpp>
 #include <linattn/types.hpp>
@@ -178,10 +179,10 @@ void log_domain_causal_chunk(RowMatrix<Scalar>& S, ColVector<Scalar>& z, Scalar&
           (m.head(run_start).transpose().array() - m(i)).exp();
   }
 
-  out.noalias() = qf * S;
+  product_into<false>(out, qf, S);
   const bool empty = M == -std::numeric_limits<Scalar>::infinity();
   for (Index i = 0; i < n; ++i) out.row(i) *= empty ? Scalar(0) : std::exp(M - m(i));
-  out.noalias() += s * v;
+  product_into<true>(out, s, v);
   auto d = den.head(n);
   d.noalias() = qf * z;
   for (Index i = 0; i < n; ++i) {
@@ -212,7 +213,7 @@ void log_domain_full(const Qf& qf, const LQ& lq, Kf&& kf, const LK& lk, const V&
   for (Index j = 0; j < kf.rows(); ++j) kf.row(j) *= rescale_factor(lk(j), M);
   const RowMatrix<Scalar> S = kf.transpose() * v;
   const ColVector<Scalar> z = kf.colwise().sum().transpose();
-  out.noalias() = qf * S;
+  product_into<false>(out, qf, S);
   const ColVector<Scalar> den = qf * z;
   for (Index i = 0; i < out.rows(); ++i)
     log_domain_read(norm, den(i), lq(i) + M, i).apply(out.row(i));

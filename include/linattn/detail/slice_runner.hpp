@@ -28,6 +28,7 @@
 // head, a T x r matrix (qf_t or qf_t^T A_t: the size of the queries) and T denominators.
 
 #include <linattn/attention.hpp>
+#include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/flush_subnormals.hpp>
 #include <linattn/detail/slice_summary.hpp>
 #include <linattn/detail/small_gemm.hpp>
@@ -381,7 +382,7 @@ class SliceRunner {
         return;
       }
     }
-    out.noalias() += read * S;
+    product_into<true>(out, read, S);
     if (row_scale != nullptr)
       for (Index t = 0; t < T; ++t) out.row(t) *= row_scale[t];
   }

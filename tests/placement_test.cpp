@@ -1,0 +1,199 @@
+// Results do not depend on where the caller's buffers sit in memory. Eigen's vectorized loops
+// start their packets at the first aligned address of a row or vector and take the elements
+// before it one by one; a packet's sum runs in another order than a scalar loop's, and with FMA
+// a packet's multiply-add rounds once where the scalar form rounds twice. A library that hands
+// such a loop the caller's memory gives bits that depend on the buffer's address. This file
+// places Q, K, V, the per-token inputs, dY and the outputs at every element offset within a
+// 64-byte line (the widest packet) and checks every entry point gives the bits of the aligned
+// placement, for each rule, both kernel forms (a value width the register kernel takes and one
+// it does not) and both scalar types. It is part of the groups the CI builds at a packet width
+// wider than the baseline (scripts/test.sh), where the test buffers' 16-byte alignment differs
+// from Eigen's own allocations.
+
+#include <linattn/gradients.hpp>
+#include <linattn/linattn.hpp>
+#include <linattn/rule_gradients.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <array>
+#include <cstring>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "test_support.hpp"
+
+namespace placement_test {  // this file's own names: it builds inside a group
+
+using namespace linattn;
+using linattn_test::random_matrix;
+using linattn_test::uniform_matrix;
+
+namespace {
+
+template <class Scalar>
+using Placed = Eigen::Map<RowMatrix<Scalar>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+// A copy of `m` at `offset` elements into a fresh buffer whose rows are `pad` elements longer
+// than m's (so row r starts at offset + r (cols + pad)), and the Map over it.
+template <class Scalar>
+struct PlacedCopy {
+  std::vector<Scalar> storage;
+  Placed<Scalar> view;
+  PlacedCopy(const RowMatrix<Scalar>& m, Index offset, Index pad)
+      : storage(static_cast<std::size_t>(offset + m.rows() * (m.cols() + pad) + 1), Scalar(-7)),
+        view(storage.data() + offset, m.rows(), m.cols(), Eigen::OuterStride<>(m.cols() + pad)) {
+    view = m;
+  }
+};
+
+template <class Scalar>
+bool same_bits(const Eigen::Ref<const RowMatrix<Scalar>>& a, const Eigen::Ref<const RowMatrix<Scalar>>& b) {
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+  for (Index i = 0; i < a.rows(); ++i)
+    for (Index j = 0; j < a.cols(); ++j) {
+      const Scalar x = a(i, j), y = b(i, j);
+      if (std::memcmp(&x, &y, sizeof(Scalar)) != 0) return false;  // NaN == NaN, -0 != +0
+    }
+  return true;
+}
+
+// Everything one placement computes: the outputs of the forward entry points and, for the
+// rules with gradients, the backward's.
+template <class Scalar>
+struct Results {
+  std::vector<RowMatrix<Scalar>> parts;
+};
+
+template <class Attention, std::size_t N>
+Results<typename Attention::scalar_type> run_all(const Attention& attn,
+                                                 const std::array<RowMatrix<typename Attention::scalar_type>, 3 + N + 1>& data,
+                                                 Index offset, Index pad, Index T0) {
+  using Scalar = typename Attention::scalar_type;
+  std::vector<PlacedCopy<Scalar>> placed;
+  placed.reserve(data.size());
+  for (std::size_t i = 0; i < data.size(); ++i)
+    // Each buffer at its own offset (7 i apart) so no two share a placement.
+    placed.emplace_back(data[i], (offset + 7 * Index(i)) % 16, pad);
+  const auto& Q = placed[0].view;
+  const auto& K = placed[1].view;
+  const auto& V = placed[2].view;
+  const auto& dY = placed[3 + N].view;
+  const Index T = Q.rows(), dv = V.cols();
+  Results<Scalar> res;
+  const auto out = [&] { return PlacedCopy<Scalar>(RowMatrix<Scalar>::Zero(T, dv), (offset + 5) % 16, pad); };
+
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    // Stateless causal forward, chunked and token by token, into placed outputs.
+    auto y = out();
+    attn.parallel_into(Q, K, V, placed[3 + I].view..., Mask::causal, y.view);
+    res.parts.push_back(y.view);
+    auto y2 = out();
+    auto fresh = attn.make_state(Q.cols(), dv);
+    attn.recurrent_into(fresh, Q, K, V, placed[3 + I].view..., y2.view);
+    res.parts.push_back(y2.view);
+    // Prefill T0 tokens, then decode the rest step by step.
+    auto state = attn.make_state(Q.cols(), dv);
+    auto y3 = out();
+    attn.prefill_into(state, Q.topRows(T0), K.topRows(T0), V.topRows(T0),
+                      placed[3 + I].view.topRows(T0)..., y3.view.topRows(T0));
+    for (Index t = T0; t < T; ++t) {
+      [[maybe_unused]] const auto step_input = [&](const Placed<Scalar>& x) {
+        if constexpr (Attention::rule_type::kind == WriteKind::gated) return x.row(t);
+        else return x(t, 0);
+      };
+      auto yt = y3.view.row(t);
+      attn.step_into(state, Q.row(t), K.row(t), V.row(t), step_input(placed[3 + I].view)..., yt);
+    }
+    res.parts.push_back(y3.view);
+    res.parts.push_back(state.S());
+    // The backward, into placed gradients.
+    if constexpr (Attention::rule_type::kind == WriteKind::additive) {
+      auto dq = PlacedCopy<Scalar>(RowMatrix<Scalar>::Zero(T, Q.cols()), (offset + 3) % 16, pad);
+      auto dk = PlacedCopy<Scalar>(RowMatrix<Scalar>::Zero(T, K.cols()), (offset + 9) % 16, pad);
+      auto dvv = PlacedCopy<Scalar>(RowMatrix<Scalar>::Zero(T, dv), (offset + 13) % 16, pad);
+      parallel_backward_into(attn, Q, K, V, Mask::causal, dY, GradientsRef<Scalar>{dq.view, dk.view, dvv.view});
+      res.parts.push_back(dq.view);
+      res.parts.push_back(dk.view);
+      res.parts.push_back(dvv.view);
+    } else {
+      auto dq = PlacedCopy<Scalar>(RowMatrix<Scalar>::Zero(T, Q.cols()), (offset + 3) % 16, pad);
+      auto dk = PlacedCopy<Scalar>(RowMatrix<Scalar>::Zero(T, K.cols()), (offset + 9) % 16, pad);
+      auto dvv = PlacedCopy<Scalar>(RowMatrix<Scalar>::Zero(T, dv), (offset + 13) % 16, pad);
+      RuleInputGradients<Scalar> d_in;
+      parallel_backward_into(attn, Q, K, V, placed[3 + I].view..., Mask::causal, dY,
+                             GradientsRef<Scalar>{dq.view, dk.view, dvv.view}, d_in);
+      res.parts.push_back(dq.view);
+      res.parts.push_back(dk.view);
+      res.parts.push_back(dvv.view);
+      res.parts.push_back(d_in.log_gate);
+      res.parts.push_back(d_in.beta);
+      res.parts.push_back(d_in.log_alpha);
+    }
+  }(std::make_index_sequence<N>{});
+  return res;
+}
+
+template <class Attention, std::size_t N>
+void check_placements(const std::string& name, const Attention& attn, Index dk, Index dv,
+                      const std::array<std::array<double, 3>, N>& inputs) {
+  using Scalar = typename Attention::scalar_type;
+  const Index T = 23, T0 = 17;
+  std::array<RowMatrix<Scalar>, 3 + N + 1> data;
+  data[0] = random_matrix<Scalar>(T, dk, 100);
+  data[1] = random_matrix<Scalar>(T, dk, 101);
+  data[2] = random_matrix<Scalar>(T, dv, 102);
+  for (std::size_t i = 0; i < N; ++i)  // {columns (0: dk), lo, hi}
+    data[3 + i] = uniform_matrix<Scalar>(T, inputs[i][0] == 0 ? dk : Index(inputs[i][0]), 103 + i,
+                                         inputs[i][1], inputs[i][2]);
+  data[3 + N] = random_matrix<Scalar>(T, dv, 110);
+  const Results<Scalar> aligned = run_all<Attention, N>(attn, data, 0, 0, T0);
+  for (const Index pad : {Index(0), Index(3)})
+    for (Index offset = 0; offset < 16; ++offset) {
+      INFO(name << ", dk " << dk << ", dv " << dv << ", offset " << offset << ", row padding " << pad);
+      const Results<Scalar> got = run_all<Attention, N>(attn, data, offset, pad, T0);
+      REQUIRE(got.parts.size() == aligned.parts.size());
+      for (std::size_t p = 0; p < got.parts.size(); ++p) {
+        INFO("result " << p);
+        CHECK(same_bits<Scalar>(got.parts[p], aligned.parts[p]));
+      }
+    }
+}
+
+template <class Scalar>
+void check_every_rule(Index dk, Index dv, Index chunk) {
+  Options opt;
+  opt.chunk_size = chunk;  // several chunks, the last one partial
+  Options unnormalized = opt;
+  unnormalized.normalization = Normalization::unnormalized();
+  using None = std::array<std::array<double, 3>, 0>;
+  check_placements("additive, elu + 1", LinearAttention<EluPlusOne, Scalar>(EluPlusOne{}, opt), dk, dv, None{});
+  check_placements("additive, l2 normalize", LinearAttention<L2Normalize, Scalar>(L2Normalize{}, unnormalized), dk, dv, None{});
+  check_placements("decay", RuleAttention<EluPlusOne, Decay, Scalar>(EluPlusOne{}, Decay(0.9), opt), dk, dv, None{});
+  check_placements("scalar gates", RuleAttention<EluPlusOne, Gated, Scalar>(EluPlusOne{}, opt), dk, dv,
+                   std::array<std::array<double, 3>, 1>{{{1, -0.5, -0.01}}});
+  check_placements("per-channel gates", RuleAttention<EluPlusOne, Gated, Scalar>(EluPlusOne{}, opt), dk, dv,
+                   std::array<std::array<double, 3>, 1>{{{0, -0.5, -0.01}}});
+  check_placements("delta", RuleAttention<L2Normalize, Delta, Scalar>(L2Normalize{}, unnormalized), dk, dv,
+                   std::array<std::array<double, 3>, 1>{{{1, 0.1, 0.9}}});
+  check_placements("gated delta", RuleAttention<L2Normalize, GatedDelta, Scalar>(L2Normalize{}, unnormalized), dk, dv,
+                   std::array<std::array<double, 3>, 2>{{{1, 0.1, 0.9}, {1, -0.5, -0.01}}});
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("every entry point gives the same bits wherever the caller's buffers sit",
+                   "[placement]", float, double) {
+  // dv = 5: no packet width divides it (the Eigen-product forms); dv = 32: every width does
+  // (the register kernels). dk = 13 and 16: a feature row with and without a scalar tail.
+  // dk = 6, dv = 5 in chunks of 3: products so small that Eigen evaluates them coefficient by
+  // coefficient (rows + columns + depth < 20), in packets from the destination's first aligned
+  // element.
+  placement_test::check_every_rule<TestType>(13, 5, 8);
+  placement_test::check_every_rule<TestType>(16, 32, 8);
+  placement_test::check_every_rule<TestType>(6, 5, 3);
+}
+
+}  // namespace placement_test
