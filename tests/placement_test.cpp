@@ -17,7 +17,6 @@
 #include <catch2/catch.hpp>
 
 #include <array>
-#include <cstring>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -48,17 +47,6 @@ struct PlacedCopy {
     view = m;
   }
 };
-
-template <class Scalar>
-bool same_bits(const Eigen::Ref<const RowMatrix<Scalar>>& a, const Eigen::Ref<const RowMatrix<Scalar>>& b) {
-  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
-  for (Index i = 0; i < a.rows(); ++i)
-    for (Index j = 0; j < a.cols(); ++j) {
-      const Scalar x = a(i, j), y = b(i, j);
-      if (std::memcmp(&x, &y, sizeof(Scalar)) != 0) return false;  // NaN == NaN, -0 != +0
-    }
-  return true;
-}
 
 // Everything one placement computes: the outputs of the forward entry points and, for the
 // rules with gradients, the backward's.
@@ -157,7 +145,7 @@ void check_placements(const std::string& name, const Attention& attn, Index dk, 
       REQUIRE(got.parts.size() == aligned.parts.size());
       for (std::size_t p = 0; p < got.parts.size(); ++p) {
         INFO("result " << p);
-        CHECK(same_bits<Scalar>(got.parts[p], aligned.parts[p]));
+        CHECK(linattn_test::same_bits(got.parts[p], aligned.parts[p]));
       }
     }
 }

@@ -26,7 +26,6 @@
 #include <limits>
 #include <stdexcept>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -100,12 +99,6 @@ SplitResult<typename Attention::scalar_type> split_prefill(
   return out;
 }
 
-template <class Scalar, class M>
-bool same_bits(const M& a, const M& b) {
-  return a.rows() == b.rows() && a.cols() == b.cols() &&
-         std::memcmp(a.data(), b.data(), sizeof(Scalar) * std::size_t(a.size())) == 0;
-}
-
 }  // namespace
 
 TEMPLATE_TEST_CASE("slices run apart and composed in order equal one prefill, every rule",
@@ -167,7 +160,7 @@ TEMPLATE_TEST_CASE("slices run apart and composed in order equal one prefill, ev
         while (lengths[std::size_t(first)] == 0) ++first;
         const Index n = lengths[std::size_t(first)];
         if (n % C == 0)
-          CHECK(same_bits<Scalar>(RowMatrix<Scalar>(split.Y.topRows(n)), RowMatrix<Scalar>(Y.topRows(n))));
+          CHECK(linattn_test::same_bits(split.Y.topRows(n), Y.topRows(n)));
       }
     }
   });

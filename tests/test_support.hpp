@@ -10,8 +10,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace linattn_test {
@@ -31,6 +33,20 @@ inline constexpr bool kSanitizedBuild = LINATTN_TEST_SANITIZED != 0;
 template <class Scalar>
 constexpr double unit_roundoff() {
   return std::numeric_limits<Scalar>::epsilon() / 2;
+}
+
+/// Whether a and b (any Eigen matrices or views, strided ones included) have the same shape and
+/// the same bits in every coefficient: NaN matches NaN of the same payload, -0 does not match +0.
+template <class A, class B>
+bool same_bits(const Eigen::DenseBase<A>& a, const Eigen::DenseBase<B>& b) {
+  static_assert(std::is_same_v<typename A::Scalar, typename B::Scalar>, "compare one scalar type");
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+  for (Index i = 0; i < a.rows(); ++i)
+    for (Index j = 0; j < a.cols(); ++j) {
+      const typename A::Scalar x = a(i, j), y = b(i, j);
+      if (std::memcmp(&x, &y, sizeof(x)) != 0) return false;
+    }
+  return true;
 }
 
 /// T x d matrix with iid N(0, sigma^2) entries from a fixed seed, drawn from the library's own

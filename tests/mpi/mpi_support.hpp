@@ -51,11 +51,7 @@ template <class M>
 std::uint64_t digest(const M& m, std::uint64_t h = 1469598103934665603ULL) {
   return fnv1a(m.data(), sizeof(typename M::Scalar) * std::size_t(m.size()), h);
 }
-template <class A, class B>
-bool same_bits(const A& a, const B& b) {
-  return a.rows() == b.rows() && a.cols() == b.cols() && RowMatrix<typename A::Scalar>(a) == RowMatrix<typename B::Scalar>(b) &&
-         digest(RowMatrix<typename A::Scalar>(a)) == digest(RowMatrix<typename B::Scalar>(b));
-}
+// same_bits: test_support.hpp.
 
 // Every rank's value, in rank order.
 inline std::vector<std::uint64_t> gather(std::uint64_t mine) {
