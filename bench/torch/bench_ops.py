@@ -6,12 +6,18 @@ prints one table with the ratio (plain PyTorch time / linattn time; > 1: linattn
     PYTHONPATH=build/test/python python3 bench/torch/bench_ops.py          # quick grid
     PYTHONPATH=build/test/python python3 bench/torch/bench_ops.py --full   # issue 17's grid
     PYTHONPATH=build/test/python python3 bench/torch/bench_ops.py --backward   # training step
+    PYTHONPATH=build/test/python python3 bench/torch/bench_ops.py --decode     # decode steps
 
 With --backward each side runs forward and backward (the loss sum(o)): linattn's backward
 against PyTorch's autograd through the same chunked loop; the gradients of every input are
 checked to agree first. linattn's step is also timed with lt.set_saved_forward(False) (the
 backward rebuilds the chunk states instead of reading the ones the forward kept): the column
 "no-save ms", and "save gain" = that time / the default step's.
+
+With --decode, every fused_recurrent_* op decodes `--steps` tokens one call per token,
+continuing an [B, H, D, D] state: as fla returns it (a new state tensor per step) against
+inplace_final_state=True (the step writes over its initial state); microseconds per step, best
+of --reps runs, and "new / in place" (> 1: in place is faster). No plain PyTorch side.
 
 Both sides run float32 on the same thread count (torch.set_num_threads), B = 1, H = 8. Each
 row first checks that the two agree (a relative error well under 1e-3), then takes the median
@@ -156,6 +162,56 @@ def check_gradients(name, ours, theirs, leaves):
                              f"(relative {rel:.2g})")
 
 
+def decode_cases(B, H, D):
+    """One decode step of every fused_recurrent_* op as f(state, inplace) -> state."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, 1, H, D, generator=gen) for _ in range(3))
+    kn = F.normalize(k, dim=-1)
+    g = F.logsigmoid(torch.randn(B, 1, H, generator=gen) + 4)
+    gk = F.logsigmoid(torch.randn(B, 1, H, D, generator=gen) + 4)
+    beta = torch.rand(B, 1, H, generator=gen)
+    kw = dict(output_final_state=True)
+    return {
+        "linear_attn": lambda h, ip: lt.fused_recurrent_linear_attn(
+            q, k, v, initial_state=h, inplace_final_state=ip, **kw)[1],
+        "simple_gla": lambda h, ip: lt.fused_recurrent_simple_gla(
+            q, k, v, g, initial_state=h, inplace_final_state=ip, **kw)[1],
+        "gla": lambda h, ip: lt.fused_recurrent_gla(
+            q, k, v, gk=gk, initial_state=h, inplace_final_state=ip, **kw)[1],
+        "delta_rule": lambda h, ip: lt.fused_recurrent_delta_rule(
+            q, kn, v, beta, initial_state=h, inplace_final_state=ip, **kw)[1],
+        "gated_delta_rule": lambda h, ip: lt.fused_recurrent_gated_delta_rule(
+            q, kn, v, g, beta, initial_state=h, inplace_final_state=ip, **kw)[1],
+    }
+
+
+def decode_table(args):
+    """--decode: microseconds per step, new state tensor against in place."""
+    print(f"{'op':18} {'B':>2} {'D':>4} {'thr':>3} {'new us':>8} {'in place us':>11} "
+          f"{'new / in place':>14}")
+    torch.set_grad_enabled(False)
+    H = 8
+    for B in (1, 4):
+        for D in (64, 128):
+            for name, step in decode_cases(B, H, D).items():
+                if args.ops and name not in args.ops:
+                    continue
+                for n in args.threads:
+                    torch.set_num_threads(n)
+                    best = {}
+                    # The two forms alternate, so that a slow phase of the machine hits both.
+                    for _ in range(args.reps):
+                        for inplace in (False, True):
+                            h = torch.zeros(B, H, D, D)
+                            start = time.perf_counter()
+                            for _ in range(args.steps):
+                                h = step(h, inplace)
+                            t = (time.perf_counter() - start) / args.steps
+                            best[inplace] = min(best.get(inplace, t), t)
+                    print(f"{name:18} {B:2d} {D:4d} {n:3d} {best[False] * 1e6:8.1f} "
+                          f"{best[True] * 1e6:11.1f} {best[False] / best[True]:14.2f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="D 64, 128; T 1024 to 16384")
@@ -164,7 +220,13 @@ def main():
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2],
                         help="torch thread counts (default 1 2)")
+    parser.add_argument("--decode", action="store_true",
+                        help="time decode steps: new state tensor against inplace_final_state")
+    parser.add_argument("--steps", type=int, default=1000, help="decode steps per run (--decode)")
     args = parser.parse_args()
+    if args.decode:
+        decode_table(args)
+        return
     dims = [64, 128]
     lengths = [1024, 4096, 16384] if args.full else [1024, 4096]
     threads = args.threads

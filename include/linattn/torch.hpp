@@ -11,7 +11,8 @@
 /// tensor's memory) and float32/float64 outputs are written in place; bfloat16 and float16 are
 /// converted one (sequence, head) block at a time into float32 buffers of that block's size,
 /// so no float copy of a whole input exists. Compute and states are float64 for float64
-/// inputs, float32 otherwise.
+/// inputs, float32 otherwise. Settings::inplace_final_state writes the final state over
+/// initial_state (a decode step without a state allocation; vLLM's fla kernels have it too).
 ///
 /// The operations, each a write rule of linattn with the identity feature map (fla applies no
 /// feature map; q is multiplied by `scale`, K^-0.5 by default), per sequence and head:

@@ -30,14 +30,16 @@ Op op_from_name(const std::string& name) {
 using Saved = std::shared_ptr<linattn::fla::SavedForwards>;
 
 // (o, final_state, final_z, saved): saved holds the chunk states for backward when `save` is set
-// and the forward is chunked, else None.
+// and the forward is chunked, else None; inplace_final_state writes the final states over
+// initial_state and initial_z (then returned as final_state and final_z when asked for).
 std::tuple<at::Tensor, OptTensor, OptTensor, std::optional<Saved>> forward(
     const std::string& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const OptTensor& g, const OptTensor& beta, const OptTensor& initial_state,
     const OptTensor& initial_z, const OptTensor& cu_seqlens, std::optional<double> scale,
     bool chunked, bool output_final_state, bool normalize, bool qk_l2norm, bool head_first,
-    bool save) {
-  const linattn::fla::Settings settings{scale, chunked, output_final_state, normalize, qk_l2norm, head_first};
+    bool save, bool inplace_final_state) {
+  const linattn::fla::Settings settings{scale,     chunked,    output_final_state, normalize,
+                                        qk_l2norm, head_first, inplace_final_state};
   const linattn::fla::Inputs inputs{q, k, v, g, beta, initial_state, initial_z, cu_seqlens};
   linattn::fla::Result r;
   Saved saved = save ? std::make_shared<linattn::fla::SavedForwards>() : nullptr;
@@ -59,7 +61,7 @@ Grads backward(const std::string& op, const at::Tensor& q, const at::Tensor& k, 
                bool normalize, bool qk_l2norm, bool head_first, const at::Tensor& d_o,
                const OptTensor& d_final_state, const OptTensor& d_final_z,
                const std::optional<Saved>& saved) {
-  const linattn::fla::Settings settings{scale, true, false, normalize, qk_l2norm, head_first};
+  const linattn::fla::Settings settings{scale, true, false, normalize, qk_l2norm, head_first, false};
   const linattn::fla::Inputs inputs{q, k, v, g, beta, initial_state, initial_z, cu_seqlens};
   linattn::fla::Gradients r;
   {
@@ -88,7 +90,8 @@ PYBIND11_MODULE(_ext, m) {
         pybind11::arg("g"), pybind11::arg("beta"), pybind11::arg("initial_state"),
         pybind11::arg("initial_z"), pybind11::arg("cu_seqlens"), pybind11::arg("scale"),
         pybind11::arg("chunked"), pybind11::arg("output_final_state"), pybind11::arg("normalize"),
-        pybind11::arg("qk_l2norm"), pybind11::arg("head_first"), pybind11::arg("save") = false);
+        pybind11::arg("qk_l2norm"), pybind11::arg("head_first"), pybind11::arg("save") = false,
+        pybind11::arg("inplace_final_state") = false);
   m.def("backward", &backward,
         "gradients of an fla-style op (from the forward's SavedForwards when given); returns (dq, dk, dv, dg, dbeta, d_initial_state, d_initial_z)",
         pybind11::arg("op"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),

@@ -17,7 +17,9 @@
 #include <linattn/write_rules.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -65,6 +67,15 @@ struct Settings {
   bool normalize = false;  // linear_attn only: o = q^T S / (q^T z + 1e-10 / scale)
   bool qk_l2norm = false;  // delta rules only: q, k <- x / sqrt(|x|^2 + 1e-6) first
   bool head_first = false;
+  /// Decode without a new state tensor: each head's final state is written over its initial
+  /// state in initial_state's memory (and z over initial_z's with normalize), which then serves
+  /// as final_state (final_z) when output_final_state asks for it. Needs initial_state (and,
+  /// with normalize, initial_z) in the compute type (float32; float64 for float64 inputs), any
+  /// strides but no two elements at one address and no memory shared with q, k, v, g or beta.
+  /// Bumps their version counters, as torch's in-place ops do. The forward only (no autograd
+  /// through it). If the call throws, heads already done hold their new state and the others
+  /// their old one: keep a copy to retry a step that may fail.
+  bool inplace_final_state = false;
 };
 
 /// o in q's dtype and layout; final state [N, H, K, V] and, with normalize, z [N, 1, H, K],
@@ -188,6 +199,37 @@ struct Prepared {
   }
 };
 
+// Settings::inplace_final_state's conditions: the states to write over are given, hold the
+// compute type, and no element of them shares an address with another or with an input
+// (MemOverlap's "too hard" cases, strides it cannot prove disjoint, pass as in torch's own
+// in-place ops).
+inline void check_inplace_states(const Prepared& p, const Settings& s) {
+  TORCH_CHECK_VALUE(p.h0.defined(), "linattn: inplace_final_state needs an initial_state to write over");
+  TORCH_CHECK_VALUE(!s.normalize || p.z0.defined(),
+                    "linattn: inplace_final_state with normalize=True needs initial_state as "
+                    "(kv_state, z_state), both written over");
+  const at::ScalarType compute = p.compute_double ? at::kDouble : at::kFloat;
+  for (const auto& [state, name] : {std::pair{&p.h0, "initial_state"}, std::pair{&p.z0, "initial z state"}}) {
+    if (!state->defined()) continue;
+    TORCH_CHECK_TYPE(state->scalar_type() == compute, "linattn: inplace_final_state writes the ",
+                     name, " in the compute type ", compute, ", got ", state->scalar_type(),
+                     " (pass it as ", compute, ", or leave inplace_final_state off)");
+    TORCH_CHECK_VALUE(!state->is_inference() || c10::InferenceMode::is_enabled(), "linattn: the ",
+                      name, " is an inference tensor, which torch lets no one write outside "
+                      "inference mode; call under torch.inference_mode() or clone() it first");
+    TORCH_CHECK_VALUE(at::has_internal_overlap(*state) != at::MemOverlap::Yes, "linattn: the ",
+                      name, " has elements sharing memory (strides ", state->strides(),
+                      "); inplace_final_state needs one address per element (clone() it)");
+    for (const at::Tensor* input : {&p.q, &p.k, &p.v, &p.g, &p.beta}) {
+      if (!input->defined()) continue;
+      const at::MemOverlapStatus overlap = at::get_overlap_status(*state, *input);
+      TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+                        "linattn: the ", name, " shares memory with q, k, v, g or beta; "
+                        "inplace_final_state cannot write over it");
+    }
+  }
+}
+
 inline Prepared prepare(Op op, const Inputs& in, const Settings& s) {
   Prepared p;
   check_tensor(in.q, "q");
@@ -271,6 +313,7 @@ inline Prepared prepare(Op op, const Inputs& in, const Settings& s) {
     check_dims(*in.initial_z, "initial z state", {p.N, 1, p.H, p.K}, "([N, 1, H, K])");
     p.z0 = *in.initial_z;
   }
+  if (s.inplace_final_state) check_inplace_states(p, s);
   TORCH_CHECK_VALUE(!s.normalize || op == Op::linear_attn, "linattn: normalize is for linear_attn only");
   TORCH_CHECK_VALUE(!s.qk_l2norm || op == Op::delta_rule || op == Op::gated_delta_rule,
                     "linattn: use_qk_l2norm_in_kernel is for the delta rules only");
@@ -403,6 +446,30 @@ void with_state(const at::Tensor& t, Index n, Index h, bool is_z, F&& f) {
     convert_block(t, start, rows, cols, rs, cs, converted);
     f(std::as_const(converted));
   }
+}
+
+// Writes `value` (K x V, or 1 x K for z) into the head matrix of state tensor `t` ([N, H, K, V]
+// or [N, 1, H, K], holding Scalar, any strides): with_state's addressing, for writing.
+template <class Scalar, class Src>
+void store_state(const at::Tensor& t, Index n, Index h, bool is_z, const Eigen::MatrixBase<Src>& value) {
+  const Index rows = is_z ? 1 : t.size(2), cols = t.size(3);
+  const Index start = is_z ? n * t.stride(0) + h * t.stride(2) : n * t.stride(0) + h * t.stride(1);
+  const Index rs = is_z ? cols * t.stride(3) : t.stride(2), cs = t.stride(3);
+  Scalar* data = t.data_ptr<Scalar>() + start;
+  if (cs == 1 || cols <= 1) {
+    Eigen::Map<RowMatrix<Scalar>, Eigen::Unaligned, Eigen::OuterStride<>>(data, rows, cols,
+                                                                          Eigen::OuterStride<>(rs)) = value;
+  } else {
+    using Strides = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
+    Eigen::Map<RowMatrix<Scalar>, Eigen::Unaligned, Strides>(data, rows, cols, Strides(rs, cs)) = value;
+  }
+}
+
+// Marks state tensors written in place (inplace_final_state) as torch's in-place ops do, so that
+// autograd refuses a graph that saved their old values.
+inline void bump_versions(const at::Tensor& ht, const at::Tensor& zt) {
+  for (const at::Tensor* t : {&ht, &zt})
+    if (t->defined()) t->unsafeGetTensorImpl()->bump_version();
 }
 
 // Writes n x d rows (Scalar) into rows [first, first + n) of head h of batch entry b of a
@@ -581,14 +648,19 @@ fla::Result forward(const Prepared& p, const Settings& s, fla::SavedForwards* sa
   fla::Result result;
   result.o = o_pair.first;
   const auto state_opts = at::TensorOptions().dtype(scalar_type_of<Scalar>()).device(at::kCPU);
+  // Where the final states go: over the initial ones (inplace_final_state), new tensors, or
+  // nowhere.
   at::Tensor ht, zt;
-  if (s.output_final_state) {
+  if (s.inplace_final_state) {
+    ht = p.h0;
+    zt = p.z0;
+  } else if (s.output_final_state) {
     ht = at::empty({p.N, p.H, p.K, p.V}, state_opts);
+    if (s.normalize) zt = at::empty({p.N, 1, p.H, p.K}, state_opts);
+  }
+  if (s.output_final_state) {
     result.final_state = ht;
-    if (s.normalize) {
-      zt = at::empty({p.N, 1, p.H, p.K}, state_opts);
-      result.final_z = zt;
-    }
+    if (s.normalize) result.final_z = zt;
   }
   // Unnormalized, o is linear in q: the rows read out are multiplied by scale instead of q.
   const Scalar out_factor = s.normalize ? Scalar(1) : static_cast<Scalar>(p.scale);
@@ -643,19 +715,19 @@ fla::Result forward(const Prepared& p, const Settings& s, fla::SavedForwards* sa
           }
         }
         if (ht.defined()) {
-          Eigen::Map<RowMatrix<Scalar>>(ht.data_ptr<Scalar>() + (n * p.H + h) * p.K * p.V, p.K, p.V) =
-              state.S();
+          store_state<Scalar>(ht, n, h, false, state.S());
           if constexpr (Rule::keeps_normalizer) {
-            if (zt.defined())
-              Eigen::Map<ColVector<Scalar>>(zt.data_ptr<Scalar>() + (n * p.H + h) * p.K, p.K) = state.z();
+            if (zt.defined()) store_state<Scalar>(zt, n, h, true, state.z().transpose());
           }
         }
       }
     });
   } catch (...) {
     if (saved != nullptr) saved->clear();  // a forward that throws keeps nothing
+    if (s.inplace_final_state) bump_versions(ht, zt);  // some heads may have been written
     throw;
   }
+  if (s.inplace_final_state) bump_versions(ht, zt);
   return result;
 }
 

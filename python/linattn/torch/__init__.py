@@ -5,7 +5,9 @@ Every function takes fla's arguments with fla's names and defaults and returns f
 T, D]``), float32, float64, bfloat16 or float16; ``scale=None`` means ``K ** -0.5``;
 ``initial_state`` / ``final_state`` ``[N, H, K, V]`` (float32, float64 for float64 inputs);
 ``cu_seqlens`` packs N sequences along T with B = 1. See docs/pytorch.md for the formulas and
-where linattn's semantics differ from fla's.
+where linattn's semantics differ from fla's. The fused_recurrent_* ops also take
+``inplace_final_state=True`` (as vLLM's fla ops do): the final state is written over
+``initial_state`` instead of a new tensor, for decoding without a state allocation per step.
 
 Autograd: every op has gradients (linattn's chunked backward, O(T K V) per sequence and head)
 for q, k, v, the gates g (and g_gamma, through the sum), beta, initial_state (and z), with the
@@ -110,7 +112,7 @@ class _Op(torch.autograd.Function):
 
 def _run(rule, q, k, v, g=None, beta=None, scale=None, initial_state=None,
          output_final_state=False, normalize=False, qk_l2norm=False, cu_seqlens=None,
-         head_first=False, chunked=True, reverse=False):
+         head_first=False, chunked=True, reverse=False, inplace_final_state=False):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"linattn.torch: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -122,7 +124,7 @@ def _run(rule, q, k, v, g=None, beta=None, scale=None, initial_state=None,
         flip = lambda x: None if x is None else x.index_select(time_dim, order)  # noqa: E731
         o, state = _run(rule, flip(q), flip(k), flip(v), flip(g), flip(beta), scale,
                         initial_state, output_final_state, normalize, qk_l2norm, cu_seqlens,
-                        head_first, chunked)
+                        head_first, chunked, inplace_final_state=inplace_final_state)
         return flip(o), state
     h0, z0 = initial_state, None
     if isinstance(initial_state, (tuple, list)):
@@ -132,6 +134,9 @@ def _run(rule, q, k, v, g=None, beta=None, scale=None, initial_state=None,
         h0, z0 = initial_state
     if scale is None:
         scale = k.shape[-1] ** -0.5
+    if inplace_final_state:
+        return _run_inplace(rule, q, k, v, g, beta, h0, z0, cu_seqlens, float(scale), chunked,
+                            output_final_state, normalize, qk_l2norm, head_first)
     # Keep the chunk states only when autograd will call the backward.
     save = (_saving and chunked and torch.is_grad_enabled()
             and any(isinstance(t, torch.Tensor) and t.requires_grad
@@ -142,6 +147,23 @@ def _run(rule, q, k, v, g=None, beta=None, scale=None, initial_state=None,
     if not output_final_state:
         return o, None
     return o, ((ht, zt) if normalize else ht)
+
+
+def _run_inplace(rule, q, k, v, g, beta, h0, z0, cu_seqlens, scale, chunked, output_final_state,
+                 normalize, qk_l2norm, head_first):
+    """The forward writing its final state over initial_state (a decode step that allocates no
+    state tensor): outside autograd, since the write destroys what a backward would read."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (q, k, v, g, beta, h0, z0)):
+        raise ValueError("linattn.torch: inplace_final_state is for inference: call it under "
+                         "torch.no_grad() or torch.inference_mode(), or with inputs that do not "
+                         "require grad")
+    o, ht, zt, _ = _ext.forward(rule, q, k, v, g, beta, h0, z0, cu_seqlens, scale, chunked,
+                                output_final_state, normalize, qk_l2norm, head_first,
+                                inplace_final_state=True)
+    if not output_final_state:
+        return o, None
+    return o, ((h0, z0) if normalize else h0)  # ht and zt are these tensors
 
 
 def _reversed_order(T, cu_seqlens):
@@ -177,17 +199,20 @@ def fused_recurrent_linear_attn(q: _Tensor, k: _Tensor, v: _Tensor, scale: Optio
                                 initial_state: Optional[_State] = None,
                                 output_final_state: bool = False, reverse: bool = False,
                                 normalize: bool = False, cu_seqlens: Optional[_Tensor] = None,
-                                head_first: bool = False):
+                                head_first: bool = False, inplace_final_state: bool = False):
     """chunk_linear_attn token by token (normalize defaults to False, as in fla); reverse=True
     reads every sequence from its last token to its first (o_t then covers tokens t..end, and
-    the final state is the one after the first token)."""
+    the final state is the one after the first token).
+    inplace_final_state=True writes the final state over initial_state (a decode step without
+    a new state tensor; for inference only, see docs/pytorch.md)."""
     return _run("linear_attn", q, k, v, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, normalize=normalize,
-                cu_seqlens=cu_seqlens, head_first=head_first, chunked=False, reverse=reverse)
+                cu_seqlens=cu_seqlens, head_first=head_first, chunked=False, reverse=reverse,
+                inplace_final_state=inplace_final_state)
 
 
 def _simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
-                head_first, chunked, reverse=False):
+                head_first, chunked, reverse=False, inplace_final_state=False):
     if g_gamma is not None:
         H = q.shape[1] if head_first else q.shape[2]
         if g_gamma.shape != (H,):
@@ -198,10 +223,12 @@ def _simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, c
     if g is None:  # no gate: fla's simple_gla is then unnormalized linear attention
         return _run("linear_attn", q, k, v, scale=scale, initial_state=initial_state,
                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                    head_first=head_first, chunked=chunked, reverse=reverse)
+                    head_first=head_first, chunked=chunked, reverse=reverse,
+                    inplace_final_state=inplace_final_state)
     return _run("simple_gla", q, k, v, g=g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                head_first=head_first, chunked=chunked, reverse=reverse)
+                head_first=head_first, chunked=chunked, reverse=reverse,
+                inplace_final_state=inplace_final_state)
 
 
 def chunk_simple_gla(q: _Tensor, k: _Tensor, v: _Tensor, g: Optional[_Tensor] = None,
@@ -218,11 +245,14 @@ def fused_recurrent_simple_gla(q: _Tensor, k: _Tensor, v: _Tensor, g: Optional[_
                                g_gamma: Optional[_Tensor] = None, scale: Optional[float] = None,
                                initial_state: Optional[_Tensor] = None,
                                output_final_state: bool = False, reverse: bool = False,
-                               cu_seqlens: Optional[_Tensor] = None, head_first: bool = False):
+                               cu_seqlens: Optional[_Tensor] = None, head_first: bool = False,
+                               inplace_final_state: bool = False):
     """chunk_simple_gla token by token; reverse=True reads every sequence backwards (as in
-    fused_recurrent_linear_attn)."""
+    fused_recurrent_linear_attn).
+    inplace_final_state=True writes the final state over initial_state (a decode step without
+    a new state tensor; for inference only, see docs/pytorch.md)."""
     return _simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state,
-                       cu_seqlens, head_first, False, reverse)
+                       cu_seqlens, head_first, False, reverse, inplace_final_state)
 
 
 def chunk_gla(q: _Tensor, k: _Tensor, v: _Tensor, g: _Tensor, scale: Optional[float] = None,
@@ -239,19 +269,23 @@ def fused_recurrent_gla(q: _Tensor, k: _Tensor, v: _Tensor, gk: Optional[_Tensor
                         gv: Optional[_Tensor] = None, scale: Optional[float] = None,
                         initial_state: Optional[_Tensor] = None, output_final_state: bool = False,
                         reverse: bool = False, cu_seqlens: Optional[_Tensor] = None,
-                        head_first: bool = False):
+                        head_first: bool = False, inplace_final_state: bool = False):
     """chunk_gla token by token, the gates named gk as in fla; gv (value-channel gates) is not
-    supported; reverse=True reads every sequence backwards (as in fused_recurrent_linear_attn)."""
+    supported; reverse=True reads every sequence backwards (as in fused_recurrent_linear_attn).
+    inplace_final_state=True writes the final state over initial_state (a decode step without
+    a new state tensor; for inference only, see docs/pytorch.md)."""
     if gv is not None:
         raise NotImplementedError("linattn.torch: value-channel gates gv are not supported "
                                   "(linattn gates the key channels of S)")
     if gk is None:
         return _run("linear_attn", q, k, v, scale=scale, initial_state=initial_state,
                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                    head_first=head_first, chunked=False, reverse=reverse)
+                    head_first=head_first, chunked=False, reverse=reverse,
+                    inplace_final_state=inplace_final_state)
     return _run("gla", q, k, v, g=gk, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                head_first=head_first, chunked=False, reverse=reverse)
+                head_first=head_first, chunked=False, reverse=reverse,
+                inplace_final_state=inplace_final_state)
 
 
 def _ones_beta(q, head_first):
@@ -274,13 +308,17 @@ def fused_recurrent_delta_rule(q: _Tensor, k: _Tensor, v: _Tensor, beta: Optiona
                                initial_state: Optional[_Tensor] = None,
                                output_final_state: bool = False,
                                use_qk_l2norm_in_kernel: bool = False,
-                               cu_seqlens: Optional[_Tensor] = None, head_first: bool = False):
-    """chunk_delta_rule token by token; beta=None means beta = 1 (as in fla)."""
+                               cu_seqlens: Optional[_Tensor] = None, head_first: bool = False,
+                               inplace_final_state: bool = False):
+    """chunk_delta_rule token by token; beta=None means beta = 1 (as in fla).
+    inplace_final_state=True writes the final state over initial_state (a decode step without
+    a new state tensor; for inference only, see docs/pytorch.md)."""
     if beta is None:
         beta = _ones_beta(q, head_first)
     return _run("delta_rule", q, k, v, beta=beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, qk_l2norm=use_qk_l2norm_in_kernel,
-                cu_seqlens=cu_seqlens, head_first=head_first, chunked=False)
+                cu_seqlens=cu_seqlens, head_first=head_first, chunked=False,
+                inplace_final_state=inplace_final_state)
 
 
 def chunk_gated_delta_rule(q: _Tensor, k: _Tensor, v: _Tensor, g: _Tensor, beta: _Tensor,
@@ -303,15 +341,18 @@ def fused_recurrent_gated_delta_rule(q: _Tensor, k: _Tensor, v: _Tensor,
                                      output_final_state: bool = False,
                                      use_qk_l2norm_in_kernel: bool = False,
                                      cu_seqlens: Optional[_Tensor] = None,
-                                     head_first: bool = False):
-    """chunk_gated_delta_rule token by token; g=None means no decay, beta=None beta = 1."""
+                                     head_first: bool = False, inplace_final_state: bool = False):
+    """chunk_gated_delta_rule token by token; g=None means no decay, beta=None beta = 1.
+    inplace_final_state=True writes the final state over initial_state (a decode step without
+    a new state tensor; for inference only, see docs/pytorch.md)."""
     if beta is None:
         beta = _ones_beta(q, head_first)
     if g is None:
         return _run("delta_rule", q, k, v, beta=beta, scale=scale, initial_state=initial_state,
                     output_final_state=output_final_state, qk_l2norm=use_qk_l2norm_in_kernel,
-                    cu_seqlens=cu_seqlens, head_first=head_first, chunked=False)
+                    cu_seqlens=cu_seqlens, head_first=head_first, chunked=False,
+                    inplace_final_state=inplace_final_state)
     return _run("gated_delta_rule", q, k, v, g=g, beta=beta, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state,
                 qk_l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-                head_first=head_first, chunked=False)
+                head_first=head_first, chunked=False, inplace_final_state=inplace_final_state)
