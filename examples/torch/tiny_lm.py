@@ -3,7 +3,8 @@
 per layer q/k/v/gate projections, one fla-style op (chunk_gated_delta_rule in the first layer,
 chunk_simple_gla in the second), an output projection and an MLP. It prefills a prompt with
 the chunked ops, keeps each layer's final state, then decodes token by token with the
-fused_recurrent_* ops continuing those states, and checks that decoding reproduces the logits
+fused_recurrent_* ops continuing those states (each step writes its state over the last one:
+inplace_final_state, no allocation per step), and checks that decoding reproduces the logits
 of one prefill over the whole text (to float32 rounding).
 
     PYTHONPATH=build/test/python python3 examples/torch/tiny_lm.py
@@ -32,13 +33,15 @@ class Mixer(nn.Module):
         q, k, v = self.qkv(x).view(B, T, 3, self.heads, self.dim).unbind(2)
         a, b = self.gates(x).view(B, T, 2, self.heads).unbind(2)
         g = F.logsigmoid(a + 3)  # log-gates <= 0, mostly close to 0
+        # Decoding (under no_grad) updates the carried state tensor in place.
+        step = dict(inplace_final_state=True) if decode else {}
         if self.rule == "gated_delta_rule":
             op = lt.fused_recurrent_gated_delta_rule if decode else lt.chunk_gated_delta_rule
             o, state = op(q, k, v, g, torch.sigmoid(b), initial_state=state,
-                          output_final_state=True, use_qk_l2norm_in_kernel=True)
+                          output_final_state=True, use_qk_l2norm_in_kernel=True, **step)
         else:
             op = lt.fused_recurrent_simple_gla if decode else lt.chunk_simple_gla
-            o, state = op(q, k, v, g, initial_state=state, output_final_state=True)
+            o, state = op(q, k, v, g, initial_state=state, output_final_state=True, **step)
         return self.out(o.reshape(B, T, -1)), state
 
 
