@@ -12,6 +12,7 @@
 
 #include <linattn/gradients.hpp>
 #include <linattn/linattn.hpp>
+#include <linattn/random_features.hpp>
 #include <linattn/rule_gradients.hpp>
 
 #include <catch2/catch.hpp>
@@ -20,6 +21,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "test_support.hpp"
@@ -170,7 +172,64 @@ void check_every_rule(Index dk, Index dv, Index chunk) {
                    std::array<std::array<double, 3>, 2>{{{1, 0.1, 0.9}, {1, -0.5, -0.01}}});
 }
 
+// phi.apply (and apply_scaled where the map has it) of x into `out` placed at every offset and
+// with padded rows, from x placed likewise (and, for ELU + 1, from a column-major copy): the
+// bits of the aligned call. The maps' exp, sin and cos have packet and scalar forms that differ in the
+// last bit, which Eigen's own loops would pick per element by the destination's address.
+template <class Scalar, class Phi>
+void check_feature_map(const std::string& name, const Phi& phi, Index d) {
+  const Index T = 5, r = phi.feature_dim(d);
+  const RowMatrix<Scalar> x = random_matrix<Scalar>(T, d, 41, 2.0);
+  RowMatrix<Scalar> aligned(T, r);
+  phi.apply(x, aligned);
+  ColVector<Scalar> aligned_scale(T), log_scale(T);
+  RowMatrix<Scalar> aligned_scaled(T, r);
+  constexpr bool scaled = requires { phi.apply_scaled(x, aligned_scaled, log_scale); };
+  if constexpr (scaled) phi.apply_scaled(x, aligned_scaled, aligned_scale);
+  const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> column_major = x;
+  for (Index offset = 0; offset < 16; ++offset)
+    for (Index pad : {0, 3}) {
+      CAPTURE(name, d, offset, pad);
+      PlacedCopy<Scalar> input(x, (offset + 9) % 16, pad);
+      PlacedCopy<Scalar> out(RowMatrix<Scalar>::Zero(T, r), offset, pad);
+      phi.apply(input.view, out.view);
+      CHECK(linattn_test::same_bits(out.view, aligned));
+      if constexpr (std::is_same_v<Phi, EluPlusOne>) {
+        // An elementwise map gives the same bits from any storage order too. (The random maps'
+        // projection GEMM and row norms sum in an order that follows the input's storage order:
+        // a column-major x agrees with a row-major one to rounding, not to the bit.)
+        out.view.setZero();
+        phi.apply(column_major, out.view);
+        CHECK(linattn_test::same_bits(out.view, aligned));
+      }
+      if constexpr (scaled) {
+        out.view.setZero();
+        phi.apply_scaled(input.view, out.view, log_scale);
+        CHECK(linattn_test::same_bits(out.view, aligned_scaled));
+        CHECK(linattn_test::same_bits(log_scale, aligned_scale));
+      }
+    }
+}
+
 }  // namespace
+
+TEMPLATE_TEST_CASE("feature maps give the same bits wherever the caller's buffers sit",
+                   "[placement]", float, double) {
+  using Scalar = TestType;
+  // Row lengths with and without a tail past the last whole packet, and one longer than the
+  // 256-scalar segments that map_row_uniformly takes off the aligned path.
+  for (const Index d : {Index(13), Index(16), Index(300)}) {
+    placement_test::check_feature_map<Scalar>("elu + 1", EluPlusOne{}, d);
+    placement_test::check_feature_map<Scalar>(
+        "positive random features", PositiveRandomFeatures<Scalar>(d, d + 3, 11), d);
+    RandomFeatureOptions hyperbolic;
+    hyperbolic.hyperbolic = true;
+    placement_test::check_feature_map<Scalar>(
+        "hyperbolic random features", PositiveRandomFeatures<Scalar>(d, d + 3, 11, hyperbolic), d);
+    placement_test::check_feature_map<Scalar>(
+        "trig random features", TrigRandomFeatures<Scalar>(d, d + 3, 11), d);
+  }
+}
 
 TEMPLATE_TEST_CASE("every entry point gives the same bits wherever the caller's buffers sit",
                    "[placement]", float, double) {

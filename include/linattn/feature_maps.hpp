@@ -19,6 +19,7 @@
 /// d_x (T x d, pre-sized, row-major Ref) = J_t^T d_features_t for each row t, J_t = d phi / d x
 /// at x_t; `features` are phi(x) as apply() gave them. DifferentiableFeatureMap checks it.
 
+#include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/elu_kernel.hpp>
 #include <linattn/types.hpp>
 
@@ -92,11 +93,10 @@ struct EluPlusOne {
     // subnormal or 0 that std::exp would give. Cost: one extra multiply; error about 2 ulp
     // (exp's ~1 ulp, doubled by the square, plus one rounding). NaN propagates (Eigen's max and
     // min return the NaN operand, as std::max does).
-    // Eigen takes the SIMD exp where it can load packets and the scalar std::exp elsewhere, and
-    // the two differ in the last bit. Which elements take which path depends only on the
-    // destination when the input rows are contiguous, so other inputs (column-major, strided
-    // rows, expressions) are first copied into `out` and transformed there: the result is the
-    // same whatever the caller's layout.
+    // Eigen's SIMD exp and the scalar std::exp differ in the last bit, and Eigen's own loop
+    // picks one per element by the destination's address; detail::map_rows_uniformly gives
+    // every element the packet form, so the result is the same whatever the layout and
+    // placement of x and out.
     // With AVX-512 and float, detail::elu_plus_one_row does the same per row in about half the
     // instructions (exp with an exact power-of-two scaling, so no halving and squaring), and
     // the same way for every element of a row.
@@ -117,12 +117,7 @@ struct EluPlusOne {
     const auto f = [](const auto& v) {
       return v.max(Scalar(0)) + (v.min(Scalar(0)) * Scalar(0.5)).exp().square();
     };
-    if constexpr (detail::has_contiguous_rows<In>()) {
-      out = f(x.array()).matrix();
-    } else {
-      out = x;
-      out.array() = f(out.array());
-    }
+    detail::map_rows_uniformly(x, out, f);
   }
   /// d_x = d_features * phi'(x) elementwise: phi'(x) = 1 for x > 0, exp(x) = phi(x) otherwise,
   /// i.e. min(phi(x), 1) (phi = x + 1 > 1 for x > 0, exp(x) <= 1 otherwise), which needs no

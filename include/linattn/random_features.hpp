@@ -24,6 +24,7 @@
 /// unscaled features, which do overflow or underflow for such inputs.
 
 #include <linattn/detail/bytes.hpp>
+#include <linattn/detail/eigen_utils.hpp>
 #include <linattn/detail/feature_backward.hpp>
 #include <linattn/detail/random.hpp>
 #include <linattn/errors.hpp>
@@ -216,11 +217,13 @@ class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
     const Index m = this->projections();
     this->check_shapes(x, out, feature_dim(x.cols()));
     this->project(x, out);
+    // (detail::map_row_uniformly: the same bits wherever `out` lies)
     for (Index t = 0; t < x.rows(); ++t) {
       const Scalar c = this->half_sq_norm(x, t) + log_norm();
       auto p = out.row(t).head(m);
-      if (hyperbolic()) out.row(t).tail(m) = (-p.array() - c).exp().matrix();
-      p = (p.array() - c).exp().matrix();
+      if (hyperbolic())
+        detail::map_row_uniformly(p, out.row(t).tail(m), [c](const auto& v) { return (-v - c).exp(); });
+      detail::map_row_uniformly(p, p, [c](const auto& v) { return (v - c).exp(); });
     }
   }
 
@@ -241,11 +244,12 @@ class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
       Scalar top;
       if (hyperbolic()) {
         top = p.cwiseAbs().maxCoeff();
-        out.row(t).tail(m) = (-p.array() - top).exp().matrix();
+        detail::map_row_uniformly(p, out.row(t).tail(m),
+                                  [top](const auto& v) { return (-v - top).exp(); });
       } else {
         top = p.maxCoeff();
       }
-      p = (p.array() - top).exp().matrix();
+      detail::map_row_uniformly(p, p, [top](const auto& v) { return (v - top).exp(); });
       log_scale(t) = top - this->half_sq_norm(x, t) - log_norm();
     }
   }
@@ -343,9 +347,9 @@ class TrigRandomFeatures : public detail::RandomProjection<Scalar> {
     const Index m = this->projections();
     this->project(x, out);
     for (Index t = 0; t < x.rows(); ++t) {
-      auto p = out.row(t).head(m);
-      out.row(t).tail(m) = p.array().cos().matrix();
-      p = p.array().sin().matrix();
+      auto p = out.row(t).head(m);  // (map_row_uniformly: the same bits wherever `out` lies)
+      detail::map_row_uniformly(p, out.row(t).tail(m), [](const auto& v) { return v.cos(); });
+      detail::map_row_uniformly(p, p, [](const auto& v) { return v.sin(); });
     }
   }
 

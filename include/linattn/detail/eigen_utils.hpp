@@ -6,6 +6,7 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -20,6 +21,85 @@ decltype(auto) materialize(const Eigen::MatrixBase<Derived>& x) {
     return (x.derived());
   } else {
     return typename Derived::PlainObject(x);
+  }
+}
+
+/// out = f(in) for two rows of n scalars (vectors, any strides; `out` may be `in`), where f
+/// builds an elementwise Eigen array expression whose packet and scalar forms may round
+/// differently (Eigen's exp, sin, cos against std::exp, ...): every element takes the packet
+/// form, wherever the rows lie. Eigen's own loop would start its packets at the destination's
+/// first aligned element and take the elements before it and the tail one by one, so an
+/// element's bits would follow its address (docs/design.md, "Same bits"). The whole packets of
+/// a destination that starts on a packet boundary are written directly (in and out
+/// contiguous); everything else is evaluated in an aligned stack buffer padded to whole packets
+/// (256 scalars at a time) and copied out. No allocation; cost: f, plus two copies of what goes
+/// through the buffer.
+template <class InRow, class OutRow, class F>
+void map_row_uniformly(const InRow& in, OutRow&& out, const F& f) {
+  using Out = std::remove_cvref_t<OutRow>;
+  using Scalar = typename Out::Scalar;
+  using Row = Eigen::Array<Scalar, 1, Eigen::Dynamic>;
+  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
+  constexpr Index kPacket = Index(sizeof(Packet) / sizeof(Scalar));
+  constexpr Index kSegment = 256;
+  static_assert(kSegment % kPacket == 0);
+  const Index n = out.size();
+  Index done = 0;
+  if constexpr (Out::InnerStrideAtCompileTime == 1 && InRow::InnerStrideAtCompileTime == 1 &&
+                (Out::Flags & Eigen::DirectAccessBit) != 0 &&
+                (InRow::Flags & Eigen::DirectAccessBit) != 0) {
+    if (reinterpret_cast<std::uintptr_t>(out.data()) % sizeof(Packet) == 0) {
+      done = n / kPacket * kPacket;
+      Eigen::Map<Row>(out.data(), done) = f(Eigen::Map<const Row>(in.data(), done));
+    }
+  }
+  alignas(64) Scalar buffer[kSegment];
+  for (Index start = done; start < n; start += kSegment) {
+    const Index length = std::min(kSegment, n - start);
+    const Index padded = (length + kPacket - 1) / kPacket * kPacket;
+    Eigen::Map<Row> segment(buffer, padded);
+    segment.head(length) = in.segment(start, length).array();
+    segment.tail(padded - length).setZero();  // evaluated and dropped
+    segment = f(segment);  // elementwise: reading and writing one buffer is safe
+    out.segment(start, length) = segment.head(length).matrix();
+  }
+}
+
+/// out = f(x) elementwise for T x n matrices (any layouts; `out` may be `x`) with
+/// map_row_uniformly's guarantee: every element in the packet form, wherever the matrices lie.
+/// When `out` is one contiguous row-major block it is mapped as one vector of T n scalars (x
+/// copied into it first unless x is such a block too), so short rows pay no per-row overhead.
+template <class In, class Out, class F>
+void map_rows_uniformly(const In& x, Out& out, const F& f) {
+  using Scalar = typename Out::Scalar;
+  using Flat = Eigen::Map<Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>;
+  using ConstFlat = Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>;
+  constexpr bool x_direct = (In::Flags & Eigen::DirectAccessBit) != 0;
+  constexpr auto row_block = [](const auto& m) {
+    using M = std::remove_cvref_t<decltype(m)>;
+    if constexpr ((M::Flags & Eigen::DirectAccessBit) != 0 && M::IsRowMajor &&
+                  M::InnerStrideAtCompileTime == 1)
+      return m.outerStride() == m.cols() || m.rows() <= 1;
+    else
+      return false;
+  };
+  if (row_block(out)) {
+    const Index size = out.rows() * out.cols();
+    if constexpr (x_direct && std::is_same_v<typename In::Scalar, Scalar>) {
+      if (row_block(x)) {
+        map_row_uniformly(ConstFlat(x.data(), size), Flat(out.data(), size), f);
+        return;
+      }
+    }
+    out = x;
+    map_row_uniformly(Flat(out.data(), size), Flat(out.data(), size), f);
+    return;
+  }
+  if constexpr (x_direct) {
+    for (Index i = 0; i < x.rows(); ++i) map_row_uniformly(x.row(i), out.row(i), f);
+  } else {
+    out = x;  // an expression, evaluated once
+    for (Index i = 0; i < out.rows(); ++i) map_row_uniformly(out.row(i), out.row(i), f);
   }
 }
 
