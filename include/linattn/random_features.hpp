@@ -217,14 +217,15 @@ class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
     const Index m = this->projections();
     this->check_shapes(x, out, feature_dim(x.cols()));
     this->project(x, out);
-    // (detail::map_row_uniformly: the same bits wherever `out` lies)
+    // The exponents first (a subtraction rounds the same in every form), then one exp over
+    // `out` with detail::map_rows_uniformly: the same bits wherever `out` lies.
     for (Index t = 0; t < x.rows(); ++t) {
       const Scalar c = this->half_sq_norm(x, t) + log_norm();
       auto p = out.row(t).head(m);
-      if (hyperbolic())
-        detail::map_row_uniformly(p, out.row(t).tail(m), [c](const auto& v) { return (-v - c).exp(); });
-      detail::map_row_uniformly(p, p, [c](const auto& v) { return (v - c).exp(); });
+      if (hyperbolic()) out.row(t).tail(m) = (-p.array() - c).matrix();
+      p.array() -= c;
     }
+    exponentiate(out);
   }
 
   /// phi(x_t) = exp(log_scale_t) out_t with max_i out_ti = 1: out_t = exp(p_t - max p_t) for the
@@ -244,14 +245,14 @@ class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
       Scalar top;
       if (hyperbolic()) {
         top = p.cwiseAbs().maxCoeff();
-        detail::map_row_uniformly(p, out.row(t).tail(m),
-                                  [top](const auto& v) { return (-v - top).exp(); });
+        out.row(t).tail(m) = (-p.array() - top).matrix();
       } else {
         top = p.maxCoeff();
       }
-      detail::map_row_uniformly(p, p, [top](const auto& v) { return (v - top).exp(); });
+      p.array() -= top;
       log_scale(t) = top - this->half_sq_norm(x, t) - log_norm();
     }
+    exponentiate(out);  // as in apply()
   }
 
   /// d_x = J^T d_features per row: with G = d_features * features elementwise,
@@ -267,6 +268,12 @@ class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
   }
 
  private:
+  // out = exp(out), every element in Eigen's packet form (see apply()).
+  template <class Out>
+  static void exponentiate(Out& out) {
+    detail::map_rows_uniformly(out, out, [](const auto& v) { return v.exp(); });
+  }
+
   Scalar log_norm() const {
     return static_cast<Scalar>(
         0.5 * std::log(static_cast<double>(hyperbolic() ? 2 * this->projections()
