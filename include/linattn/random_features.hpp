@@ -164,10 +164,13 @@ class RandomProjection {
     P *= static_cast<Scalar>(std::sqrt(scale_));
   }
 
-  /// tau |x_t|^2 / 2, the per-row term of every variant.
+  /// tau |x_t|^2 / 2 + shift, the per-row term of every variant, rounded once: an explicit
+  /// fma, because a product and a sum written apart may be fused by the compiler in one
+  /// instantiation of the caller's view types and not in another, and the bits would then
+  /// follow the caller's types.
   template <class In>
-  Scalar half_sq_norm(const In& x, Index t) const {
-    return static_cast<Scalar>(scale_ / 2) * x.row(t).squaredNorm();
+  Scalar half_sq_norm_plus(const In& x, Index t, Scalar shift) const {
+    return std::fma(static_cast<Scalar>(scale_ / 2), x.row(t).squaredNorm(), shift);
   }
 
  private:
@@ -220,7 +223,7 @@ class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
     // The exponents first (a subtraction rounds the same in every form), then one exp over
     // `out` with detail::map_rows_uniformly: the same bits wherever `out` lies.
     for (Index t = 0; t < x.rows(); ++t) {
-      const Scalar c = this->half_sq_norm(x, t) + log_norm();
+      const Scalar c = this->half_sq_norm_plus(x, t, log_norm());
       auto p = out.row(t).head(m);
       if (hyperbolic()) out.row(t).tail(m) = (-p.array() - c).matrix();
       p.array() -= c;
@@ -250,7 +253,7 @@ class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
         top = p.maxCoeff();
       }
       p.array() -= top;
-      log_scale(t) = top - this->half_sq_norm(x, t) - log_norm();
+      log_scale(t) = top - this->half_sq_norm_plus(x, t, log_norm());
     }
     exponentiate(out);  // as in apply()
   }
@@ -362,8 +365,8 @@ class TrigRandomFeatures : public detail::RandomProjection<Scalar> {
 
   template <class In>
   Scalar row_log_scale(const In& x, Index t) const {
-    return this->half_sq_norm(x, t) -
-           static_cast<Scalar>(0.5 * std::log(static_cast<double>(this->projections())));
+    return this->half_sq_norm_plus(
+        x, t, -static_cast<Scalar>(0.5 * std::log(static_cast<double>(this->projections()))));
   }
 };
 
