@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import linattn.torch as lt
-from ops_support import RECURRENT, RULES, call, random_inputs
+from ops_support import RULES, call, random_inputs
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -71,8 +71,7 @@ def test_inplace_packed_sequences_and_a_prefill(rule):
         o_new, h_new = call(rule, kind, q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
                             output_final_state=True)
         state = h0.clone()
-        fn = RECURRENT[rule] if kind == "recurrent" else None
-        if fn is None:  # the chunk ops keep fla's signatures; the engine's flag reaches them
+        if kind == "chunk":  # the chunk ops keep fla's signatures; the engine's flag reaches them
             o_in, _ = lt._run(rule, q, k, v, g=g, beta=beta, initial_state=state,
                               cu_seqlens=cu, chunked=True, inplace_final_state=True)
         else:

@@ -422,47 +422,54 @@ void l2_normalize_rows(RowMatrix<Scalar>& x, ColVector<Scalar>& norms) {
   }
 }
 
+// Where the head matrix (K x V) or vector (1 x K, is_z) of sequence n, head h lies in a state
+// tensor ([N, H, K, V] or [N, 1, H, K]): its first element and its row and column strides.
+struct StateBlock {
+  Index start, rows, cols, rs, cs;
+};
+inline StateBlock state_block(const at::Tensor& t, Index n, Index h, bool is_z) {
+  const Index cols = t.size(3);
+  if (is_z) return {n * t.stride(0) + h * t.stride(2), 1, cols, cols * t.stride(3), t.stride(3)};
+  return {n * t.stride(0) + h * t.stride(1), t.size(2), cols, t.stride(2), t.stride(3)};
+}
+
+// Calls f with block `b` of `t` (which holds Scalar; Element is Scalar or const Scalar) as an
+// Eigen Map of t's memory: with an outer stride only where the rows are contiguous (such views
+// copy as packets, which a decode call, dominated by its states' copies, feels).
+template <class Element, class F>
+void with_block_map(const at::Tensor& t, const StateBlock& b, F&& f) {
+  using Scalar = std::remove_const_t<Element>;
+  using Matrix = std::conditional_t<std::is_const_v<Element>, const RowMatrix<Scalar>, RowMatrix<Scalar>>;
+  Element* data = t.data_ptr<Scalar>() + b.start;
+  if (b.cs == 1 || b.cols <= 1) {
+    f(Eigen::Map<Matrix, Eigen::Unaligned, Eigen::OuterStride<>>(data, b.rows, b.cols,
+                                                                  Eigen::OuterStride<>(b.rs)));
+  } else {
+    using Strides = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
+    f(Eigen::Map<Matrix, Eigen::Unaligned, Strides>(data, b.rows, b.cols, Strides(b.rs, b.cs)));
+  }
+}
+
 // Calls f with the head matrix (K x V) or vector (1 x K) of state tensor `t` ([N, H, K, V] or
-// [N, 1, H, K]) as an Eigen expression of Scalar: a view of t's memory when `t` holds Scalar
-// (row-contiguous views copy as packets, which a decode call, dominated by its states' copies,
-// feels), else a converted copy.
+// [N, 1, H, K]) as an Eigen expression of Scalar: a view of t's memory when `t` holds Scalar,
+// else a converted copy.
 template <class Scalar, class F>
 void with_state(const at::Tensor& t, Index n, Index h, bool is_z, F&& f) {
-  const Index rows = is_z ? 1 : t.size(2), cols = t.size(3);
-  const Index start = is_z ? n * t.stride(0) + h * t.stride(2) : n * t.stride(0) + h * t.stride(1);
-  const Index rs = is_z ? cols * t.stride(3) : t.stride(2), cs = t.stride(3);
+  const StateBlock b = state_block(t, n, h, is_z);
   if (t.scalar_type() == c10::CppTypeToScalarType<Scalar>::value) {
-    const Scalar* data = t.data_ptr<Scalar>() + start;
-    if (cs == 1 || cols <= 1) {
-      f(Eigen::Map<const RowMatrix<Scalar>, Eigen::Unaligned, Eigen::OuterStride<>>(
-          data, rows, cols, Eigen::OuterStride<>(rs)));
-    } else {
-      using Strides = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
-      f(Eigen::Map<const RowMatrix<Scalar>, Eigen::Unaligned, Strides>(data, rows, cols,
-                                                                       Strides(rs, cs)));
-    }
+    with_block_map<const Scalar>(t, b, f);
   } else {
     RowMatrix<Scalar> converted;
-    convert_block(t, start, rows, cols, rs, cs, converted);
+    convert_block(t, b.start, b.rows, b.cols, b.rs, b.cs, converted);
     f(std::as_const(converted));
   }
 }
 
 // Writes `value` (K x V, or 1 x K for z) into the head matrix of state tensor `t` ([N, H, K, V]
-// or [N, 1, H, K], holding Scalar, any strides): with_state's addressing, for writing.
+// or [N, 1, H, K], holding Scalar, any strides).
 template <class Scalar, class Src>
 void store_state(const at::Tensor& t, Index n, Index h, bool is_z, const Eigen::MatrixBase<Src>& value) {
-  const Index rows = is_z ? 1 : t.size(2), cols = t.size(3);
-  const Index start = is_z ? n * t.stride(0) + h * t.stride(2) : n * t.stride(0) + h * t.stride(1);
-  const Index rs = is_z ? cols * t.stride(3) : t.stride(2), cs = t.stride(3);
-  Scalar* data = t.data_ptr<Scalar>() + start;
-  if (cs == 1 || cols <= 1) {
-    Eigen::Map<RowMatrix<Scalar>, Eigen::Unaligned, Eigen::OuterStride<>>(data, rows, cols,
-                                                                          Eigen::OuterStride<>(rs)) = value;
-  } else {
-    using Strides = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
-    Eigen::Map<RowMatrix<Scalar>, Eigen::Unaligned, Strides>(data, rows, cols, Strides(rs, cs)) = value;
-  }
+  with_block_map<Scalar>(t, state_block(t, n, h, is_z), [&](auto&& block) { block = value; });
 }
 
 // Marks state tensors written in place (inplace_final_state) as torch's in-place ops do, so that
