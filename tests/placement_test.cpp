@@ -22,6 +22,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "test_support.hpp"
@@ -172,6 +173,67 @@ void check_every_rule(Index dk, Index dv, Index chunk) {
                    std::array<std::array<double, 3>, 2>{{{1, 0.1, 0.9}, {1, -0.5, -0.01}}});
 }
 
+// The chunked and token-by-token forward and the backward of `attn` from Q, K, V in the storage
+// order the caller's types give them (the per-token inputs and dY row-major).
+template <class Attention, class MQ, class MK, class MV, class... Inputs>
+Results<typename Attention::scalar_type> run_stored(const Attention& attn, const MQ& Q, const MK& K, const MV& V,
+                                                    const RowMatrix<typename Attention::scalar_type>& dY,
+                                                    const Inputs&... inputs) {
+  using Scalar = typename Attention::scalar_type;
+  const Index T = Q.rows(), dv = V.cols();
+  Results<Scalar> res;
+  RowMatrix<Scalar> y(T, dv);
+  attn.parallel_into(Q, K, V, inputs..., Mask::causal, y);
+  res.parts.push_back(y);
+  auto state = attn.make_state(Q.cols(), dv);
+  attn.recurrent_into(state, Q, K, V, inputs..., y);
+  res.parts.push_back(y);
+  res.parts.push_back(state.S());
+  RowMatrix<Scalar> dq(T, Q.cols()), dk(T, K.cols()), dvv(T, dv);
+  if constexpr (Attention::rule_type::kind == WriteKind::additive) {
+    parallel_backward_into(attn, Q, K, V, Mask::causal, dY, GradientsRef<Scalar>{dq, dk, dvv});
+  } else {
+    RuleInputGradients<Scalar> d_in;
+    parallel_backward_into(attn, Q, K, V, inputs..., Mask::causal, dY, GradientsRef<Scalar>{dq, dk, dvv}, d_in);
+    res.parts.push_back(d_in.beta);
+  }
+  res.parts.push_back(dq);
+  res.parts.push_back(dk);
+  res.parts.push_back(dvv);
+  return res;
+}
+
+// Q, K, V column-major, and as every other element of rows twice as long: the bits of
+// row-major Q, K, V.
+template <class Attention, class... Inputs>
+void check_storage_orders(const std::string& name, const Attention& attn, Index dk, Index dv,
+                          const Inputs&... inputs) {
+  using Scalar = typename Attention::scalar_type;
+  using ColumnMajor = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
+  using EveryOther = Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::Stride<Eigen::Dynamic, 2>>;
+  const Index T = 23;
+  const RowMatrix<Scalar> Q = random_matrix<Scalar>(T, dk, 100), K = random_matrix<Scalar>(T, dk, 101),
+                          V = random_matrix<Scalar>(T, dv, 102), dY = random_matrix<Scalar>(T, dv, 110);
+  const Results<Scalar> row_major = run_stored(attn, Q, K, V, dY, inputs...);
+  const ColumnMajor Qc = Q, Kc = K, Vc = V;
+  const Results<Scalar> column_major = run_stored(attn, Qc, Kc, Vc, dY, inputs...);
+  const auto spread = [](const RowMatrix<Scalar>& m) {
+    RowMatrix<Scalar> wide = RowMatrix<Scalar>::Zero(m.rows(), 2 * m.cols());
+    for (Index j = 0; j < m.cols(); ++j) wide.col(2 * j) = m.col(j);
+    return wide;
+  };
+  const RowMatrix<Scalar> Qw = spread(Q), Kw = spread(K), Vw = spread(V);
+  const auto every_other = [](const RowMatrix<Scalar>& wide) {
+    return EveryOther(wide.data(), wide.rows(), wide.cols() / 2, Eigen::Stride<Eigen::Dynamic, 2>(wide.cols(), 2));
+  };
+  const Results<Scalar> strided = run_stored(attn, every_other(Qw), every_other(Kw), every_other(Vw), dY, inputs...);
+  for (std::size_t p = 0; p < row_major.parts.size(); ++p) {
+    INFO(name << ", dk " << dk << ", dv " << dv << ", result " << p);
+    CHECK(linattn_test::same_bits(column_major.parts[p], row_major.parts[p]));
+    CHECK(linattn_test::same_bits(strided.parts[p], row_major.parts[p]));
+  }
+}
+
 // phi.apply (and apply_scaled where the map has it) of x into `out` placed at every offset and
 // with padded rows, from x placed likewise (and, for ELU + 1, from a column-major copy): the
 // bits of the aligned call. The maps' exp, sin and cos have packet and scalar forms that differ in the
@@ -186,7 +248,16 @@ void check_feature_map(const std::string& name, const Phi& phi, Index d) {
   RowMatrix<Scalar> aligned_scaled(T, r);
   constexpr bool scaled = requires { phi.apply_scaled(x, aligned_scaled, log_scale); };
   if constexpr (scaled) phi.apply_scaled(x, aligned_scaled, aligned_scale);
+  constexpr bool any_storage_order = std::is_same_v<Phi, EluPlusOne> || std::is_same_v<Phi, L2Normalize>;
   const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> column_major = x;
+  // x's rows at every other element of rows twice as long.
+  RowMatrix<Scalar> spread = RowMatrix<Scalar>::Zero(T, 2 * d);
+  for (Index j = 0; j < d; ++j) spread.col(2 * j) = x.col(j);
+  using EveryOther = Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::Stride<Eigen::Dynamic, 2>>;
+  const EveryOther every_other(spread.data(), T, d, Eigen::Stride<Eigen::Dynamic, 2>(2 * d, 2));
+  const RowMatrix<Scalar> d_features = random_matrix<Scalar>(T, r, 43);
+  RowMatrix<Scalar> aligned_d_x(T, d);
+  if constexpr (std::is_same_v<Phi, L2Normalize>) phi.backward(x, aligned, d_features, aligned_d_x);
   for (Index offset = 0; offset < 16; ++offset)
     for (Index pad : {0, 3}) {
       CAPTURE(name, d, offset, pad);
@@ -194,13 +265,28 @@ void check_feature_map(const std::string& name, const Phi& phi, Index d) {
       PlacedCopy<Scalar> out(RowMatrix<Scalar>::Zero(T, r), offset, pad);
       phi.apply(input.view, out.view);
       CHECK(linattn_test::same_bits(out.view, aligned));
-      if constexpr (std::is_same_v<Phi, EluPlusOne>) {
-        // An elementwise map gives the same bits from any storage order too. (The random maps'
-        // projection GEMM and row norms sum in an order that follows the input's storage order:
-        // a column-major x agrees with a row-major one to rounding, not to the bit.)
+      if constexpr (any_storage_order) {
+        // ELU + 1 (elementwise) and L2Normalize (whose row norms are summed over contiguous
+        // rows) give the same bits from any storage order too. (The random maps' projection
+        // GEMM and row norms sum in an order that follows the input's storage order: a
+        // column-major x agrees with a row-major one to rounding, not to the bit.)
         out.view.setZero();
         phi.apply(column_major, out.view);
         CHECK(linattn_test::same_bits(out.view, aligned));
+        out.view.setZero();
+        phi.apply(every_other, out.view);
+        CHECK(linattn_test::same_bits(out.view, aligned));
+      }
+      if constexpr (std::is_same_v<Phi, L2Normalize>) {
+        RowMatrix<Scalar> d_x = RowMatrix<Scalar>::Zero(T, d);
+        phi.backward(input.view, aligned, d_features, d_x);
+        CHECK(linattn_test::same_bits(d_x, aligned_d_x));
+        d_x.setZero();
+        phi.backward(column_major, aligned, d_features, d_x);
+        CHECK(linattn_test::same_bits(d_x, aligned_d_x));
+        d_x.setZero();
+        phi.backward(every_other, aligned, d_features, d_x);
+        CHECK(linattn_test::same_bits(d_x, aligned_d_x));
       }
       if constexpr (scaled) {
         out.view.setZero();
@@ -220,6 +306,7 @@ TEMPLATE_TEST_CASE("feature maps give the same bits wherever the caller's buffer
   // 256-scalar segments that map_row_uniformly takes off the aligned path.
   for (const Index d : {Index(13), Index(16), Index(300)}) {
     placement_test::check_feature_map<Scalar>("elu + 1", EluPlusOne{}, d);
+    placement_test::check_feature_map<Scalar>("l2 normalize", L2Normalize{}, d);
     placement_test::check_feature_map<Scalar>(
         "positive random features", PositiveRandomFeatures<Scalar>(d, d + 3, 11), d);
     RandomFeatureOptions hyperbolic;
@@ -241,6 +328,26 @@ TEMPLATE_TEST_CASE("every entry point gives the same bits wherever the caller's 
   placement_test::check_every_rule<TestType>(13, 5, 8);
   placement_test::check_every_rule<TestType>(16, 32, 8);
   placement_test::check_every_rule<TestType>(6, 5, 3);
+}
+
+TEMPLATE_TEST_CASE("column-major and strided inputs give the bits of row-major ones", "[placement]", float,
+                   double) {
+  // The maps that sum along a row (L2Normalize's norms) read each row contiguously, so a
+  // result does not follow the caller's storage order: the additive rule with ELU + 1 and
+  // with L2Normalize, and the delta rule (its map is L2Normalize), at the shapes above.
+  using Scalar = TestType;
+  Options opt;
+  opt.chunk_size = 8;
+  Options unnormalized = opt;
+  unnormalized.normalization = Normalization::unnormalized();
+  const RowMatrix<Scalar> beta = uniform_matrix<Scalar>(23, 1, 103, 0.1, 0.9);
+  for (const auto& [dk, dv] : {std::pair<Index, Index>{13, 5}, {16, 32}}) {
+    placement_test::check_storage_orders("additive, elu + 1", LinearAttention<EluPlusOne, Scalar>(EluPlusOne{}, opt), dk, dv);
+    placement_test::check_storage_orders("additive, l2 normalize",
+                                         LinearAttention<L2Normalize, Scalar>(L2Normalize{}, unnormalized), dk, dv);
+    placement_test::check_storage_orders("delta", RuleAttention<L2Normalize, Delta, Scalar>(L2Normalize{}, unnormalized),
+                                         dk, dv, beta);
+  }
 }
 
 }  // namespace placement_test

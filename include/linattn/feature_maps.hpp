@@ -62,17 +62,6 @@ struct Identity {
   }
 };
 
-namespace detail {
-/// True for a row-major (or row-vector) expression with storage and unit inner stride.
-template <class X>
-constexpr bool has_contiguous_rows() {
-  if constexpr ((X::Flags & Eigen::DirectAccessBit) != 0)
-    return X::IsRowMajor && X::InnerStrideAtCompileTime == 1;
-  else
-    return false;
-}
-}  // namespace detail
-
 /// phi(x) = ELU(x) + 1, elementwise: x + 1 for x > 0, exp(x) for x <= 0 (Katharopoulos et al.
 /// 2020, section 3.2). Positive for finite input, so the denominator is positive in exact
 /// arithmetic; exp(x) underflows to 0 below about -87 (float) or -708 (double).
@@ -144,12 +133,13 @@ struct L2Normalize {
     using Real = typename Eigen::NumTraits<typename In::Scalar>::Real;
     // Below this the sum of squares may hold subnormal terms that lose relative accuracy.
     const Real low = std::sqrt(std::numeric_limits<Real>::min() / std::numeric_limits<Real>::epsilon());
-    for (Index t = 0; t < x.rows(); ++t) {
-      auto row = x.row(t);
+    // Each row's norm is summed over contiguous scalars, so its bits do not follow x's storage
+    // order (a column-major or strided x is read a row at a time into a buffer).
+    detail::for_each_contiguous_row(x, [&](Index t, const auto& row) {
       const Real norm = row.norm();
       if (norm >= low && norm <= std::numeric_limits<Real>::max()) {
         out.row(t) = row / norm;
-        continue;
+        return;
       }
       const Real largest = row.cwiseAbs().maxCoeff();
       if (std::isnan(norm) || !std::isfinite(largest)) {
@@ -157,10 +147,11 @@ struct L2Normalize {
       } else if (largest == 0) {
         out.row(t).setZero();
       } else {
-        out.row(t) = row / largest;  // entries in [-1, 1], the largest exactly +-1
-        out.row(t) /= out.row(t).norm();
+        // Entries in [-1, 1], the largest exactly +-1: the sum of squares neither over- nor
+        // underflows.
+        out.row(t) = (row / largest) / (row / largest).norm();
       }
-    }
+    });
   }
   /// d_x = (d_f - phi (phi . d_f)) / |x| per row, the Jacobian (I - phi phi^T) / |x| of x / |x|
   /// applied to d_f = d_features. A zero row (where x / |x| has no derivative) gets d_x = 0, a
@@ -170,24 +161,23 @@ struct L2Normalize {
   void backward(const In& x, const F& features, const DF& d_features, DX& d_x) const {
     using Real = typename Eigen::NumTraits<typename In::Scalar>::Real;
     const Real low = std::sqrt(std::numeric_limits<Real>::min() / std::numeric_limits<Real>::epsilon());
-    for (Index t = 0; t < x.rows(); ++t) {
-      auto row = x.row(t);
+    detail::for_each_contiguous_row(x, [&](Index t, const auto& row) {
       Real norm = row.norm();
       if (!(norm >= low && norm <= std::numeric_limits<Real>::max())) {
         const Real largest = row.cwiseAbs().maxCoeff();
         if (std::isnan(norm) || !std::isfinite(largest)) {
           d_x.row(t).setConstant(std::numeric_limits<Real>::quiet_NaN());
-          continue;
+          return;
         }
         if (largest == 0) {
           d_x.row(t).setZero();
-          continue;
+          return;
         }
         norm = largest * (row / largest).norm();
       }
       const Real along = features.row(t).dot(d_features.row(t));
       d_x.row(t) = (d_features.row(t) - along * features.row(t)) / norm;
-    }
+    });
   }
 };
 

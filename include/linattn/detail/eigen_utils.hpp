@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 namespace linattn::detail {
 
@@ -65,6 +66,16 @@ void map_row_uniformly(const InRow& in, OutRow&& out, const F& f) {
   }
 }
 
+/// Whether every row of X lies contiguously in memory: storage (direct access), row-major (or
+/// a row vector), inner stride 1.
+template <class X>
+constexpr bool has_contiguous_rows() {
+  if constexpr ((X::Flags & Eigen::DirectAccessBit) != 0)
+    return bool(X::IsRowMajor) && X::InnerStrideAtCompileTime == 1;
+  else
+    return false;
+}
+
 /// out = f(x) elementwise for T x n matrices (any layouts; `out` may be `x`) with
 /// map_row_uniformly's guarantee: every element in the packet form, wherever the matrices lie.
 /// When `out` is one contiguous row-major block it is mapped as one vector of T n scalars (x
@@ -76,9 +87,7 @@ void map_rows_uniformly(const In& x, Out& out, const F& f) {
   using ConstFlat = Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>;
   constexpr bool x_direct = (In::Flags & Eigen::DirectAccessBit) != 0;
   constexpr auto row_block = [](const auto& m) {
-    using M = std::remove_cvref_t<decltype(m)>;
-    if constexpr ((M::Flags & Eigen::DirectAccessBit) != 0 && M::IsRowMajor &&
-                  M::InnerStrideAtCompileTime == 1)
+    if constexpr (has_contiguous_rows<std::remove_cvref_t<decltype(m)>>())
       return m.outerStride() == m.cols() || m.rows() <= 1;
     else
       return false;
@@ -100,6 +109,24 @@ void map_rows_uniformly(const In& x, Out& out, const F& f) {
   } else {
     out = x;  // an expression, evaluated once
     for (Index i = 0; i < out.rows(); ++i) map_row_uniformly(out.row(i), out.row(i), f);
+  }
+}
+
+/// Calls f(t, row) for each row t of x, each row as contiguous scalars: where x's rows are not
+/// (a column-major or strided x, an expression), each is first copied into one buffer,
+/// allocated once per call. Why: Eigen sums a reduction over a contiguous row (norm, dot) in
+/// packets from its first element and over a strided row one element at a time, so a row's
+/// norm would follow the caller's storage order (docs/design.md, "Same bits").
+template <class X, class F>
+void for_each_contiguous_row(const X& x, const F& f) {
+  if constexpr (has_contiguous_rows<X>()) {
+    for (Index t = 0; t < x.rows(); ++t) f(t, x.row(t));
+  } else {
+    Eigen::Matrix<typename X::Scalar, 1, Eigen::Dynamic> row(x.cols());
+    for (Index t = 0; t < x.rows(); ++t) {
+      row = x.row(t);
+      f(t, std::as_const(row));
+    }
   }
 }
 
