@@ -134,7 +134,8 @@ struct L2Normalize {
     // Below this the sum of squares may hold subnormal terms that lose relative accuracy.
     const Real low = std::sqrt(std::numeric_limits<Real>::min() / std::numeric_limits<Real>::epsilon());
     // Each row's norm is summed over contiguous scalars, so its bits do not follow x's storage
-    // order (a column-major or strided x is read a row at a time into a buffer).
+    // order (a column-major or strided x is read a row at a time into a buffer, on the stack
+    // up to d = 256).
     detail::for_each_contiguous_row(x, [&](Index t, const auto& row) {
       const Real norm = row.norm();
       if (norm >= low && norm <= std::numeric_limits<Real>::max()) {

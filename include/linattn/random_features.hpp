@@ -164,13 +164,14 @@ class RandomProjection {
     P *= static_cast<Scalar>(std::sqrt(scale_));
   }
 
-  /// tau |x_t|^2 / 2 + shift, the per-row term of every variant, rounded once: an explicit
-  /// fma, because a product and a sum written apart may be fused by the compiler in one
-  /// instantiation of the caller's view types and not in another, and the bits would then
-  /// follow the caller's types.
-  template <class In>
-  Scalar half_sq_norm_plus(const In& x, Index t, Scalar shift) const {
-    return std::fma(static_cast<Scalar>(scale_ / 2), x.row(t).squaredNorm(), shift);
+  /// tau |x|^2 / 2 + shift for a contiguous row x (detail::for_each_contiguous_row: the sum
+  /// of squares then runs in one order whatever the caller's storage order), the per-row term
+  /// of every variant, rounded once: an explicit fma, because a product and a sum written
+  /// apart may be fused by the compiler in one instantiation of the caller's view types and
+  /// not in another, and the bits would then follow the caller's types.
+  template <class Row>
+  Scalar half_sq_norm_plus(const Row& x, Scalar shift) const {
+    return std::fma(static_cast<Scalar>(scale_ / 2), x.squaredNorm(), shift);
   }
 
  private:
@@ -189,7 +190,8 @@ class RandomProjection {
 ///   hyperbolic: [exp(w_i^T x'), exp(-w_i^T x')] exp(-|x'|^2 / 2) / sqrt(2m),  r = 2m.
 /// Every feature is positive, so every denominator is positive (up to underflow of the scaled
 /// features in float, see docs/random_features.md); E[phi(q)^T phi(k)] = exp(tau q^T k).
-/// Cost per T x d input: one T x d by d x m GEMM and T r exp (vectorized); no allocation.
+/// Cost per T x d input: one T x d by d x m GEMM and T r exp (vectorized); no allocation
+/// (for a column-major or strided x with d > 256: one row buffer per call).
 /// Throws ShapeError when inputs do not have d columns, std::invalid_argument for a bad scale.
 template <class Scalar = float>
 class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
@@ -222,12 +224,12 @@ class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
     this->project(x, out);
     // The exponents first (a subtraction rounds the same in every form), then one exp over
     // `out` with detail::map_rows_uniformly: the same bits wherever `out` lies.
-    for (Index t = 0; t < x.rows(); ++t) {
-      const Scalar c = this->half_sq_norm_plus(x, t, log_norm());
+    detail::for_each_contiguous_row(x, [&](Index t, const auto& row) {
+      const Scalar c = this->half_sq_norm_plus(row, log_norm());
       auto p = out.row(t).head(m);
       if (hyperbolic()) out.row(t).tail(m) = (-p.array() - c).matrix();
       p.array() -= c;
-    }
+    });
     exponentiate(out);
   }
 
@@ -243,7 +245,7 @@ class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
       detail::throw_shape_error("log_scale has length ", log_scale.size(), ", expected ",
                                 x.rows());
     this->project(x, out);
-    for (Index t = 0; t < x.rows(); ++t) {
+    detail::for_each_contiguous_row(x, [&](Index t, const auto& row) {
       auto p = out.row(t).head(m);
       Scalar top;
       if (hyperbolic()) {
@@ -253,8 +255,8 @@ class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
         top = p.maxCoeff();
       }
       p.array() -= top;
-      log_scale(t) = top - this->half_sq_norm_plus(x, t, log_norm());
-    }
+      log_scale(t) = top - this->half_sq_norm_plus(row, log_norm());
+    });
     exponentiate(out);  // as in apply()
   }
 
@@ -291,7 +293,8 @@ class PositiveRandomFeatures : public detail::RandomProjection<Scalar> {
 /// can be zero or negative for any m, and the default strict Normalization then throws
 /// DenominatorError (clamped/shifted policies opt out). Its variance grows like
 /// exp(|x'|^2 + |y'|^2), much faster than the positive map's for large inputs.
-/// Cost per T x d input: one GEMM and T m sin + T m cos; no allocation.
+/// Cost per T x d input: one GEMM and T m sin + T m cos; no allocation (for a column-major
+/// or strided x with d > 256: one row buffer per call).
 template <class Scalar = float>
 class TrigRandomFeatures : public detail::RandomProjection<Scalar> {
   using Base = detail::RandomProjection<Scalar>;
@@ -318,7 +321,7 @@ class TrigRandomFeatures : public detail::RandomProjection<Scalar> {
   void apply(const In& x, Out& out) const {
     this->check_shapes(x, out, feature_dim(x.cols()));
     trig(x, out);
-    for (Index t = 0; t < x.rows(); ++t) out.row(t) *= std::exp(row_log_scale(x, t));
+    detail::for_each_contiguous_row(x, [&](Index t, const auto& row) { out.row(t) *= std::exp(row_log_scale(row)); });
   }
 
   /// phi(x_t) = exp(log_scale_t) out_t with out_t = [sin p_t, cos p_t] and
@@ -331,7 +334,7 @@ class TrigRandomFeatures : public detail::RandomProjection<Scalar> {
       detail::throw_shape_error("log_scale has length ", log_scale.size(), ", expected ",
                                 x.rows());
     trig(x, out);
-    for (Index t = 0; t < x.rows(); ++t) log_scale(t) = row_log_scale(x, t);
+    detail::for_each_contiguous_row(x, [&](Index t, const auto& row) { log_scale(t) = row_log_scale(row); });
   }
 
   /// d_x = J^T d_features per row: with features [s, c] and d_features [d_s, d_c],
@@ -363,10 +366,10 @@ class TrigRandomFeatures : public detail::RandomProjection<Scalar> {
     }
   }
 
-  template <class In>
-  Scalar row_log_scale(const In& x, Index t) const {
+  template <class Row>
+  Scalar row_log_scale(const Row& x) const {
     return this->half_sq_norm_plus(
-        x, t, -static_cast<Scalar>(0.5 * std::log(static_cast<double>(this->projections()))));
+        x, -static_cast<Scalar>(0.5 * std::log(static_cast<double>(this->projections()))));
   }
 };
 

@@ -7,9 +7,11 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace linattn::detail {
 
@@ -113,16 +115,22 @@ void map_rows_uniformly(const In& x, Out& out, const F& f) {
 }
 
 /// Calls f(t, row) for each row t of x, each row as contiguous scalars: where x's rows are not
-/// (a column-major or strided x, an expression), each is first copied into one buffer,
-/// allocated once per call. Why: Eigen sums a reduction over a contiguous row (norm, dot) in
-/// packets from its first element and over a strided row one element at a time, so a row's
-/// norm would follow the caller's storage order (docs/design.md, "Same bits").
+/// (a column-major or strided x, an expression), each is first copied into one buffer, on the
+/// stack for rows of up to 256 scalars (so a decode step allocates nothing), else allocated
+/// once per call. Why: Eigen sums a reduction over a contiguous row (norm, dot) in packets from
+/// its first element and over a strided row one element at a time, so a row's norm would
+/// follow the caller's storage order (docs/design.md, "Same bits").
 template <class X, class F>
 void for_each_contiguous_row(const X& x, const F& f) {
   if constexpr (has_contiguous_rows<X>()) {
     for (Index t = 0; t < x.rows(); ++t) f(t, x.row(t));
   } else {
-    Eigen::Matrix<typename X::Scalar, 1, Eigen::Dynamic> row(x.cols());
+    using Scalar = typename X::Scalar;
+    constexpr Index kOnStack = 256;
+    const Index n = x.cols();
+    alignas(64) std::array<Scalar, kOnStack> on_stack;
+    std::vector<Scalar> on_heap(n > kOnStack ? static_cast<std::size_t>(n) : 0);
+    Eigen::Map<Eigen::Matrix<Scalar, 1, Eigen::Dynamic>> row(n > kOnStack ? on_heap.data() : on_stack.data(), n);
     for (Index t = 0; t < x.rows(); ++t) {
       row = x.row(t);
       f(t, std::as_const(row));
