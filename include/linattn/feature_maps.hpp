@@ -123,7 +123,9 @@ struct EluPlusOne {
 /// key/query map of the delta rule: with |phi(k)| = 1 and beta in [0, 1], I - beta phi(k)
 /// phi(k)^T is a contraction. Signed features, so only for unnormalized reads. A row whose
 /// squared norm would leave the normal range is first divided by its largest |entry|.
-/// Cost: about 3 T*d flops (5 T*d for rescaled rows).
+/// Cost: about 3 T*d flops (5 T*d for rescaled rows); a column-major or strided x is read a
+/// row at a time into a buffer (stack up to d = 256, else one per call), so that the norms
+/// have the bits of a row-major x.
 struct L2Normalize {
   static constexpr bool strictly_positive = false;
   static constexpr const char* name = "l2_normalize";
