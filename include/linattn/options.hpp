@@ -37,8 +37,8 @@ struct Options {
   /// decode block on AMD cores"). kAuto takes B = 16 where S is larger than the L1 data cache on
   /// an Intel core whose L1 holds at least 48 KiB, and 0 otherwise, where a wrong choice costs
   /// less (detail::auto_decode_block); the main command
-  /// (scripts/bench.sh) prints both choices side by side. Costs B (2 r + dv + 1) scalars per
-  /// state.
+  /// (scripts/bench.sh) times both in the same iterations and judges the default by their
+  /// ratio. Costs B (2 r + dv + 1) scalars per state.
   Index decode_block = kAuto;
 };
 
