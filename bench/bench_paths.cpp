@@ -327,18 +327,8 @@ void BM_long_T(benchmark::State& state) {
   state.counters["d"] = static_cast<double>(d);
 }
 
-// Decode: step() token by token. Head-major (each head decodes its T tokens; its state stays
-// hot in cache between tokens) or, for `interleaved`, token-major (every head advances one token
-// before the next token, as a model decodes; the H states compete for L1/L2). `Attn` is the ELU+1
-// attention of every other row, or (decode_identity) the Identity map on |Q| and |K|: the same
-// step without the feature map's exponentials, which measures what they cost. `Block` sets
-// Options::decode_block: 0 keeps the default (kAuto, chosen from this machine's cache and
-// vendor), 1 the fused step (each step rewrites S in one pass), 16 the deferred step (S only
-// read per token, 16 tokens folded at once); the decode_choice rows below time the two against
-// each other.
-// `HotOutput` (decode_hot_out rows) writes every step's output into one reused [1, H*d] row, as
-// a model's decode step writes its activations, instead of row t of the [T, H*d] buffer, whose
-// lines each step must first fetch from memory.
+// Every head decodes T tokens from an empty state through step_into (BM_decode has the orders
+// and the output rows), on `threads` threads.
 template <bool Interleaved, bool HotOutput = false, class Attn>
 void decode_heads(const Attn& attn, std::vector<typename Attn::State>& states, Problem& p,
                   int threads) {
@@ -372,6 +362,18 @@ void decode_heads(const Attn& attn, std::vector<typename Attn::State>& states, P
   }
 }
 
+// Decode: step() token by token. Head-major (each head decodes its T tokens; its state stays
+// hot in cache between tokens) or, for `interleaved`, token-major (every head advances one token
+// before the next token, as a model decodes; the H states compete for L1/L2). `Attn` is the ELU+1
+// attention of every other row, or (decode_identity) the Identity map on |Q| and |K|: the same
+// step without the feature map's exponentials, which measures what they cost. `Block` sets
+// Options::decode_block: 0 keeps the default (kAuto, chosen from this machine's cache and
+// vendor), 1 the fused step (each step rewrites S in one pass), 16 the deferred step (S only
+// read per token, 16 tokens folded at once); the decode_choice rows below time the two against
+// each other.
+// `HotOutput` (decode_hot_out rows) writes every step's output into one reused [1, H*d] row, as
+// a model's decode step writes its activations, instead of row t of the [T, H*d] buffer, whose
+// lines each step must first fetch from memory.
 template <bool Interleaved, class Attn = Attention, int Block = 0, bool HotOutput = false>
 void BM_decode(benchmark::State& state) {
   const Index T = state.range(0), d = state.range(1);
