@@ -25,7 +25,10 @@
 /// (o_t = scale S_t^T q_t for all but normalized linear_attn.) The delta rules may L2-normalize
 /// q and k first as fla's use_qk_l2norm_in_kernel does: x / sqrt(|x|^2 + 1e-6). States are
 /// [N, H, K, V] (S, key-major as fla's), N = B, or the number of sequences with cu_seqlens
-/// (offsets of sequences packed along T with B = 1, as fla's).
+/// (offsets of sequences packed along T with B = 1, as fla's). Grouped value heads (fla's
+/// HV > H): v [B, T, HV, V] with HV a multiple of q's and k's H; value head h reads query/key
+/// head h / (HV / H) in place, and o, g, beta and the states have HV heads. dq and dk of a
+/// query/key head sum its value heads' gradients.
 ///
 /// Differences from fla (docs/pytorch.md): gates must be log-gates <= 0 and beta in [0, 1]
 /// (linattn checks, fla does not); normalize raises where q . z + 1e-10 / scale <= 0, a row

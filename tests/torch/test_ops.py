@@ -433,7 +433,7 @@ def test_bad_inputs_raise_with_a_message():
         match="N sequences")
     bad(lt.chunk_gated_delta_rule, q, k, v, g[..., :1], beta, match="g")
     bad(lt.chunk_gated_delta_rule, q, k, v, g, beta[:, :5], match="beta")
-    bad(lt.chunk_gla, q, k, v, g, match=r"\[B, T, H, K\]")
+    bad(lt.chunk_gla, q, k, v, g, match=r"\[B, T, HV, K\]")
     bad(lt.chunk_simple_gla, q, k, v, g.abs() + 0.1, match="log")  # a gate above 1
     bad(lt.chunk_delta_rule, q, k, v, beta + 1.5, match="beta")
     bad(lt.chunk_simple_gla, q, k, v, g_gamma=torch.zeros(H + 1), match="g_gamma")

@@ -48,13 +48,15 @@ namespace linattn::fla {
 /// delta_rule (Delta), gated_delta_rule (GatedDelta).
 enum class Op { linear_attn, simple_gla, gla, delta_rule, gated_delta_rule };
 
-/// Tensors of one call, in fla's shapes (head_first swaps T and H of q, k, v, g, beta).
+/// Tensors of one call, in fla's shapes (head_first swaps T and H of q, k, v, g, beta). HV,
+/// v's heads, is H or a multiple of it (grouped value heads: value head h reads query/key head
+/// h / (HV / H)).
 struct Inputs {
-  at::Tensor q, k, v;                       // [B, T, H, K], [B, T, H, K], [B, T, H, V]
-  std::optional<at::Tensor> g;              // [B, T, H] (simple_gla, gated_delta_rule) or [B, T, H, K] (gla)
-  std::optional<at::Tensor> beta;           // [B, T, H] (delta rules)
-  std::optional<at::Tensor> initial_state;  // [N, H, K, V]
-  std::optional<at::Tensor> initial_z;      // [N, 1, H, K] (linear_attn with normalize only)
+  at::Tensor q, k, v;                       // [B, T, H, K], [B, T, H, K], [B, T, HV, V]
+  std::optional<at::Tensor> g;              // [B, T, HV] (simple_gla, gated_delta_rule) or [B, T, HV, K] (gla)
+  std::optional<at::Tensor> beta;           // [B, T, HV] (delta rules)
+  std::optional<at::Tensor> initial_state;  // [N, HV, K, V]
+  std::optional<at::Tensor> initial_z;      // [N, 1, HV, K] (linear_attn with normalize only)
   std::optional<at::Tensor> cu_seqlens;     // [N + 1] int32/int64, B = 1
 };
 
@@ -128,7 +130,7 @@ class SavedForwards {
   std::vector<linattn::SavedForward<double>> f64_;
   // What the backward checks it against (op, settings, sizes, sequence offsets).
   Op op_ = Op::linear_attn;
-  Index N_ = 0, H_ = 0, T_ = 0, K_ = 0, V_ = 0;
+  Index N_ = 0, H_ = 0, T_ = 0, K_ = 0, V_ = 0, qk_heads_ = 0;
   double scale_ = 1;
   bool normalize_ = false, qk_l2norm_ = false;
   std::vector<Index> offsets_;
@@ -188,9 +190,14 @@ inline at::Tensor logical(const at::Tensor& t, bool head_first) {
 struct Prepared {
   at::Tensor q, k, v, g, beta, h0, z0;
   std::vector<Index> offsets;  // empty: every batch entry is one sequence
-  Index B = 0, T = 0, H = 0, K = 0, V = 0, N = 0;
+  // H: the value heads (v, o, g, beta and the states have H heads); qk_heads: q's and k's,
+  // H / qk_heads = group (grouped value heads, as fla's HV > H: value head h reads query/key
+  // head h / group, as if q and k were repeat_interleave'd to H heads).
+  Index B = 0, T = 0, H = 0, K = 0, V = 0, N = 0, qk_heads = 0, group = 1;
   double scale = 1;
   bool compute_double = false;
+
+  [[nodiscard]] Index qk_head_of(Index h) const { return h / group; }
 
   [[nodiscard]] Index batch_of(Index n) const { return offsets.empty() ? n : 0; }
   [[nodiscard]] Index first_of(Index n) const { return offsets.empty() ? 0 : offsets[n]; }
@@ -244,13 +251,20 @@ inline Prepared prepare(Op op, const Inputs& in, const Settings& s) {
   p.q = logical(in.q, s.head_first);
   p.k = logical(in.k, s.head_first);
   p.v = logical(in.v, s.head_first);
-  p.B = p.q.size(0), p.T = p.q.size(1), p.H = p.q.size(2), p.K = p.q.size(3), p.V = p.v.size(3);
+  p.B = p.q.size(0), p.T = p.q.size(1), p.qk_heads = p.q.size(2), p.K = p.q.size(3);
+  p.H = p.v.size(2), p.V = p.v.size(3);
   const char* layout = s.head_first ? "(head_first: [B, H, T, D])" : "([B, T, H, D])";
   TORCH_CHECK_VALUE(p.k.sizes() == p.q.sizes(), "linattn: k has shape ", in.k.sizes(),
                     ", expected q's shape ", in.q.sizes(), " ", layout);
-  TORCH_CHECK_VALUE(p.v.size(0) == p.B && p.v.size(1) == p.T && p.v.size(2) == p.H,
-                    "linattn: v has shape ", in.v.sizes(), ", which does not match q ",
-                    in.q.sizes(), " in B, T and H ", layout);
+  TORCH_CHECK_VALUE(p.v.size(0) == p.B && p.v.size(1) == p.T, "linattn: v has shape ",
+                    in.v.sizes(), ", which does not match q ", in.q.sizes(), " in B and T ", layout);
+  // Grouped value heads (fla's HV > H): v, o, gates, betas and states have H_v = G H_qk heads.
+  TORCH_CHECK_VALUE(p.qk_heads == p.H || (p.qk_heads > 0 && p.H % p.qk_heads == 0),
+                    "linattn: v has ", p.H, " heads and q, k have ", p.qk_heads, " (v ",
+                    in.v.sizes(), ", q ", in.q.sizes(), " ", layout, "); v's heads must equal "
+                    "q's or be a multiple of them (grouped value heads: value head h reads "
+                    "query/key head h / (H_v / H_qk))");
+  p.group = p.qk_heads == 0 ? 1 : p.H / p.qk_heads;
   TORCH_CHECK_VALUE(p.K >= 1 && p.V >= 1, "linattn: the key and value dims must be >= 1, got K=",
                     p.K, " V=", p.V);
   p.compute_double = in.q.scalar_type() == at::kDouble;
@@ -265,17 +279,17 @@ inline Prepared prepare(Op op, const Inputs& in, const Settings& s) {
     check_tensor(*in.g, "g");
     const at::Tensor g = logical(*in.g, s.head_first);
     if (op == Op::gla) {
-      check_dims(g, "g (logical)", {p.B, p.T, p.H, p.K}, "(per-channel log-gates [B, T, H, K])");
+      check_dims(g, "g (logical)", {p.B, p.T, p.H, p.K}, "(per-channel log-gates [B, T, HV, K], HV = v's heads)");
       p.g = g;
     } else {
-      check_dims(g, "g (logical)", {p.B, p.T, p.H}, "(one log-gate per head and token, [B, T, H])");
+      check_dims(g, "g (logical)", {p.B, p.T, p.H}, "(one log-gate per value head and token, [B, T, HV])");
       p.g = g.unsqueeze(-1);
     }
   }
   if (wants_beta) {
     check_tensor(*in.beta, "beta");
     const at::Tensor beta = logical(*in.beta, s.head_first);
-    check_dims(beta, "beta (logical)", {p.B, p.T, p.H}, "(one beta per head and token, [B, T, H])");
+    check_dims(beta, "beta (logical)", {p.B, p.T, p.H}, "(one beta per value head and token, [B, T, HV])");
     p.beta = beta.unsqueeze(-1);
   }
 
@@ -303,14 +317,14 @@ inline Prepared prepare(Op op, const Inputs& in, const Settings& s) {
 
   if (in.initial_state.has_value()) {
     check_tensor(*in.initial_state, "initial_state");
-    check_dims(*in.initial_state, "initial_state", {p.N, p.H, p.K, p.V}, "([N, H, K, V], N sequences)");
+    check_dims(*in.initial_state, "initial_state", {p.N, p.H, p.K, p.V}, "([N, HV, K, V], N sequences, HV = v's heads)");
     p.h0 = *in.initial_state;
   }
   if (in.initial_z.has_value()) {
     TORCH_CHECK_VALUE(op == Op::linear_attn && s.normalize,
                       "linattn: an initial z state is for linear_attn with normalize=True only");
     check_tensor(*in.initial_z, "initial z state");
-    check_dims(*in.initial_z, "initial z state", {p.N, 1, p.H, p.K}, "([N, 1, H, K])");
+    check_dims(*in.initial_z, "initial z state", {p.N, 1, p.H, p.K}, "([N, 1, HV, K])");
     p.z0 = *in.initial_z;
   }
   if (s.inplace_final_state) check_inplace_states(p, s);
@@ -607,7 +621,7 @@ struct SavedForwardsAccess {
     if constexpr (std::is_same_v<Scalar, double>) s.f32_ = {}; else s.f64_ = {};
     items<Scalar>(s).resize(static_cast<std::size_t>(p.N * p.H));
     s.op_ = op;
-    s.N_ = p.N, s.H_ = p.H, s.T_ = p.T, s.K_ = p.K, s.V_ = p.V;
+    s.N_ = p.N, s.H_ = p.H, s.T_ = p.T, s.K_ = p.K, s.V_ = p.V, s.qk_heads_ = p.qk_heads;
     s.scale_ = p.scale;
     s.normalize_ = settings.normalize;
     s.qk_l2norm_ = settings.qk_l2norm;
@@ -616,24 +630,26 @@ struct SavedForwardsAccess {
   // Throws c10::ValueError unless `s` was filled by a forward of this op, settings and sizes.
   template <class Scalar>
   static void check(const fla::SavedForwards& s, Op op, const Prepared& p, const Settings& settings) {
-    const auto describe = [](Op o, Index N, Index H, Index T, Index K, Index V, double scale,
-                             bool normalize, bool l2, bool is_double) {
+    const auto describe = [](Op o, Index N, Index H, Index qk_heads, Index T, Index K, Index V,
+                             double scale, bool normalize, bool l2, bool is_double) {
       std::ostringstream os;
-      os << fla::op_name(o) << " with N=" << N << " H=" << H << " T=" << T << " K=" << K
-         << " V=" << V << " scale=" << scale << " normalize=" << normalize
+      os << fla::op_name(o) << " with N=" << N << " H=" << H;
+      if (qk_heads != H) os << " (q, k: " << qk_heads << " heads)";
+      os << " T=" << T << " K=" << K << " V=" << V << " scale=" << scale << " normalize=" << normalize
          << " qk_l2norm=" << l2 << " in " << (is_double ? "float64" : "float32");
       return os.str();
     };
-    const bool same = s.op_ == op && s.N_ == p.N && s.H_ == p.H && s.T_ == p.T && s.K_ == p.K &&
-                      s.V_ == p.V && s.scale_ == p.scale && s.normalize_ == settings.normalize &&
+    const bool same = s.op_ == op && s.N_ == p.N && s.H_ == p.H && s.qk_heads_ == p.qk_heads &&
+                      s.T_ == p.T && s.K_ == p.K && s.V_ == p.V && s.scale_ == p.scale &&
+                      s.normalize_ == settings.normalize &&
                       s.qk_l2norm_ == settings.qk_l2norm && s.offsets_ == p.offsets &&
                       items<Scalar>(s).size() == static_cast<std::size_t>(p.N * p.H);
     TORCH_CHECK_VALUE(same, "linattn: the saved forward is for ",
-                      describe(s.op_, s.N_, s.H_, s.T_, s.K_, s.V_, s.scale_, s.normalize_,
+                      describe(s.op_, s.N_, s.H_, s.qk_heads_, s.T_, s.K_, s.V_, s.scale_, s.normalize_,
                                s.qk_l2norm_, !s.f64_.empty()),
                       (s.offsets_ != p.offsets && s.N_ == p.N ? " (other cu_seqlens)" : ""),
                       ", this backward is for ",
-                      describe(op, p.N, p.H, p.T, p.K, p.V, p.scale, settings.normalize,
+                      describe(op, p.N, p.H, p.qk_heads, p.T, p.K, p.V, p.scale, settings.normalize,
                                settings.qk_l2norm, std::is_same_v<Scalar, double>));
   }
 };
@@ -689,8 +705,9 @@ fla::Result forward(const Prepared& p, const Settings& s, fla::SavedForwards* sa
         const Index b = p.batch_of(n), first = p.first_of(n), len = p.length_of(n);
         auto& state = initial_state(attn, p, n, h, state_slot);
         if (len > 0) {
-          const ConstRowsView<Scalar> Q = read_qk<Scalar>(p.q, b, h, first, len, qb, s.qk_l2norm, norms);
-          const ConstRowsView<Scalar> Kr = read_qk<Scalar>(p.k, b, h, first, len, kb, s.qk_l2norm, norms);
+          const Index hqk = p.qk_head_of(h);
+          const ConstRowsView<Scalar> Q = read_qk<Scalar>(p.q, b, hqk, first, len, qb, s.qk_l2norm, norms);
+          const ConstRowsView<Scalar> Kr = read_qk<Scalar>(p.k, b, hqk, first, len, kb, s.qk_l2norm, norms);
           const ConstRowsView<Scalar> Vr = read_rows<Scalar>(p.v, b, h, first, len, vb);
           if (!direct_out) ob.resize(len, p.V);
           RowsView<Scalar> out = direct_out
@@ -795,8 +812,10 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
   check_dims(d_o, "the output gradient (logical)", {p.B, p.T, p.H, p.V}, "([B, T, H, V])");
   const at::ScalarType st = scalar_type_of<Scalar>();
   // (no structured bindings: clang 14 cannot capture them in the task lambda)
-  const std::pair<at::Tensor, at::Tensor> dq_pair = make_activation(p.B, p.T, p.H, p.K, st, s.head_first);
-  const std::pair<at::Tensor, at::Tensor> dk_pair = make_activation(p.B, p.T, p.H, p.K, st, s.head_first);
+  const std::pair<at::Tensor, at::Tensor> dq_pair =
+      make_activation(p.B, p.T, p.qk_heads, p.K, st, s.head_first);
+  const std::pair<at::Tensor, at::Tensor> dk_pair =
+      make_activation(p.B, p.T, p.qk_heads, p.K, st, s.head_first);
   const std::pair<at::Tensor, at::Tensor> dv_pair = make_activation(p.B, p.T, p.H, p.V, st, s.head_first);
   const at::Tensor &dq = dq_pair.second, &dk = dk_pair.second, &dv = dv_pair.second;
   fla::Gradients grads;
@@ -822,8 +841,11 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
   const Scalar dy_factor = s.normalize ? Scalar(1) : static_cast<Scalar>(p.scale);
   const bool has_final = dht.defined() || dzt.defined();
 
-  at::parallel_for(0, p.N * p.H, 1, [&](int64_t begin, int64_t end) {
-    RowMatrix<Scalar> qb, kb, vb, gb, bb, yb;
+  // One task per (sequence, query/key head). With grouped value heads its G value heads run in
+  // turn and add into the same dq and dk rows (the first writes them, the others add theirs),
+  // so no two threads write one row; q and k are read once for the group.
+  at::parallel_for(0, p.N * p.qk_heads, 1, [&](int64_t begin, int64_t end) {
+    RowMatrix<Scalar> qb, kb, vb, gb, bb, yb, dq_part, dk_part;
     ColVector<Scalar> q_norms, k_norms;
     StateGradient<Scalar> final_gradient, initial;
     RuleInputGradients<Scalar> d_in;
@@ -832,78 +854,98 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
     // instead of allocated and first touched per item (same bits).
     BackwardWorkspace<Scalar> workspace;
     std::optional<typename Attention::State> state_slot;
-    for (int64_t task = begin; task < end; ++task) {
-      const Index n = task / p.H, h = task % p.H;
+    for (int64_t group_task = begin; group_task < end; ++group_task) {
+      const Index n = group_task / p.qk_heads, hqk = group_task % p.qk_heads;
       const Index b = p.batch_of(n), first = p.first_of(n), len = p.length_of(n);
-      if (has_final) {
-        // Into the thread's kept matrices: one copy, allocated on the first item only.
-        if (dht.defined())
-          with_state<Scalar>(dht, n, h, false, [&](const auto& x) { final_gradient.S = x; });
-        else
-          final_gradient.S.setZero(p.K, p.V);
-        if (dzt.defined())
-          with_state<Scalar>(dzt, n, h, true,
-                             [&](const auto& x) { final_gradient.z = x.transpose(); });
-        else
-          final_gradient.z.setZero(Rule::keeps_normalizer ? p.K : 0);
+      auto rows = [&](const at::Tensor& t, Index head) {
+        return tensor_view_of<Scalar>(t).head_rows(b, head, first, len);
+      };
+      const ConstRowsView<Scalar> Q = read_qk<Scalar>(p.q, b, hqk, first, len, qb, s.qk_l2norm, q_norms);
+      const ConstRowsView<Scalar> Kr = read_qk<Scalar>(p.k, b, hqk, first, len, kb, s.qk_l2norm, k_norms);
+      if (p.group > 1 && len > 0) {
+        dq_part.resize(len, p.K);
+        dk_part.resize(len, p.K);
       }
-      const StateGradient<Scalar>* carried = has_final ? &final_gradient : nullptr;
-      if (len > 0) {
-        const ConstRowsView<Scalar> Q = read_qk<Scalar>(p.q, b, h, first, len, qb, s.qk_l2norm, q_norms);
-        const ConstRowsView<Scalar> Kr = read_qk<Scalar>(p.k, b, h, first, len, kb, s.qk_l2norm, k_norms);
-        const ConstRowsView<Scalar> Vr = read_rows<Scalar>(p.v, b, h, first, len, vb);
-        read_rows<Scalar>(d_o, b, h, first, len, yb, true);
-        yb *= dy_factor;
-        auto rows = [&](const at::Tensor& t) { return tensor_view_of<Scalar>(t).head_rows(b, h, first, len); };
-        const GradientsRef<Scalar> out{rows(dq), rows(dk), rows(dv)};
-        // The backward from this pair's saved forward when there is one, else the one that
-        // rebuilds the chunk states from the initial state.
-        auto gradients = [&](const auto&... inputs) {
-          if (saved_items != nullptr) {
-            const SavedForward<Scalar>& item = (*saved_items)[static_cast<std::size_t>(task)];
-            if constexpr (Rule::kind == WriteKind::additive)
-              prefill_backward_into(attn, item, Q, Kr, Vr, yb, carried, out, initial, &workspace);
-            else
-              prefill_backward_into(attn, item, Q, Kr, Vr, inputs..., yb, carried, out, d_in, initial,
-                                    &workspace);
-          } else {
-            const auto& state = initial_state(attn, p, n, h, state_slot);
-            if constexpr (Rule::kind == WriteKind::additive)
-              prefill_backward_into(attn, state, Q, Kr, Vr, yb, carried, out, initial, &workspace);
-            else
-              prefill_backward_into(attn, state, Q, Kr, Vr, inputs..., yb, carried, out, d_in, initial,
-                                    &workspace);
+      for (Index j = 0; j < p.group; ++j) {
+        const Index h = hqk * p.group + j;
+        const int64_t task = n * p.H + h;  // the (sequence, value head) pair: its saved item
+        if (has_final) {
+          // Into the thread's kept matrices: one copy, allocated on the first item only.
+          if (dht.defined())
+            with_state<Scalar>(dht, n, h, false, [&](const auto& x) { final_gradient.S = x; });
+          else
+            final_gradient.S.setZero(p.K, p.V);
+          if (dzt.defined())
+            with_state<Scalar>(dzt, n, h, true,
+                               [&](const auto& x) { final_gradient.z = x.transpose(); });
+          else
+            final_gradient.z.setZero(Rule::keeps_normalizer ? p.K : 0);
+        }
+        const StateGradient<Scalar>* carried = has_final ? &final_gradient : nullptr;
+        if (len > 0) {
+          const ConstRowsView<Scalar> Vr = read_rows<Scalar>(p.v, b, h, first, len, vb);
+          read_rows<Scalar>(d_o, b, h, first, len, yb, true);
+          yb *= dy_factor;
+          const bool adds = j > 0;
+          RowsView<Scalar> dq_rows = rows(dq, hqk), dk_rows = rows(dk, hqk);
+          const GradientsRef<Scalar> out{
+              adds ? RowsView<Scalar>(dq_part.data(), len, p.K, Eigen::OuterStride<>(p.K)) : dq_rows,
+              adds ? RowsView<Scalar>(dk_part.data(), len, p.K, Eigen::OuterStride<>(p.K)) : dk_rows,
+              rows(dv, h)};
+          // The backward from this pair's saved forward when there is one, else the one that
+          // rebuilds the chunk states from the initial state.
+          auto gradients = [&](const auto&... inputs) {
+            if (saved_items != nullptr) {
+              const SavedForward<Scalar>& item = (*saved_items)[static_cast<std::size_t>(task)];
+              if constexpr (Rule::kind == WriteKind::additive)
+                prefill_backward_into(attn, item, Q, Kr, Vr, yb, carried, out, initial, &workspace);
+              else
+                prefill_backward_into(attn, item, Q, Kr, Vr, inputs..., yb, carried, out, d_in,
+                                      initial, &workspace);
+            } else {
+              const auto& state = initial_state(attn, p, n, h, state_slot);
+              if constexpr (Rule::kind == WriteKind::additive)
+                prefill_backward_into(attn, state, Q, Kr, Vr, yb, carried, out, initial, &workspace);
+              else
+                prefill_backward_into(attn, state, Q, Kr, Vr, inputs..., yb, carried, out, d_in,
+                                      initial, &workspace);
+            }
+          };
+          if constexpr (Rule::kind == WriteKind::additive) {
+            gradients();
+          } else if constexpr (Rule::kind == WriteKind::gated) {
+            gradients(read_token_rows<Scalar>(p.g, b, h, first, len, gb));
+            write_rows<Scalar>(dg, b, h, first, d_in.log_gate, Scalar(1));
+          } else if constexpr (Rule::kind == WriteKind::delta) {
+            gradients(read_token_rows<Scalar>(p.beta, b, h, first, len, bb));
+            write_rows<Scalar>(dbeta, b, h, first, d_in.beta, Scalar(1));
+          } else {  // linattn takes beta then log_alpha; fla's g is log_alpha
+            gradients(read_token_rows<Scalar>(p.beta, b, h, first, len, bb),
+                      read_token_rows<Scalar>(p.g, b, h, first, len, gb));
+            write_rows<Scalar>(dbeta, b, h, first, d_in.beta, Scalar(1));
+            write_rows<Scalar>(dg, b, h, first, d_in.log_alpha, Scalar(1));
           }
-        };
-        if constexpr (Rule::kind == WriteKind::additive) {
-          gradients();
-        } else if constexpr (Rule::kind == WriteKind::gated) {
-          gradients(read_token_rows<Scalar>(p.g, b, h, first, len, gb));
-          write_rows<Scalar>(dg, b, h, first, d_in.log_gate, Scalar(1));
-        } else if constexpr (Rule::kind == WriteKind::delta) {
-          gradients(read_token_rows<Scalar>(p.beta, b, h, first, len, bb));
-          write_rows<Scalar>(dbeta, b, h, first, d_in.beta, Scalar(1));
-        } else {  // linattn takes beta then log_alpha; fla's g is log_alpha
-          gradients(read_token_rows<Scalar>(p.beta, b, h, first, len, bb),
-                    read_token_rows<Scalar>(p.g, b, h, first, len, gb));
-          write_rows<Scalar>(dbeta, b, h, first, d_in.beta, Scalar(1));
-          write_rows<Scalar>(dg, b, h, first, d_in.log_alpha, Scalar(1));
+          if (adds) {
+            dq_rows += dq_part;
+            dk_rows += dk_part;
+          }
+        } else if (has_final) {
+          initial = final_gradient;  // no token: the initial state is the final one
+        } else {
+          initial.S = RowMatrix<Scalar>::Zero(p.K, p.V);
+          initial.z = ColVector<Scalar>::Zero(p.K);
         }
-        if (s.qk_l2norm) {
-          l2_normalize_backward(qb, q_norms, rows(dq));
-          l2_normalize_backward(kb, k_norms, rows(dk));
-        }
-      } else if (has_final) {
-        initial = final_gradient;  // no token: the initial state is the final one
-      } else {
-        initial.S = RowMatrix<Scalar>::Zero(p.K, p.V);
-        initial.z = ColVector<Scalar>::Zero(p.K);
+        if (dh0.defined())
+          Eigen::Map<RowMatrix<Scalar>>(dh0.data_ptr<Scalar>() + task * p.K * p.V, p.K, p.V) =
+              initial.S;
+        if (dz0.defined())
+          Eigen::Map<ColVector<Scalar>>(dz0.data_ptr<Scalar>() + task * p.K, p.K) = initial.z;
       }
-      if (dh0.defined())
-        Eigen::Map<RowMatrix<Scalar>>(dh0.data_ptr<Scalar>() + (n * p.H + h) * p.K * p.V, p.K, p.V) =
-            initial.S;
-      if (dz0.defined())
-        Eigen::Map<ColVector<Scalar>>(dz0.data_ptr<Scalar>() + (n * p.H + h) * p.K, p.K) = initial.z;
+      // Through the in-kernel L2 norm once, on the group's summed dq and dk (it is linear in them).
+      if (s.qk_l2norm && len > 0) {
+        l2_normalize_backward(qb, q_norms, rows(dq, hqk));
+        l2_normalize_backward(kb, k_norms, rows(dk, hqk));
+      }
     }
   });
   return grads;

@@ -4,6 +4,8 @@ Every function takes fla's arguments with fla's names and defaults and returns f
 ``(o, final_state)``: q, k ``[B, T, H, K]``, v ``[B, T, H, V]`` (``head_first=True``: ``[B, H,
 T, D]``), float32, float64, bfloat16 or float16; ``scale=None`` means ``K ** -0.5``;
 ``initial_state`` / ``final_state`` ``[N, H, K, V]`` (float32, float64 for float64 inputs);
+grouped value heads as in fla: v ``[B, T, HV, V]`` with HV a multiple of H, value head h reading
+query/key head ``h // (HV // H)``, and then o, gates, betas and states have HV heads;
 ``cu_seqlens`` packs N sequences along T with B = 1. See docs/pytorch.md for the formulas and
 where linattn's semantics differ from fla's. The fused_recurrent_* ops also take
 ``inplace_final_state=True`` (as vLLM's fla ops do): the final state is written over
@@ -214,12 +216,12 @@ def fused_recurrent_linear_attn(q: _Tensor, k: _Tensor, v: _Tensor, scale: Optio
 def _simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
                 head_first, chunked, reverse=False, inplace_final_state=False):
     if g_gamma is not None:
-        H = q.shape[1] if head_first else q.shape[2]
+        H = v.shape[1] if head_first else v.shape[2]  # one per value head
         if g_gamma.shape != (H,):
-            raise ValueError(f"linattn.torch: g_gamma must have shape [H] = [{H}], got "
-                             f"{list(g_gamma.shape)}")
+            raise ValueError(f"linattn.torch: g_gamma must have shape [HV] = [{H}] (one per "
+                             f"value head), got {list(g_gamma.shape)}")
         gamma = g_gamma.view(1, H, 1) if head_first else g_gamma.view(1, 1, H)
-        g = gamma.expand(*q.shape[:3]) if g is None else g + gamma
+        g = gamma.expand(*v.shape[:3]) if g is None else g + gamma
     if g is None:  # no gate: fla's simple_gla is then unnormalized linear attention
         return _run("linear_attn", q, k, v, scale=scale, initial_state=initial_state,
                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -288,8 +290,9 @@ def fused_recurrent_gla(q: _Tensor, k: _Tensor, v: _Tensor, gk: Optional[_Tensor
                 inplace_final_state=inplace_final_state)
 
 
-def _ones_beta(q, head_first):
-    return torch.ones(q.shape[:3], dtype=q.dtype)
+def _ones_beta(v):
+    """beta = 1 for every value head and token ([B, T, HV], or [B, HV, T] head-first)."""
+    return torch.ones(v.shape[:3], dtype=v.dtype)
 
 
 def chunk_delta_rule(q: _Tensor, k: _Tensor, v: _Tensor, beta: _Tensor,
@@ -314,7 +317,7 @@ def fused_recurrent_delta_rule(q: _Tensor, k: _Tensor, v: _Tensor, beta: Optiona
     inplace_final_state=True writes the final state over initial_state (a decode step without
     a new state tensor; for inference only, see docs/pytorch.md)."""
     if beta is None:
-        beta = _ones_beta(q, head_first)
+        beta = _ones_beta(v)
     return _run("delta_rule", q, k, v, beta=beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, qk_l2norm=use_qk_l2norm_in_kernel,
                 cu_seqlens=cu_seqlens, head_first=head_first, chunked=False,
@@ -346,7 +349,7 @@ def fused_recurrent_gated_delta_rule(q: _Tensor, k: _Tensor, v: _Tensor,
     inplace_final_state=True writes the final state over initial_state (a decode step without
     a new state tensor; for inference only, see docs/pytorch.md)."""
     if beta is None:
-        beta = _ones_beta(q, head_first)
+        beta = _ones_beta(v)
     if g is None:
         return _run("delta_rule", q, k, v, beta=beta, scale=scale, initial_state=initial_state,
                     output_final_state=output_final_state, qk_l2norm=use_qk_l2norm_in_kernel,
