@@ -214,7 +214,7 @@ TEST_CASE("invalid per-token inputs are named and change nothing", "[contract][r
   CHECK(state.tokens() == 0);
   const RuleAttention<L2Normalize, GatedDelta> gdelta;
   auto gstate = gdelta.make_state(3, 3);
-  throws_naming<std::invalid_argument>([&] { static_cast<void>(gdelta.step(gstate, X.row(0), X.row(0), X.row(0), 1.5, -0.1)); }, "beta must lie in [0, 1]");
+  throws_naming<std::invalid_argument>([&] { static_cast<void>(gdelta.step(gstate, X.row(0), X.row(0), X.row(0), 2.5, -0.1)); }, "beta must lie in [0, 2]");
   throws_naming<std::invalid_argument>([&] { static_cast<void>(gdelta.step(gstate, X.row(0), X.row(0), X.row(0), 0.5, 0.1)); }, "log_alpha");
   CHECK(gstate.tokens() == 0);
 }

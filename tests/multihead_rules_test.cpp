@@ -316,7 +316,7 @@ TEST_CASE("per-token input views are checked and named", "[multihead][rules][err
   // Beta has no per-channel form.
   expect([&] { layer.parallel_into(Q, K, V, TensorView<const float>::batch_first(beta.data(), 1, Tn, Hkv, 2), Mask::causal, out); }, "per-token input view");
   // An out-of-range beta inside a valid row is rejected by the rule's own check.
-  beta[0] = 2.0f;
+  beta[0] = 2.5f;
   CHECK_THROWS_AS(layer.parallel_into(Q, K, V, TensorView<const float>::batch_first(beta.data(), B, Tn, Hkv, 1), Mask::causal, out),
                   std::invalid_argument);
 }

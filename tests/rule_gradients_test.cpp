@@ -307,7 +307,7 @@ void check_all_inputs(Harness<Phi, Rule, double>& h) {
   check_fd("S0", h.S0, g.initial.S, -inf, inf, L);
   if constexpr (Rule::keeps_normalizer) check_fd("z0", h.z0, g.initial.z, 0.0, inf, L);
   if constexpr (Rule::kind == WriteKind::gated) check_fd("log_gate", h.log_gate, g.inputs.log_gate, -inf, 0.0, L);
-  if constexpr (is_delta<Rule>) check_fd("beta", h.beta, g.inputs.beta, 0.0, 1.0, L);
+  if constexpr (is_delta<Rule>) check_fd("beta", h.beta, g.inputs.beta, 0.0, 2.0, L);
   if constexpr (Rule::kind == WriteKind::gated_delta)
     check_fd("log_alpha", h.log_alpha, g.inputs.log_alpha, -inf, 0.0, L);
 }
@@ -370,6 +370,19 @@ TEST_CASE("finite differences: every input of Delta and GatedDelta") {
       auto h = make_harness<Identity, GatedDelta, double>(
           Identity{}, GatedDelta{}, Normalization::unnormalized(), s.T, 3, 2, s.chunk, false, 61);
       check_all_inputs(h);
+    }
+    {
+      // Betas in [0, 2] (negative eigenvalues 1 - beta along the key), 2 planted last.
+      INFO("delta and gated delta, L2Normalize, betas in [0, 2]");
+      auto h = make_harness<L2Normalize, Delta, double>(
+          L2Normalize{}, Delta{}, Normalization::unnormalized(), s.T, 3, 2, s.chunk, false, 71);
+      auto hg = make_harness<L2Normalize, GatedDelta, double>(
+          L2Normalize{}, GatedDelta{}, Normalization::unnormalized(), s.T, 3, 2, s.chunk, false,
+          72);
+      h.beta *= 2.0;
+      hg.beta *= 2.0;
+      check_all_inputs(h);
+      check_all_inputs(hg);
     }
   }
 }
@@ -706,7 +719,7 @@ TEST_CASE("rule backward: errors") {
                   ShapeError);
   const RuleAttention<Identity, Gated, double> other;
   CHECK_THROWS_AS(prefill_backward(other, st, h.Q, h.K, h.V, h.log_gate, h.WY), StateMismatchError);
-  const VectorXd bad_beta = VectorXd::Constant(T, 1.5);
+  const VectorXd bad_beta = VectorXd::Constant(T, 2.5);
   const RuleAttention<L2Normalize, Delta, double> delta;
   CHECK_THROWS_AS(parallel_backward(delta, h.Q, h.K, h.V, bad_beta, Mask::causal, h.WY),
                   std::invalid_argument);

@@ -55,6 +55,16 @@ RowMatrix<Scalar> uniform(Index rows, Index cols, std::uint64_t seed, double lo,
   return m;
 }
 
+// The delta tests' betas by kind: 0 random in [0, 1], 1 all 0 (nothing written), 2 all 1,
+// 3 random in [0, 2] (negative eigenvalues 1 - beta along the key), 4 all 2 (reflections).
+constexpr int kBetaKinds = 5;
+template <class Scalar>
+RowMatrix<Scalar> betas_of_kind(int kind, Index T, std::uint64_t seed) {
+  RowMatrix<Scalar> beta = uniform<Scalar>(T, 1, seed, 0.0, kind == 3 ? 2.0 : 1.0);
+  if (kind == 1 || kind == 2 || kind == 4) beta.setConstant(Scalar(kind == 1 ? 0 : kind == 2 ? 1 : 2));
+  return beta;
+}
+
 // Rows scaled to unit norm (the delta rules' keys).
 template <class Scalar>
 RowMatrix<Scalar> unit_rows(RowMatrix<Scalar> m) {
@@ -367,14 +377,13 @@ TEMPLATE_TEST_CASE("delta chunks (WY form, blocked solve) against the recurrence
   const Index H = 4, h = 2;
   const std::vector<GateRange> alphas{{-0.3, 0.0}, {-1e-4, 0.0}, {-30.0, -20.0}};
   for (const Size& s : sizes) {
-    for (int beta_kind = 0; beta_kind < 3; ++beta_kind) {  // random, all 0, all 1
+    for (int beta_kind = 0; beta_kind < kBetaKinds; ++beta_kind) {
       for (int a = -1; a < static_cast<int>(alphas.size()); ++a) {  // -1: Delta (no alpha)
         CAPTURE(s.T, s.r, s.dv, s.C, beta_kind, a);
         const auto qf = unit_rows(random_matrix<Scalar>(s.T, s.r, 51 + s.T));
         const auto kf = unit_rows(random_matrix<Scalar>(s.T, s.r, 52 + s.T));
         const auto v = random_matrix<Scalar>(s.T, s.dv, 53 + s.T);
-        RowMatrix<Scalar> beta = uniform<Scalar>(s.T, 1, 54 + s.T, 0.0, 1.0);
-        if (beta_kind > 0) beta.setConstant(Scalar(beta_kind - 1));
+        const RowMatrix<Scalar> beta = betas_of_kind<Scalar>(beta_kind, s.T, 54 + s.T);
         const ColVector<Scalar> la =
             a < 0 ? ColVector<Scalar>()
                   : ColVector<Scalar>(uniform<Scalar>(s.T, 1, 55 + s.T, alphas[a].lo, alphas[a].hi));
@@ -438,13 +447,12 @@ TEMPLATE_TEST_CASE("the delta recurrence (update carried into the next sweep) an
   using Scalar = TestType;
   for (const Size& s : sizes) {
     for (bool gated : {false, true}) {
-      for (int beta_kind = 0; beta_kind < 3; ++beta_kind) {
+      for (int beta_kind = 0; beta_kind < kBetaKinds; ++beta_kind) {
         CAPTURE(s.T, s.r, s.dv, gated, beta_kind);
         const auto qf = unit_rows(random_matrix<Scalar>(s.T, s.r, 71 + s.T));
         const auto kf = unit_rows(random_matrix<Scalar>(s.T, s.r, 72 + s.T));
         const auto v = random_matrix<Scalar>(s.T, s.dv, 73 + s.T);
-        ColVector<Scalar> beta = uniform<Scalar>(s.T, 1, 74 + s.T, 0.0, 1.0);
-        if (beta_kind > 0) beta.setConstant(Scalar(beta_kind - 1));
+        const ColVector<Scalar> beta = betas_of_kind<Scalar>(beta_kind, s.T, 74 + s.T).col(0);
         const ColVector<Scalar> la =
             gated ? ColVector<Scalar>(uniform<Scalar>(s.T, 1, 75 + s.T, -0.3, 0.0))
                   : ColVector<Scalar>();

@@ -128,11 +128,12 @@ RuleReference naive_gated(const MQ& Q, const MK& K, const MV& V, const MG& log_g
 /// (Gated) delta rule by its recurrence, literally: S_t = alpha_t (I - beta_t k k^T) S_{t-1} +
 /// beta_t k v_t^T with k = phi(k_t), y_t = S_t^T phi(q_t). `log_alpha` empty means alpha = 1.
 ///
-/// Error allowance: with |k| = 1 and beta, alpha in [0, 1] the map S -> alpha (I - beta k k^T) S
-/// has 2-norm <= 1, so rounding errors made at earlier steps are not amplified and add up.
-/// One step (recurrent: dot products over r features; chunked: the same plus sums over at most
-/// `chunk` earlier tokens of the chunk in the triangular solve and the read) perturbs S by at
-/// most about (r + chunk + 4) u (|S_{t-1}|_F + |v_t|) in Frobenius norm; we allow twice that,
+/// Error allowance: with |k| = 1, alpha in (0, 1] and beta in [0, 2] the map S -> alpha (I -
+/// beta k k^T) S has 2-norm <= 1, so rounding errors made at earlier steps are not amplified
+/// and add up. One step (recurrent: dot products over r features; chunked: the same plus sums
+/// over at most `chunk` earlier tokens of the chunk in the triangular solve and the read)
+/// perturbs S by at most about (r + chunk + 4) u max(1, beta_t) (|S_{t-1}|_F + |v_t|) in
+/// Frobenius norm (its terms beta k k^T S and beta k v^T grow with beta); we allow twice that,
 /// summed over the steps so far, times |phi(q_t)|.
 template <class MQ, class MK, class MV, class VB, class VA>
 RuleReference naive_delta(const MQ& Q, const MK& K, const MV& V, const VB& beta,
@@ -150,7 +151,7 @@ RuleReference naive_delta(const MQ& Q, const MK& K, const MV& V, const VB& beta,
     const Eigen::VectorXd v = V.row(t).template cast<double>().transpose();
     const double b = double(beta(t));
     const double alpha = log_alpha.size() > 0 ? std::exp(double(log_alpha(t))) : 1.0;
-    budget += per_step * (S.norm() + v.norm());
+    budget += per_step * std::max(1.0, b) * (S.norm() + v.norm());
     const Eigen::MatrixXd A = Eigen::MatrixXd::Identity(r, r) - b * k * k.transpose();
     S = alpha * (A * S) + b * k * v.transpose();
     ref.y.row(t) = (S.transpose() * q).transpose();

@@ -113,9 +113,9 @@ MatrixXdR split_gated_state_bound(const MK& K, const MV& V, const MatrixXdR& lg,
 }
 
 /// The (gated) delta rules, split at `lengths` (in order, summing to T), against one piece, in
-/// units of u. With |k| = 1 and beta, alpha in [0, 1] every step is a contraction, so errors
+/// units of u. With |k| = 1, alpha in (0, 1] and beta in [0, 2] no step amplifies, so errors
 /// add up without growing (rule_reference.hpp): one piece's S_t errs by at most
-/// E(t) = sum_{s<=t} 2 (r + C + 4) (|S_{s-1}|_F + |v_s|) in Frobenius norm. Split, slice p
+/// E(t) = sum_{s<=t} 2 (r + C + 4) max(1, beta_s) (|S_{s-1}|_F + |v_s|) in Frobenius norm. Split, slice p
 /// runs [A | B] (r x (r + dv)) from [I | 0] with values [0 | v]: the same allowance on that
 /// state, |[A | B]| <= |A|_F |C_p|_F + |B|_F against the carry C_p, then S_t = A_t C_p + B_t adds
 /// (r + 2) (|A_t|_F |C_p|_F + |B_t|_F), and the carry's own error passes through A_t unchanged
@@ -153,7 +153,7 @@ DeltaSplitBound split_delta_bound(const MQ& Q, const MK& K, const MV& V, const M
     }
     if (t == T) break;
     const Eigen::VectorXd v = V.row(t).template cast<double>().transpose();
-    budget += step_units * (S.norm() + v.norm());
+    budget += step_units * std::max(1.0, double(beta(t))) * (S.norm() + v.norm());
     S = factor(t) * S + double(beta(t)) * kf.row(t).transpose() * v.transpose();
     single(t) = budget;
   }
@@ -166,7 +166,7 @@ DeltaSplitBound split_delta_bound(const MQ& Q, const MK& K, const MV& V, const M
     double split = 0;
     for (Index t = first; t < first + lengths[p]; ++t) {
       const Eigen::VectorXd v = V.row(t).template cast<double>().transpose();
-      split += step_units * (A.norm() * c_norm + B.norm() + v.norm());
+      split += step_units * std::max(1.0, double(beta(t))) * (A.norm() * c_norm + B.norm() + v.norm());
       const Eigen::MatrixXd F = factor(t);
       A = F * A;
       B = F * B + double(beta(t)) * kf.row(t).transpose() * v.transpose();

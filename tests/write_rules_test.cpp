@@ -84,9 +84,9 @@ TEST_CASE("Decay validates gamma: 0 < gamma <= 1", "[rules]") {
 
 TEST_CASE("parameter checks accept the closed ranges and reject everything else", "[rules]") {
   Eigen::VectorXd beta(4);
-  beta << 0, 0.5, 1, 1;
+  beta << 0, 0.5, 1, 2;  // [0, 2]: 1 - beta, the eigenvalue along a unit key, in [-1, 1]
   CHECK_NOTHROW(detail::check_betas(token_array(beta)));
-  beta(3) = std::nextafter(1.0, 2.0);
+  beta(3) = std::nextafter(2.0, 3.0);
   CHECK_THROWS_WITH(detail::check_betas(token_array(beta)), Catch::Matchers::Contains("token 3"));
   beta(3) = -0.0;  // negative zero is zero
   CHECK_NOTHROW(detail::check_betas(token_array(beta)));
@@ -154,8 +154,8 @@ RowMatrix<Scalar> log_gates(Index T, Index cols, std::uint64_t seed, double lo) 
 
 // Betas uniform in [0, 1), likewise.
 template <class Scalar>
-ColVector<Scalar> betas(Index T, std::uint64_t seed) {
-  return linattn_test::uniform_matrix<Scalar>(T, 1, seed, 0.0, 1.0).col(0);
+ColVector<Scalar> betas(Index T, std::uint64_t seed, double top = 1.0) {
+  return linattn_test::uniform_matrix<Scalar>(T, 1, seed, 0.0, top).col(0);
 }
 
 Options opts(Index chunk, Normalization n = {}) { return Options{n, chunk}; }
@@ -274,29 +274,34 @@ TEMPLATE_TEST_CASE("Delta and GatedDelta: WY chunks, recurrent and step agree wi
     const auto Q = random_matrix<TestType>(s.T, s.dk, 41 + s.T);
     const auto K = random_matrix<TestType>(s.T, s.dk, 42 + s.T);
     const auto V = random_matrix<TestType>(s.T, s.dv, 43 + s.T);
-    const auto beta = betas<TestType>(s.T, 44 + s.T);
     const ColVector<TestType> la = log_gates<TestType>(s.T, 1, 45 + s.T, -0.3);
     const ColVector<TestType> none;
-    for (Index chunk : chunks) {
-      CAPTURE(chunk);
-      const auto ref = naive_delta(Q, K, V, beta, none, PhiKind::l2_normalize, chunk);
-      const auto gref = naive_delta(Q, K, V, beta, la, PhiKind::l2_normalize, chunk);
-      const RuleAttention<L2Normalize, Delta, TestType> delta(L2Normalize{}, Delta{}, raw(chunk));
-      const RuleAttention<L2Normalize, GatedDelta, TestType> gdelta(L2Normalize{}, GatedDelta{},
-                                                                    raw(chunk));
-      CHECK(worst_ratio<TestType>(delta.parallel(Q, K, V, beta, Mask::causal), ref) <= 1);
-      CHECK(worst_ratio<TestType>(gdelta.parallel(Q, K, V, beta, la, Mask::causal), gref) <= 1);
-      if (chunk == 1) {
-        CHECK(worst_ratio<TestType>(delta.recurrent(Q, K, V, beta), ref) <= 1);
-        CHECK(worst_ratio<TestType>(gdelta.recurrent(Q, K, V, beta, la), gref) <= 1);
-        const auto y = stepped(delta, Q, K, V, [&](auto& st, Index t) {
-          return delta.step(st, Q.row(t), K.row(t), V.row(t), beta(t));
-        });
-        CHECK(worst_ratio<TestType>(y, ref) <= 1);
-        const auto gy = stepped(gdelta, Q, K, V, [&](auto& st, Index t) {
-          return gdelta.step(st, Q.row(t), K.row(t), V.row(t), beta(t), la(t));
-        });
-        CHECK(worst_ratio<TestType>(gy, gref) <= 1);
+    // Betas in [0, 1], and in [0, 2] with 2 planted (negative eigenvalues 1 - beta down to -1,
+    // a reflection at 2): the step map keeps 2-norm <= 1 either way (rule_reference.hpp).
+    for (const double top : {1.0, 2.0}) {
+      for (Index chunk : chunks) {
+        CAPTURE(top, chunk);
+        ColVector<TestType> beta = betas<TestType>(s.T, 44 + s.T, top);
+        if (top > 1 && s.T > 1) beta(s.T / 2) = TestType(2);
+        const auto ref = naive_delta(Q, K, V, beta, none, PhiKind::l2_normalize, chunk);
+        const auto gref = naive_delta(Q, K, V, beta, la, PhiKind::l2_normalize, chunk);
+        const RuleAttention<L2Normalize, Delta, TestType> delta(L2Normalize{}, Delta{}, raw(chunk));
+        const RuleAttention<L2Normalize, GatedDelta, TestType> gdelta(L2Normalize{}, GatedDelta{},
+                                                                      raw(chunk));
+        CHECK(worst_ratio<TestType>(delta.parallel(Q, K, V, beta, Mask::causal), ref) <= 1);
+        CHECK(worst_ratio<TestType>(gdelta.parallel(Q, K, V, beta, la, Mask::causal), gref) <= 1);
+        if (chunk == 1) {
+          CHECK(worst_ratio<TestType>(delta.recurrent(Q, K, V, beta), ref) <= 1);
+          CHECK(worst_ratio<TestType>(gdelta.recurrent(Q, K, V, beta, la), gref) <= 1);
+          const auto y = stepped(delta, Q, K, V, [&](auto& st, Index t) {
+            return delta.step(st, Q.row(t), K.row(t), V.row(t), beta(t));
+          });
+          CHECK(worst_ratio<TestType>(y, ref) <= 1);
+          const auto gy = stepped(gdelta, Q, K, V, [&](auto& st, Index t) {
+            return gdelta.step(st, Q.row(t), K.row(t), V.row(t), beta(t), la(t));
+          });
+          CHECK(worst_ratio<TestType>(gy, gref) <= 1);
+        }
       }
     }
   }
@@ -556,14 +561,14 @@ TEMPLATE_TEST_CASE("invalid rule parameters and input shapes are rejected before
   const RowMatrix<TestType> S0 = state.S();
 
   ColVector<TestType> beta = ColVector<TestType>::Constant(T, 0.5);
-  beta(3) = TestType(1.5);
+  beta(3) = TestType(2.5);
   CHECK_THROWS_WITH(delta.prefill(state, Q, K, V, beta), Contains("beta") && Contains("token 3"));
   CHECK_THROWS_WITH(delta.parallel(Q, K, V, beta, Mask::causal), Contains("token 3"));
   beta(3) = std::numeric_limits<TestType>::quiet_NaN();
   CHECK_THROWS_AS(delta.recurrent(state, Q, K, V, beta), std::invalid_argument);
   beta(3) = TestType(-0.1);
   CHECK_THROWS_AS(delta.recurrent(state, Q, K, V, beta), std::invalid_argument);
-  CHECK_THROWS_AS(delta.step(state, Q.row(0), K.row(0), V.row(0), 2.0), std::invalid_argument);
+  CHECK_THROWS_AS(delta.step(state, Q.row(0), K.row(0), V.row(0), 2.5), std::invalid_argument);
   CHECK_THROWS_AS(delta.prefill(state, Q, K, V, ColVector<TestType>::Zero(T - 1)), ShapeError);
   CHECK_THROWS_AS(delta.recurrent(state, Q, K, V, RowMatrix<TestType>::Zero(T, 2)), ShapeError);
   CHECK(state.S() == S0);  // nothing was written

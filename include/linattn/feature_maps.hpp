@@ -120,8 +120,8 @@ struct EluPlusOne {
 };
 
 /// phi(x) = x / |x|_2 per row (a zero row stays zero; NaN or Inf in a row gives NaN). The usual
-/// key/query map of the delta rule: with |phi(k)| = 1 and beta in [0, 1], I - beta phi(k)
-/// phi(k)^T is a contraction. Signed features, so only for unnormalized reads. A row whose
+/// key/query map of the delta rule: with |phi(k)| = 1 and beta in [0, 2], I - beta phi(k)
+/// phi(k)^T has 2-norm 1 (eigenvalues 1 and 1 - beta). Signed features, so only for unnormalized reads. A row whose
 /// squared norm would leave the normal range is first divided by its largest |entry|.
 /// Cost: about 3 T*d flops (5 T*d for rescaled rows); a column-major or strided x is read a
 /// row at a time into a buffer (stack up to d = 256, else one per call), so that the norms

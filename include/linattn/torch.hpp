@@ -30,7 +30,7 @@
 /// head h / (HV / H) in place, and o, g, beta and the states have HV heads. dq and dk of a
 /// query/key head sum its value heads' gradients.
 ///
-/// Differences from fla (docs/pytorch.md): gates must be log-gates <= 0 and beta in [0, 1]
+/// Differences from fla (docs/pytorch.md): gates must be log-gates <= 0 and beta in [0, 2]
 /// (linattn checks, fla does not); normalize raises where q . z + 1e-10 / scale <= 0, a row
 /// fla would divide by a non-positive number; fla's chunk and recurrent kernels round in bf16
 /// in places, linattn computes in float32 throughout.

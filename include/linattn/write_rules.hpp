@@ -10,11 +10,12 @@
 ///                (data-dependent gates g_t = exp(log_g_t) per token, one scalar or one per
 ///                feature channel, given in log space, log_g_t <= 0; GLA / Mamba2-style)
 ///   Delta        S_t = S_{t-1} + beta_t kf (v_t - S_{t-1}^T kf)^T
-///                  = (I - beta_t kf kf^T) S_{t-1} + beta_t kf v_t^T,   beta_t in [0, 1]
+///                  = (I - beta_t kf kf^T) S_{t-1} + beta_t kf v_t^T,   beta_t in [0, 2]
 ///                (DeltaNet; use unit-norm keys, e.g. the L2Normalize feature map, so that
-///                I - beta kf kf^T is a contraction)
+///                I - beta kf kf^T has eigenvalues 1 and 1 - beta in [-1, 1] and never
+///                amplifies S; beta > 1 gives the negative eigenvalues of Grazzi et al. 2024)
 ///   GatedDelta   S_t = alpha_t (I - beta_t kf kf^T) S_{t-1} + beta_t kf v_t^T,
-///                alpha_t = exp(log_alpha_t) in (0, 1], beta_t in [0, 1] (Gated DeltaNet)
+///                alpha_t = exp(log_alpha_t) in (0, 1], beta_t in [0, 2] (Gated DeltaNet)
 ///
 /// Additive, Decay and Gated states are sums of kf v^T with positive weights, and z is decayed
 /// the same way, so the normalized read y = qf^T S / qf^T z (linear attention's weighted
@@ -101,8 +102,10 @@ struct Gated {
 };
 
 /// S = S + beta_t kf (v_t - S^T kf)^T (error-correcting write). Each call takes beta, a length-T
-/// vector in [0, 1]. beta_t = 0 leaves the state unchanged; with |kf| = 1 and beta_t = 1 the
-/// readout for kf becomes exactly v_t. Unnormalized read only.
+/// vector in [0, 2]. beta_t = 0 leaves the state unchanged; with |kf| = 1 and beta_t = 1 the
+/// readout for kf becomes exactly v_t; with beta_t in (1, 2] the old readout's sign flips
+/// (eigenvalue 1 - beta_t < 0: DeltaNet's negative eigenvalues, for state tracking such as
+/// parity). Unnormalized read only.
 struct Delta {
   static constexpr WriteKind kind = WriteKind::delta;
   static constexpr bool keeps_normalizer = false;
@@ -113,7 +116,7 @@ struct Delta {
 };
 
 /// S = alpha_t (I - beta_t kf kf^T) S + beta_t kf v_t^T. Each call takes beta (length T, in
-/// [0, 1]) then log_alpha (length T, <= 0 and finite). Unnormalized read only.
+/// [0, 2]) then log_alpha (length T, <= 0 and finite). Unnormalized read only.
 struct GatedDelta {
   static constexpr WriteKind kind = WriteKind::gated_delta;
   static constexpr bool keeps_normalizer = false;

@@ -873,7 +873,7 @@ TEST_CASE("the layer's backward over a packed layout: bad input or a layout the 
   };
   const std::vector<double> good(std::size_t(n), 0.5);
   std::vector<double> bad = good;
-  bad[4] = 2;
+  bad[4] = 2.5;  // beyond [0, 2]
   // Documents of 3 rows lie on one rank each (no forward before the backward wavefront);
   // documents of 4 rows cross into the next rank.
   for (const Index length : {Index{3}, Index{4}}) {

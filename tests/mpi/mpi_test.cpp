@@ -727,7 +727,7 @@ TEST_CASE("ranks that disagree on the configuration all throw the same RankMisma
     MultiHeadAttention<DeltaAttention> layer({2, 2, 4, 4}, DeltaAttention());
     const RowMatrix<float> x = random_matrix<float>(T, 8, 3);
     RowMatrix<float> beta = RowMatrix<float>::Constant(T, 2, 0.5f), out(T, 8);
-    if (w.rank == w.size - 1) beta(3, 1) = 2.0f;
+    if (w.rank == w.size - 1) beta(3, 1) = 2.5f;
     auto state = layer.make_state(2);
     const auto in = TensorView<const float>::batch_first(x.data(), 1, T, 2, 4);
     mpi::SequenceParallel<MultiHeadAttention<DeltaAttention>>(layer, MPI_COMM_WORLD)
@@ -736,7 +736,7 @@ TEST_CASE("ranks that disagree on the configuration all throw the same RankMisma
                       SequenceLayout::packed(offsets));
   });
   CHECK_THAT(m, Catch::Contains("rank " + std::to_string(w.size - 1) + " of " +
-                                std::to_string(w.size) + " failed: linattn: beta must lie in [0, 1], got 2"));
+                                std::to_string(w.size) + " failed: linattn: beta must lie in [0, 2], got 2.5"));
   good_call();
   m = every_rank_throws<std::invalid_argument>(
       [&] { slice_call(additive, kBadDk, kBadDv, {w.size, false}); });
@@ -760,16 +760,16 @@ TEST_CASE("one rank's bad input makes every rank throw its error, naming the ran
   });
   CHECK_THAT(m, Catch::Contains("rank 1 of " + std::to_string(w.size) + " failed: linattn: output is"));
   good_call();
-  // A beta outside [0, 1] on rank 0.
+  // A beta outside [0, 2] on rank 0.
   m = every_rank_throws<std::invalid_argument>([&] {
     const RuleAttention<L2Normalize, Delta> attention;
     auto state = attention.make_state(kBadDk, kBadDv);
     Eigen::VectorXf beta = Eigen::VectorXf::Constant(my.length, 0.5f);
-    if (w.rank == 0) beta(3) = 1.5f;
+    if (w.rank == 0) beta(3) = 3.0f;
     static_cast<void>(mpi::SequenceParallel<RuleAttention<L2Normalize, Delta>>(attention, MPI_COMM_WORLD)
                           .prefill(state, rows(qkv.Q), rows(qkv.K), rows(qkv.V), beta));
   });
-  CHECK_THAT(m, Catch::Contains("rank 0 of") && Catch::Contains("beta must lie in [0, 1], got 1.5 at token 3"));
+  CHECK_THAT(m, Catch::Contains("rank 0 of") && Catch::Contains("beta must lie in [0, 2], got 3 at token 3"));
   good_call();
   // A state made by another attention on the last rank.
   m = every_rank_throws<StateMismatchError>([&] {

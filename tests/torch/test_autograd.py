@@ -7,11 +7,11 @@ Three independent checks of linattn's backward:
     packed sequences (cu_seqlens, an empty one among them) in the head-first layout;
   * torch's autograd through a plain float64 loop written from the formulas (`reference`),
     where finite differences cannot go: log-gates of -30 and -1e-6 and betas of exactly 0 and 1
-    (a step outside [0, 1] or above 0 is refused by the forward);
+    (a step below a beta of 0 or above a log-gate of 0 is refused by the forward);
   * float32, bfloat16 and float16 gradients against the float64 ones, within bounds derived
     from the arithmetic (`majorants`);
-and the gradients of g_gamma, of reverse=True, of a loss that leaves the final state out, and
-the errors of the backward.
+and the gradients of g_gamma, of reverse=True, of betas in (1, 2) (negative eigenvalues), of a
+loss that leaves the final state out, and the errors of the backward.
 """
 
 import pytest
@@ -228,6 +228,22 @@ def test_gradcheck_through_the_in_kernel_l2_norm(rule, kind):
         g_, beta_, h0_ = (rest[0], rest[1], rest[2]) if len(rest) == 3 else (None, rest[0], rest[1])
         return call(rule, kind, q, k, v, g_, beta_, initial_state=h0_, output_final_state=True,
                     use_qk_l2norm_in_kernel=True)
+
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+@pytest.mark.parametrize("rule", sorted(DELTA))
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+def test_gradcheck_with_betas_above_one(rule, kind):
+    # Betas in (1, 2): the negative eigenvalues of fla's allow_neg_eigval layers (finite
+    # differences stay inside the accepted [0, 2]).
+    q, k, v, g, beta, h0 = make_inputs(rule, 2, 37, 2, 3, 2, seed=14)
+    beta = 1 + beta
+    inputs = [x.requires_grad_() for x in (q, k, v, g, beta, h0) if x is not None]
+
+    def f(q, k, v, *rest):
+        g_, beta_, h0_ = (rest[0], rest[1], rest[2]) if len(rest) == 3 else (None, rest[0], rest[1])
+        return call(rule, kind, q, k, v, g_, beta_, initial_state=h0_, output_final_state=True)
 
     assert torch.autograd.gradcheck(f, inputs)
 

@@ -143,6 +143,29 @@ def test_scale_and_default_scale(rule, kind):
     assert_close_to(o_scaled, ref_scaled, bound, torch.float64, T, "scale=0.3")
 
 
+@pytest.mark.parametrize("rule", sorted(DELTA))
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_betas_up_to_two_give_negative_eigenvalues(rule, kind, dtype):
+    # fla's allow_neg_eigval layers pass beta = 2 sigmoid(x): with a unit key I - beta k k^T
+    # has eigenvalues 1 and 1 - beta in [-1, 1], so the state is never amplified and the
+    # reference's bound holds with each step's terms (beta k k^T S, beta k v^T) up to twice as
+    # large: twice the bound. One beta of exactly 2 (a reflection) per sequence.
+    q, k, v, g, beta = make_inputs(rule, dtype)
+    beta = 2 * beta
+    beta[:, T // 2] = 2.0
+    h0 = (torch.randn(B, H, K, V, dtype=torch.float64) * 0.5).to(dtype)
+    o, ht = call(rule, kind, q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    ref, S, _, bound = reference(rule, q, k, v, g, beta, h0=h0)
+    assert_close_to(o, ref, 2 * bound, dtype, T, f"{rule} {kind} {dtype}, beta in [0, 2]")
+    s_tol = tolerance(dtype, T, 2 * (S.abs().amax(dim=(2, 3), keepdim=True) + bound.max()))
+    assert ((ht.double() - S).abs() <= s_tol).all(), f"{rule} {kind}: final state"
+    # Above 2 the state can grow: refused, naming the token.
+    beta[1, 5, 2] = 2.0 + 1e-6
+    with pytest.raises(ValueError, match="beta must lie in \\[0, 2\\], got .* at token 5"):
+        call(rule, kind, q, k, v, g, beta)
+
+
 @pytest.mark.parametrize("rule", list(CHUNK))
 def test_chunk_and_recurrent_agree(rule):
     q, k, v, g, beta = make_inputs(rule)
@@ -435,7 +458,7 @@ def test_bad_inputs_raise_with_a_message():
     bad(lt.chunk_gated_delta_rule, q, k, v, g, beta[:, :5], match="beta")
     bad(lt.chunk_gla, q, k, v, g, match=r"\[B, T, HV, K\]")
     bad(lt.chunk_simple_gla, q, k, v, g.abs() + 0.1, match="log")  # a gate above 1
-    bad(lt.chunk_delta_rule, q, k, v, beta + 1.5, match="beta")
+    bad(lt.chunk_delta_rule, q, k, v, beta + 2.5, match="beta")
     bad(lt.chunk_simple_gla, q, k, v, g_gamma=torch.zeros(H + 1), match="g_gamma")
     bad(lt.fused_recurrent_gla, q, k, v, gk=None, gv=v, match="gv")
     bad(lt.fused_recurrent_linear_attn, q1, k1, v1, reverse=True, cu_seqlens=torch.tensor([0, 5]),

@@ -29,7 +29,7 @@
 //                                                                     stored once)
 //
 // Numerics: alpha = exp(log_alpha) <= 1 and the decays D(i, j) = alpha_{j+1} ... alpha_i are
-// products multiplied one by one, as in gated_kernels.hpp; with unit keys and beta in [0, 1]
+// products multiplied one by one, as in gated_kernels.hpp; with unit keys and beta in [0, 2]
 // every step map has 2-norm <= 1, so errors made at earlier steps do not grow.
 
 #include <linattn/detail/recurrent_sweep.hpp>

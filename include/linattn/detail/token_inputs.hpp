@@ -63,14 +63,17 @@ TokenArray<Scalar> bind_array(const Eigen::MatrixBase<D>& x, Index rows, Index c
   }
 }
 
-/// Throws std::invalid_argument naming the token unless every value is in [0, 1] (NaN fails).
+/// Throws std::invalid_argument naming the token unless every value is in [0, 2] (NaN fails).
+/// With a unit key the write's factor I - beta k k^T has eigenvalues 1 and 1 - beta, in
+/// [-1, 1] exactly for beta in [0, 2]: the state is never amplified. Betas above 1 give the
+/// negative eigenvalues of Grazzi et al. 2024 (fla's allow_neg_eigval: beta = 2 sigmoid(x)).
 template <class Scalar>
 void check_betas(const TokenArray<Scalar>& beta, Index first_row = 0) {
   for (Index t = 0; t < beta.rows; ++t) {
     const double b = static_cast<double>(beta(t));
-    if (!(b >= 0.0 && b <= 1.0)) {
+    if (!(b >= 0.0 && b <= 2.0)) {
       std::ostringstream os;
-      os << "linattn: beta must lie in [0, 1], got " << b << " at token " << first_row + t;
+      os << "linattn: beta must lie in [0, 2], got " << b << " at token " << first_row + t;
       throw std::invalid_argument(os.str());
     }
   }
@@ -179,7 +182,7 @@ struct StepInputs {
   bool per_channel = false;
 };
 
-/// One number as a checked double: finite log-gate <= 0, or beta in [0, 1].
+/// One number as a checked double: finite log-gate <= 0, or beta in [0, 2].
 inline double checked_log_gate(double g, const char* what) {
   const Eigen::Matrix<double, 1, 1> m = Eigen::Matrix<double, 1, 1>::Constant(g);
   check_log_gates(TokenArray<double>{m.data(), 1, 1, 1, 1}, what);

@@ -300,7 +300,8 @@ def chunk_delta_rule(q: _Tensor, k: _Tensor, v: _Tensor, beta: _Tensor,
                      output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                      cu_seqlens: Optional[_Tensor] = None, head_first: bool = False):
     """S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = scale q_t^T S_t; beta
-    [B, T, H] in [0, 1]; use_qk_l2norm_in_kernel: q, k <- x / sqrt(|x|^2 + 1e-6) first."""
+    [B, T, H] in [0, 2] (above 1: negative eigenvalues, fla's allow_neg_eigval layers pass
+    2 sigmoid(x)); use_qk_l2norm_in_kernel: q, k <- x / sqrt(|x|^2 + 1e-6) first."""
     return _run("delta_rule", q, k, v, beta=beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, qk_l2norm=use_qk_l2norm_in_kernel,
                 cu_seqlens=cu_seqlens, head_first=head_first, chunked=True)
@@ -330,7 +331,7 @@ def chunk_gated_delta_rule(q: _Tensor, k: _Tensor, v: _Tensor, g: _Tensor, beta:
                            use_qk_l2norm_in_kernel: bool = False,
                            cu_seqlens: Optional[_Tensor] = None, head_first: bool = False):
     """S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = scale q_t^T S_t;
-    g [B, T, H] log-gates (log alpha) <= 0, beta [B, T, H] in [0, 1]."""
+    g [B, T, H] log-gates (log alpha) <= 0, beta [B, T, H] in [0, 2]."""
     return _run("gated_delta_rule", q, k, v, g=g, beta=beta, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state,
                 qk_l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
