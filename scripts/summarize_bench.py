@@ -25,6 +25,13 @@ PATHS = ["chunked", "recurrent", "decode", "decode_interleaved", "quadratic", "s
 LINEAR = ["chunked", "recurrent", "decode"]
 
 
+def counter_row(path, d, T, reps, **counters):
+    """A row of a benchmark that reports counters instead of a rate (long_T, decode_choice):
+    the keys every row has, at neutral values (one thread, no rate, not paired), then its own."""
+    return {"path": path, "d": d, "T": T, "threads": 1, "chunk": 0, "gflops": 0.0, "ms": 0.0,
+            "real_ms": 0.0, "paired": [], "reps": reps, "tokens": 0.0, **counters}
+
+
 def load(path):
     with open(path) as f:
         data = json.load(f)
@@ -39,25 +46,22 @@ def load(path):
         path = name.split("/")[0]
         first = reps[0]
         if path.startswith("long_T"):
-            # Per-token time against T (bench_paths.cpp, BM_long_T): counters, no rate.
-            rows[name] = {"path": path, "d": int(first["d"]), "T": 0, "threads": 1, "chunk": 0,
-                          "gflops": 0.0, "ms": 0.0, "real_ms": 0.0, "paired": [],
-                          "reps": len(reps), "tokens": 0.0,
-                          "long": {k: min(r[k] for r in reps) for k in first
-                                   if k.startswith("ns/token@")},
-                          "flat": min(r["flat"] for r in reps),
-                          "long_over_short": min(r["long_over_short"] for r in reps)}
+            # Per-token time against T (bench_paths.cpp, BM_long_T).
+            rows[name] = counter_row(
+                path, int(first["d"]), 0, len(reps),
+                long={k: min(r[k] for r in reps) for k in first if k.startswith("ns/token@")},
+                flat=min(r["flat"] for r in reps),
+                long_over_short=min(r["long_over_short"] for r in reps))
             continue
         if path.startswith("decode_choice"):
             # The fused and deferred decode steps timed in the same iterations
             # (bench_paths.cpp, BM_decode_choice): per repetition, the medians of both times and
             # of their ratio.
-            rows[name] = {"path": path, "d": int(first["d"]), "T": int(first["T"]), "threads": 1,
-                          "chunk": 0, "gflops": 0.0, "ms": 0.0, "real_ms": 0.0, "paired": [],
-                          "reps": len(reps), "tokens": 0.0,
-                          "fused_ms": statistics.median(r["fused_ms"] for r in reps),
-                          "deferred_ms": statistics.median(r["deferred_ms"] for r in reps),
-                          "deferred_over_fused": sorted(r["deferred_over_fused"] for r in reps)}
+            rows[name] = counter_row(
+                path, int(first["d"]), int(first["T"]), len(reps),
+                fused_ms=statistics.median(r["fused_ms"] for r in reps),
+                deferred_ms=statistics.median(r["deferred_ms"] for r in reps),
+                deferred_over_fused=sorted(r["deferred_over_fused"] for r in reps))
             continue
         row = {
             "path": path,
