@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """A small PyTorch language model on CPU whose token mixing is linattn.torch's ops: embedding,
 per layer q/k/v/gate projections, one fla-style op (chunk_gated_delta_rule in the first layer,
-chunk_simple_gla in the second), an output projection and an MLP. It prefills a prompt with
+chunk_simple_gla in the second), an output projection and an MLP. The gated delta layer is laid
+out as Qwen3-Next's: 4 value heads reading 2 query/key heads (grouped value heads), and betas
+2 sigmoid(x) in (0, 2) (fla's allow_neg_eigval: negative eigenvalues). It prefills a prompt with
 the chunked ops, keeps each layer's final state, then decodes token by token with the
 fused_recurrent_* ops continuing those states (each step writes its state over the last one:
 inplace_final_state, no allocation per step), and checks that decoding reproduces the logits
@@ -18,26 +20,32 @@ import linattn.torch as lt
 
 
 class Mixer(nn.Module):
-    """One linear-attention token mixer: H heads of dimension D."""
+    """One linear-attention token mixer: `heads` value heads of dimension D reading `qk_heads`
+    query/key heads (fewer: grouped value heads, value head h reading query/key head
+    h // (heads // qk_heads)); neg_eigval: betas in (0, 2) instead of (0, 1)."""
 
-    def __init__(self, width, heads, rule):
+    def __init__(self, width, heads, rule, qk_heads=None, neg_eigval=False):
         super().__init__()
-        self.heads, self.dim, self.rule = heads, width // heads, rule
-        self.qkv = nn.Linear(width, 3 * width, bias=False)
-        self.gates = nn.Linear(width, 2 * heads)  # log-decay and beta per head
+        self.heads, self.qk_heads = heads, qk_heads or heads
+        self.dim, self.rule, self.neg_eigval = width // heads, rule, neg_eigval
+        self.qkv = nn.Linear(width, (2 * self.qk_heads + heads) * self.dim, bias=False)
+        self.gates = nn.Linear(width, 2 * heads)  # log-decay and beta per value head
         self.out = nn.Linear(width, width, bias=False)
 
     def forward(self, x, state=None, decode=False):
         B, T, _ = x.shape
         # q, k, v are strided slices of one projection: linattn reads them in place.
-        q, k, v = self.qkv(x).view(B, T, 3, self.heads, self.dim).unbind(2)
+        qk, v = self.qkv(x).split([2 * self.qk_heads * self.dim, self.heads * self.dim], dim=-1)
+        q, k = qk.view(B, T, 2, self.qk_heads, self.dim).unbind(2)
+        v = v.view(B, T, self.heads, self.dim)
         a, b = self.gates(x).view(B, T, 2, self.heads).unbind(2)
         g = F.logsigmoid(a + 3)  # log-gates <= 0, mostly close to 0
+        beta = torch.sigmoid(b) * (2 if self.neg_eigval else 1)
         # Decoding (under no_grad) updates the carried state tensor in place.
         step = dict(inplace_final_state=True) if decode else {}
         if self.rule == "gated_delta_rule":
             op = lt.fused_recurrent_gated_delta_rule if decode else lt.chunk_gated_delta_rule
-            o, state = op(q, k, v, g, torch.sigmoid(b), initial_state=state,
+            o, state = op(q, k, v, g, beta, initial_state=state,
                           output_final_state=True, use_qk_l2norm_in_kernel=True, **step)
         else:
             op = lt.fused_recurrent_simple_gla if decode else lt.chunk_simple_gla
@@ -49,7 +57,8 @@ class TinyLM(nn.Module):
     def __init__(self, vocab=256, width=128, heads=4):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.mixers = nn.ModuleList([Mixer(width, heads, "gated_delta_rule"),
+        self.mixers = nn.ModuleList([Mixer(width, heads, "gated_delta_rule", qk_heads=heads // 2,
+                                           neg_eigval=True),
                                      Mixer(width, heads, "simple_gla")])
         self.mlps = nn.ModuleList([nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
                                                  nn.Linear(4 * width, width)) for _ in self.mixers])
