@@ -312,7 +312,7 @@ TEST_CASE("per-token input views are checked and named", "[multihead][rules][err
     }
   };
   // One value per key/value head, not per query head.
-  expect([&] { layer.parallel_into(Q, K, V, TensorView<const float>::batch_first(beta.data(), B, Tn, Hq, 1), Mask::causal, out); }, "H_kv=2");
+  expect([&] { layer.parallel_into(Q, K, V, TensorView<const float>::batch_first(beta.data(), B, Tn, Hq, 1), Mask::causal, out); }, "H_v=2");
   // Beta has no per-channel form.
   expect([&] { layer.parallel_into(Q, K, V, TensorView<const float>::batch_first(beta.data(), 1, Tn, Hkv, 2), Mask::causal, out); }, "per-token input view");
   // An out-of-range beta inside a valid row is rejected by the rule's own check.

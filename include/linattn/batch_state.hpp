@@ -181,27 +181,32 @@ struct StateFootprint {
   Index state_scalars_per_head = 0;
   /// H_s times that: what a BatchState keeps per sequence.
   Index state_scalars = 0;
-  /// H_kv (dk + dv): what a softmax model's K/V cache adds per token.
+  /// H_kv dk + H_v dv (H_kv (dk + dv) unless values are grouped): what a softmax model's K/V
+  /// cache adds per token.
   Index kv_scalars_per_token = 0;
   /// Smallest context length whose K/V cache holds more scalars than the state
   /// (state_scalars / kv_scalars_per_token + 1, integer division); 65 for one head of 128s.
   Index kv_cache_crossover = 0;
 };
 
-/// The footprint of H_s state heads with feature dim r against a K/V cache of H_kv key/value
-/// heads of key dim dk and value dim dv; `keeps_z` adds r per head. Throws ShapeError on
-/// non-positive heads or dims, or sizes that do not fit an Index. O(1).
+/// The footprint of H_s state heads with feature dim r against a K/V cache of H_kv key heads
+/// of dim dk and H_v value heads of dim dv (value_heads; 0: H_kv); `keeps_z` adds r per head.
+/// Throws ShapeError on non-positive heads or dims, or sizes that do not fit an Index. O(1).
 [[nodiscard]] inline StateFootprint state_footprint(Index state_heads, Index kv_heads, Index r,
-                                                    Index dk, Index dv, bool keeps_z = true) {
-  if (state_heads < 1 || kv_heads < 1 || r < 1 || dk < 1 || dv < 1)
+                                                    Index dk, Index dv, bool keeps_z = true,
+                                                    Index value_heads = 0) {
+  if (value_heads == 0) value_heads = kv_heads;
+  if (state_heads < 1 || kv_heads < 1 || r < 1 || dk < 1 || dv < 1 || value_heads < 1)
     detail::throw_shape_error("state_footprint needs positive heads and dims, got H_s=",
-                              state_heads, " H_kv=", kv_heads, " r=", r, " dk=", dk, " dv=", dv);
+                              state_heads, " H_kv=", kv_heads, " r=", r, " dk=", dk, " dv=", dv,
+                              " H_v=", value_heads);
   StateFootprint f;
   f.state_scalars_per_head =
       detail::checked_sum(detail::checked_product(r, dv, "r x dv"), keeps_z ? r : 0, "r dv + r");
   f.state_scalars = detail::checked_product(state_heads, f.state_scalars_per_head, "H_s (r dv + r)");
   f.kv_scalars_per_token =
-      detail::checked_product(kv_heads, detail::checked_sum(dk, dv, "dk + dv"), "H_kv (dk + dv)");
+      detail::checked_sum(detail::checked_product(kv_heads, dk, "H_kv dk"),
+                          detail::checked_product(value_heads, dv, "H_v dv"), "H_kv dk + H_v dv");
   f.kv_cache_crossover = f.state_scalars / f.kv_scalars_per_token + 1;
   return f;
 }

@@ -284,7 +284,7 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
           copies.reserve(3);
           linattn::detail::CallConfig config;
           config.call = 1;
-          config.sequences = config.q_heads = config.kv_heads = 1;
+          config.sequences = config.q_heads = config.kv_heads = config.value_heads = 1;
           configure(config, K.cols(), V.cols());
           const auto prepare = [&](auto& work) {
             linattn::detail::check_inputs(Q, K, V, true);
@@ -341,7 +341,7 @@ class SequenceParallel<RuleAttention<Phi, Rule, Scalar>> {
 /// A multi-head layer: every rank passes its slice of every sequence of the batch, views
 /// [B, T_p, H, d] as MultiHeadAttention::prefill_into takes them (any strides with a
 /// contiguous last axis, so batch-first and head-first buffers alike), and the layer's batch
-/// state; grouped heads share a state per key/value head. Every batch entry is one sequence
+/// state; grouped query heads share a state per key/value head, grouped value heads keep one each. Every batch entry is one sequence
 /// (the batch layout), or a SequenceLayout over the whole sequence says which rows form each
 /// (packed documents, padded entries). The layer's executor runs the state heads of this rank.
 template <class HeadAttention>
@@ -376,8 +376,8 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
   [[nodiscard]] const Carry& carry() const noexcept { return carry_; }
 
   /// prefill_into(state, Q, K, V, in..., out, layout = batch(), slots = {}): Q [B, T_p, H_q, dk],
-  /// K [B, T_p, H_kv, dk], V [B, T_p, H_kv, dv], per-token input views [B, T_p, H_kv, 1 or r],
-  /// out [B, T_p, H_q, dv]; sequence i continues the state at position slots[i] (or i).
+  /// K [B, T_p, H_kv, dk], V [B, T_p, H_v, dv], per-token input views [B, T_p, H_v, 1 or r],
+  /// out [B, T_p, max(H_q, H_v), dv] (grouped query or value heads, as the layer); sequence i continues the state at position slots[i] (or i).
   /// `layout` describes the whole sequence, rows [0, T) with T = T_0 + ... + T_{P-1}, the same
   /// on every rank; rank p holds rows [T_0 + ... + T_{p-1}, ... + T_p) of it:
   ///   batch()          every batch entry is one sequence of all T rows;
@@ -416,13 +416,15 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
       }
     }
     const HeadConfig& heads = layer_.heads();
-    const Index G = layer_.group_size(), r = layer_.feature_dim();
+    const linattn::detail::HeadMap map(heads, true);
+    const Index G = map.query_count(), r = layer_.feature_dim();
     const bool whole_rows = layout.kind() == SequenceLayout::Kind::batch;
     linattn::detail::CallConfig config;
     config.call = 2;
     config.sequences = layout.count(Q.batches());
     config.q_heads = heads.q_heads;
     config.kv_heads = heads.kv_heads;
+    config.value_heads = heads.v_heads();
     linattn::detail::describe_attention(layer_.attention(), heads.key_dim, heads.value_dim,
                                         config);
     config.initial_rank = carry_.initial_rank;
@@ -431,27 +433,29 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
     config.layout = static_cast<std::int32_t>(layout.kind());
     // Ranks that pass other offsets or lengths disagree on it (up to a 2^-64 chance).
     config.layout_hash = linattn::detail::fnv1a64(std::as_bytes(layout.values()));
-    const Index S = layout.count(Q.batches()), H = heads.kv_heads;
+    const Index S = layout.count(Q.batches()), H = layer_.state_heads();
     // Before the ranks agree: the checks of the shapes, the slots and the states. The items'
     // rows, their per-token inputs (bound and checked) and the head-major copies: here for the
     // batch layout, after the ranks agree on the slice lengths for another (bind).
     const auto bind_item = [&](auto& item, Index b, Index h, Index first, Index n) {
-      for (Index g = h * G; g < (h + 1) * G; ++g) {
-        item.queries.push_back(
-            linattn::detail::RowsSpec<const Scalar>::of(Q.head_rows(b, g, first, n)));
-        item.outputs.push_back(linattn::detail::RowsSpec<Scalar>::of(out.head_rows(b, g, first, n)));
+      for (Index j = 0; j < G; ++j) {
+        item.queries.push_back(linattn::detail::RowsSpec<const Scalar>::of(
+            Q.head_rows(b, map.query_first(h) + j, first, n)));
+        item.outputs.push_back(linattn::detail::RowsSpec<Scalar>::of(
+            out.head_rows(b, map.out_first(h) + j, first, n)));
       }
-      item.keys = linattn::detail::RowsSpec<const Scalar>::of(K.head_rows(b, h, first, n));
-      item.values = linattn::detail::RowsSpec<const Scalar>::of(V.head_rows(b, h, first, n));
+      const Index kh = map.key_of(h), vh = map.value_of(h);
+      item.keys = linattn::detail::RowsSpec<const Scalar>::of(K.head_rows(b, kh, first, n));
+      item.values = linattn::detail::RowsSpec<const Scalar>::of(V.head_rows(b, vh, first, n));
       linattn::detail::bind_token_inputs<Scalar>(
-          layer_.attention().rule(), linattn::detail::rows_inputs(inputs, b, h, first, n), n, r,
+          layer_.attention().rule(), linattn::detail::rows_inputs(inputs, b, vh, first, n), n, r,
           item.inputs);
     };
     const auto prepare = [&](auto& work) {
       linattn::detail::check_views(heads, r, Q, K, V, out, SequenceLayout::batch(), true);
       layout.check_entries(Q.batches());
       for (const auto& in : inputs)
-        linattn::detail::check_token_view(in, K, heads.kv_heads, r,
+        linattn::detail::check_token_view(in, K, heads.v_heads(), r,
                                           Rule::kind == WriteKind::gated);
       linattn::detail::check_slots(state, layer_, S, slots);
       const Index T = K.times();
@@ -482,7 +486,7 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
           work.extent_begin[i] = begin;
           work.extent_end[i] = end;
           if (layout.kind() == SequenceLayout::Kind::padded)
-            linattn::detail::zero_rows(out.slice(b, n, T - n, h * G, G));
+            linattn::detail::zero_rows(out.slice(b, n, T - n, map.out_first(h), G));
           bind_item(work.items[i], b, h, first, n);
         }
       }

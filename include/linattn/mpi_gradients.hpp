@@ -308,6 +308,7 @@ void prefill_backward_into(
   mine.config.sequences = S;
   mine.config.q_heads = heads.q_heads;
   mine.config.kv_heads = heads.kv_heads;
+  mine.config.value_heads = heads.v_heads();
   mine.config.layout = static_cast<std::int32_t>(layout.kind());
   mine.config.layout_hash = ld::fnv1a64(std::as_bytes(layout.values()));
   mine.tokens = Q.times();
@@ -318,7 +319,7 @@ void prefill_backward_into(
     ld::check_views(heads, r, Q, K, V, dY, SequenceLayout::batch(), true);
     layout.check_entries(B);
     for (std::size_t i = 0; i < N; ++i) {
-      ld::check_token_view(inputs[i], K, heads.kv_heads, r, Rule::kind == WriteKind::gated);
+      ld::check_token_view(inputs[i], K, heads.v_heads(), r, Rule::kind == WriteKind::gated);
       ld::check_gradient_view("of a per-token input", d_inputs[i], inputs[i]);
     }
     ld::check_gradient_view("dQ", grads.Q, Q);
@@ -346,18 +347,21 @@ void prefill_backward_into(
   Index total = 0;
   for (int q = 0; q < P; ++q) total += lengths[std::size_t(q)] = records[std::size_t(q)].tokens;
   layout.check(B, total);  // agreed layout and lengths: the same verdict on every rank
-  const auto items = ld::backward_items(layout, B, heads.q_heads, slots, lengths, rank);
-  const Index G = layer.group_size(), T = Q.times();
+  const auto items = ld::backward_items(layout, B, heads.out_heads(), slots, lengths, rank);
+  // An item's head is an output head: member j of key head g (detail::HeadMap).
+  const ld::HeadMap map(heads, MultiHeadAttention<Attention>::shares_states);
+  const Index members = map.members(), T = Q.times();
   if (layout.kind() == SequenceLayout::Kind::padded)  // this rank's padded rows: zero
     for (const auto& it : items) {
-      const Index end = it.first + it.rows;
-      ld::zero_rows(grads.Q.slice(it.entry, end, T - end, it.head, 1));
-      if (it.head % G == 0) {
-        const Index g = it.head / G;
-        ld::zero_rows(grads.K.slice(it.entry, end, T - end, g, 1));
-        ld::zero_rows(grads.V.slice(it.entry, end, T - end, g, 1));
+      const Index end = it.first + it.rows, g = it.head / members, j = it.head % members;
+      if (map.first_of_query(j))
+        ld::zero_rows(grads.Q.slice(it.entry, end, T - end, map.member_query(g, j), 1));
+      if (j == 0) ld::zero_rows(grads.K.slice(it.entry, end, T - end, g, 1));
+      if (map.first_of_value(j)) {
+        const Index vh = map.member_value(g, j);
+        ld::zero_rows(grads.V.slice(it.entry, end, T - end, vh, 1));
         for (std::size_t i = 0; i < N; ++i)
-          ld::zero_rows(d_inputs[i].slice(it.entry, end, T - end, g, 1));
+          ld::zero_rows(d_inputs[i].slice(it.entry, end, T - end, vh, 1));
       }
     }
   if (schedule == Schedule::pipeline ||
@@ -373,32 +377,34 @@ void prefill_backward_into(
       detail::raise(*failure);
     return;
   }
-  constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
   const auto& attn = layer.attention();
   for (const auto& it : items) {
-    const Index g = it.head / G, j = it.head % G, sh = shared ? g : it.head;
+    const Index g = it.head / members, j = it.head % members, sh = map.member_state(g, j);
+    const Index qh = map.member_query(g, j), vh = map.member_value(g, j);
     const Index t0 = it.first, n = it.rows;
-    const StateGradient<Scalar>* fin = rank == P - 1 && final_gradients != nullptr && (!shared || j == 0)
-                                           ? &final_gradients->head(it.position, sh)
-                                           : nullptr;
+    const StateGradient<Scalar>* fin =
+        rank == P - 1 && final_gradients != nullptr && map.first_of_state(j)
+            ? &final_gradients->head(it.position, sh)
+            : nullptr;
     const auto& start = state.sequence(it.position).head(sh);
-    const auto q = Q.head_rows(it.entry, it.head, t0, n);
+    const auto q = Q.head_rows(it.entry, qh, t0, n);
     const auto k = K.head_rows(it.entry, g, t0, n);
-    const auto v = V.head_rows(it.entry, g, t0, n);
+    const auto v = V.head_rows(it.entry, vh, t0, n);
     const auto dy = dY.head_rows(it.entry, it.head, t0, n);
     const auto got = std::apply(
         [&](const auto&... x) { return prefill_backward(comm, attn, start, q, k, v, x..., dy, fin); },
-        ld::rows_inputs(inputs, it.entry, g, t0, n));
-    grads.Q.head_rows(it.entry, it.head, t0, n) = got.Q;
+        ld::rows_inputs(inputs, it.entry, vh, t0, n));
+    ld::write_or_add(map.first_of_query(j), grads.Q.head_rows(it.entry, qh, t0, n), got.Q);
     if (whole_rows || rank == 0)
-      ld::add_state_share(j == 0 || !shared, initial.head(it.position, sh), got.initial.S,
+      ld::add_state_share(map.first_of_state(j), initial.head(it.position, sh), got.initial.S,
                           got.initial.z);
     if constexpr (N > 0)
-      ld::add_group_share<Rule>(j, grads.K, grads.V, d_inputs, it.entry, g, t0, n, got.K, got.V,
-                                got.inputs);
+      ld::add_key_value_share<Rule>(j == 0, map.first_of_value(j), grads.K, grads.V, d_inputs,
+                                    it.entry, g, vh, t0, n, got.K, got.V, got.inputs);
     else  // the additive backward's result has no per-token inputs
-      ld::add_group_share<Rule>(j, grads.K, grads.V, d_inputs, it.entry, g, t0, n, got.K, got.V,
-                                RuleInputGradients<Scalar>{});
+      ld::add_key_value_share<Rule>(j == 0, map.first_of_value(j), grads.K, grads.V, d_inputs,
+                                    it.entry, g, vh, t0, n, got.K, got.V,
+                                    RuleInputGradients<Scalar>{});
   }
 }
 

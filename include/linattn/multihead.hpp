@@ -8,23 +8,27 @@
 /// Math: for every sequence s and query head h, with key/value head g = h / (H_q / H_kv),
 ///   out[s, :, h, :] = attention(Q[s, :, h, :], K[s, :, g, :], V[s, :, g, :], inputs[s, :, g])
 /// computed by the attention's own calls on views of the buffers: nothing is copied and no
-/// math is repeated here.
+/// math is repeated here. With grouped value heads (HeadConfig::value_heads = H_v > H_kv, and
+/// H_q = H_kv) value head h reads query and key head c = h / (H_v / H_kv):
+///   out[s, :, h, :] = attention(Q[s, :, c, :], K[s, :, c, :], V[s, :, h, :], inputs[s, :, h]).
 ///
 /// Calls, in the attention's argument order ([state,] inputs, per-token inputs, [mask,] output,
 /// then where the sequences lie):
 ///   parallel_into(Q, K, V, in..., mask, out, layout = batch())           stateless
 ///   prefill_into(state, Q, K, V, in..., out, layout = batch(), slots = {})  causal, carried
 ///   step_into(state, q, k, v, in..., out, slots = {})                     one token each
-/// Q [B, Tq, H_q, dk], K [B, Tk, H_kv, dk], V [B, Tk, H_kv, dv], out [B, Tq, H_q, dv]; the
-/// rule's per-token inputs (Gated log-gates, Delta beta, GatedDelta beta then log_alpha) are
-/// views [B, T, H_kv, 1] (one per token and key/value head) or, for per-channel gates,
-/// [B, T, H_kv, r]; any strides with a contiguous last axis (TensorView), read in place.
+/// Q [B, Tq, H_q, dk], K [B, Tk, H_kv, dk], V [B, Tk, H_v, dv], out [B, Tq, max(H_q, H_v), dv]
+/// (H_v = H_kv unless values are grouped); the rule's per-token inputs (Gated log-gates, Delta
+/// beta, GatedDelta beta then log_alpha) are views [B, T, H_v, 1] (one per token and value head)
+/// or, for per-channel gates, [B, T, H_v, r]; any strides with a contiguous last axis
+/// (TensorView), read in place.
 /// Sequence i of `layout` continues the state at batch position slots[i] (i when empty).
 ///
-/// State per key/value head: the G = H_q / H_kv query heads of a group read the same sums, so
-/// the state keeps them once per key/value head (state_heads() = H_kv) and a call absorbs each
-/// group's keys once and reads them G times. Random features under the additive rule keep one
-/// state per query head (H_q): their log-domain kernels rescale S per head.
+/// State per value head: the G = H_q / H_kv query heads of a group read the same sums, so
+/// the state keeps them once per key/value head (state_heads() = H_v) and a call absorbs each
+/// group's keys once and reads them G times; grouped value heads each keep their own. Random
+/// features under the additive rule keep one state per output head: their log-domain kernels
+/// rescale S per head.
 ///
 /// Threads: with set_executor(&pool) (linattn/thread_pool.hpp) the work items (sequence,
 /// state head) run on the pool's threads when a call has enough work to pay for the hand-off
@@ -79,7 +83,8 @@ class MultiHeadAttention {
     requires std::default_initializable<Attention>
       : MultiHeadAttention(heads, Attention{}) {}
   /// Heads as in `heads`, each computed by `attention`. Throws ShapeError if a count or dim is
-  /// not positive or H_q is not a multiple of H_kv.
+  /// not positive, H_q or H_v is not a multiple of H_kv, or grouped value heads come with
+  /// H_q != H_kv.
   MultiHeadAttention(HeadConfig heads, Attention attention)
       : attention_(std::move(attention)), heads_(heads) {
     detail::check_head_config(heads_);
@@ -89,12 +94,17 @@ class MultiHeadAttention {
   [[nodiscard]] const HeadConfig& heads() const noexcept { return heads_; }
   /// r, the feature dimension of one head's state.
   [[nodiscard]] Index feature_dim() const { return attention_.feature_dim(heads_.key_dim); }
-  /// Head states per sequence: H_kv when shares_states, else H_q.
+  /// Head states per sequence: H_v (= H_kv unless values are grouped) when shares_states, else
+  /// one per output head, max(H_q, H_v).
   [[nodiscard]] Index state_heads() const noexcept {
-    return shares_states ? heads_.kv_heads : heads_.q_heads;
+    return shares_states ? heads_.v_heads() : heads_.out_heads();
   }
   /// G = H_q / H_kv, the query heads of one key/value head.
   [[nodiscard]] Index group_size() const noexcept { return heads_.q_heads / heads_.kv_heads; }
+  /// G_v = H_v / H_kv, the value heads of one key head (1 unless values are grouped).
+  [[nodiscard]] Index value_group_size() const noexcept {
+    return heads_.v_heads() / heads_.kv_heads;
+  }
 
   /// Runs later calls' work items on `executor` (not owned; null: the calling thread only).
   void set_executor(Executor* executor) noexcept { executor_ = executor; }
@@ -108,7 +118,7 @@ class MultiHeadAttention {
   /// State against K/V cache for one sequence of this layer.
   [[nodiscard]] StateFootprint footprint() const {
     return state_footprint(state_heads(), heads_.kv_heads, feature_dim(), heads_.key_dim,
-                           heads_.value_dim, rule_type::keeps_normalizer);
+                           heads_.value_dim, rule_type::keeps_normalizer, heads_.v_heads());
   }
 
   /// parallel_into(Q, K, V, in..., mask, out, layout = batch()): every head of every sequence,
@@ -160,8 +170,8 @@ class MultiHeadAttention {
   }
 
   /// step_into(state, q, k, v, in..., out, slots = {}): one decode token per sequence;
-  /// q [N, 1, H_q, dk], k [N, 1, H_kv, dk], v [N, 1, H_kv, dv], in [N, 1, H_kv, 1 or r],
-  /// out [N, 1, H_q, dv]; batch row i steps the state at position slots[i] (or i). Allocates
+  /// q [N, 1, H_q, dk], k [N, 1, H_kv, dk], v [N, 1, H_v, dv], in [N, 1, H_v, 1 or r],
+  /// out [N, 1, max(H_q, H_v), dv]; batch row i steps the state at position slots[i] (or i). Allocates
   /// nothing. Throws as prefill_into().
   template <class... Args>
   void step_into(State& state, ConstView q, ConstView k, ConstView v, Args&&... args) const {
@@ -177,26 +187,28 @@ class MultiHeadAttention {
       detail::throw_shape_error("a decode step takes one token per sequence, got q ", q.describe());
     check(q, k, v, inputs, out, SequenceLayout::batch(), true);
     detail::check_slots(state, *this, q.batches(), slots);
-    const Index H = state_heads(), G = group_size();
-    const double flops = 4.0 * double(feature_dim()) * double(heads_.value_dim) * double(shares_states ? G : 1);
+    const detail::HeadMap map(heads_, shares_states);
+    const Index H = state_heads(), G = map.query_count();
+    const double flops = 4.0 * double(feature_dim()) * double(heads_.value_dim) * double(G);
     detail::parallel_for(q.batches() * H, executor_, flops, [&](Index item) {
       const Index b = item / H, h = item % H;
       HeadState& head = slot_state(state, slots, b, h);
-      const Index g = shares_states ? h : kv_head(h);  // the key/value head
-      const auto in = detail::step_inputs<rule_type>(inputs, b, g);
+      const Index kh = map.key_of(h), vh = map.value_of(h), q0 = map.query_first(h),
+                  o0 = map.out_first(h);
+      const auto in = detail::step_inputs<rule_type>(inputs, b, vh);
       std::apply(
           [&](const auto&... x) {
             const auto one = [&] {
-              attention_.step_into(head, q.head_rows(b, h, 0, 1), k.head_rows(b, g, 0, 1),
-                                   v.head_rows(b, g, 0, 1), x..., out.head_rows(b, h, 0, 1));
+              attention_.step_into(head, q.head_rows(b, q0, 0, 1), k.head_rows(b, kh, 0, 1),
+                                   v.head_rows(b, vh, 0, 1), x..., out.head_rows(b, o0, 0, 1));
             };
             if constexpr (!shares_states) {
               one();
             } else if (G == 1) {
               one();
             } else {
-              attention_.step_into(head, q.slice(b, 0, 1, h * G, G), k.head_rows(b, g, 0, 1),
-                                   v.head_rows(b, g, 0, 1), x..., out.slice(b, 0, 1, h * G, G));
+              attention_.step_into(head, q.slice(b, 0, 1, q0, G), k.head_rows(b, kh, 0, 1),
+                                   v.head_rows(b, vh, 0, 1), x..., out.slice(b, 0, 1, o0, G));
             }
           },
           in);
@@ -219,14 +231,12 @@ class MultiHeadAttention {
       return {};
   }
 
-  [[nodiscard]] Index kv_head(Index h) const noexcept { return h / group_size(); }
-
   template <class Inputs>
   void check(const ConstView& Q, const ConstView& K, const ConstView& V, const Inputs& inputs,
              const View& out, const SequenceLayout& layout, bool same_length) const {
     detail::check_views(heads_, feature_dim(), Q, K, V, out, layout, same_length);
     for (const auto& in : inputs)
-      detail::check_token_view(in, K, heads_.kv_heads, feature_dim(),
+      detail::check_token_view(in, K, heads_.v_heads(), feature_dim(),
                                rule_type::kind == WriteKind::gated);
   }
 
@@ -238,14 +248,15 @@ class MultiHeadAttention {
 
   // Calls attend(queries, k, v, inputs, outputs, state) for every (sequence, state head) of
   // `layout`, spread over the executor: a group of G query heads (shares_states) or one query
-  // head, each cut to the sequence's rows; padded rows of the outputs are zeroed first. A
+  // head (detail::HeadMap), each cut to the sequence's rows; padded rows of the outputs are zeroed first. A
   // prefill over token-major buffers runs block by block (prefill_block()).
   template <class Inputs, class Attend>
   void over_items(const ConstView& Q, const ConstView& K, const ConstView& V,
                   const Inputs& inputs, const View& out, const SequenceLayout& layout,
                   State* state, std::span<const Index> slots, Attend&& attend) const {
-    const Index H = state_heads(), G = group_size(), sequences = layout.count(Q.batches());
-    const Index heads_per_item = shares_states ? G : 1;
+    const detail::HeadMap map(heads_, shares_states);
+    const Index H = state_heads(), G = map.query_count(), sequences = layout.count(Q.batches());
+    const Index heads_per_item = G;
     // Work per item for the grain decision: 4 r dv flops per token and query head (the reads
     // and the update), over the average sequence length.
     const double rows_per_sequence = layout.kind() == SequenceLayout::Kind::packed
@@ -264,21 +275,22 @@ class MultiHeadAttention {
       const Index q_len = query_rows(s);
       // All of K's rows for a whole sequence (a full mask may have Tk != Tq), else the block's.
       const Index k_len = full_rows && count == q_len ? K.times() : count;
-      const Index h0 = shares_states ? h * G : h, g = shares_states ? h : kv_head(h);
+      const Index q0 = map.query_first(h), o0 = map.out_first(h), kh = map.key_of(h),
+                  vh = map.value_of(h);
       if (offset == 0 && layout.kind() == SequenceLayout::Kind::padded)
-        detail::zero_rows(out.slice(entry, q_len, out.times() - q_len, h0, heads_per_item));
+        detail::zero_rows(out.slice(entry, q_len, out.times() - q_len, o0, heads_per_item));
       HeadState* head = state != nullptr ? &slot_state(*state, slots, s, h) : nullptr;
-      const auto in = detail::rows_inputs(inputs, entry, g, first, k_len);
-      const auto k = K.head_rows(entry, g, first, k_len), v = V.head_rows(entry, g, first, k_len);
+      const auto in = detail::rows_inputs(inputs, entry, vh, first, k_len);
+      const auto k = K.head_rows(entry, kh, first, k_len), v = V.head_rows(entry, vh, first, k_len);
       if constexpr (shares_states) {
         if (G > 1) {
-          attend(Q.slice(entry, first, count, h0, G), k, v, in,
-                 out.slice(entry, first, count, h0, G), head);
+          attend(Q.slice(entry, first, count, q0, G), k, v, in,
+                 out.slice(entry, first, count, o0, G), head);
           return;
         }
       }
-      attend(Q.head_rows(entry, h0, first, count), k, v, in,
-             out.head_rows(entry, h0, first, count), head);
+      attend(Q.head_rows(entry, q0, first, count), k, v, in,
+             out.head_rows(entry, o0, first, count), head);
     };
     const Index items = sequences * H, block = prefill_block(Q, state);
     if (block == 0) {

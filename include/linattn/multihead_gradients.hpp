@@ -15,20 +15,23 @@
 /// multihead_saved_forward.hpp.
 ///
 /// in... are the forward's per-token input views (Gated: log-gates; Delta: beta; GatedDelta:
-/// beta, log_alpha; [B, T, H_kv, 1] or [B, T, H_kv, r]); d_in... are views of the same shapes
+/// beta, log_alpha; [B, T, H_v, 1] or [B, T, H_v, r]); d_in... are views of the same shapes
 /// where their gradients go. Per-sequence, per-state-head state gradients: BatchStateGradient.
 ///
 /// Math: every query head h of every sequence is the single-head read of its key/value head
 /// g = h / G (G = H_q / H_kv), so dQ[h] is that read's dQ, and dK[g], dV[g] and the gradients of
 /// g's per-token inputs are the sums of the single-head gradients over the G query heads of the
-/// group (each from gradients.hpp / rule_gradients.hpp on views of the buffers). With a carried
+/// group (each from gradients.hpp / rule_gradients.hpp on views of the buffers). With grouped
+/// value heads the roles turn: value head h reads query/key head c = h / G_v, so dV[h] and the
+/// gradients of h's per-token inputs are its read's, and dQ[c], dK[c] sum the G_v reads'. With a
+/// carried
 /// state shared by the group (state_heads() = H_kv), the loss is sum_j L_j(Y_j) + L_T(S_T) and
 /// the backward is linear in (dY, dS_T): head j = 0 carries the final state's gradient, the
 /// others none, and their initial-state gradients are summed. Padded rows get zero gradients
 /// and their inputs are never read; packed sequences see only their own rows; a sequence with
 /// no rows gets zero gradients and passes the final state's gradient to the initial state.
 ///
-/// Threads: the work items (sequence, key/value head) run on the layer's executor when the call
+/// Threads: the work items (sequence, key head) run on the layer's executor when the call
 /// has enough work (as the forward); each item sums its group's heads in head order into its
 /// own rows and state gradients, so the result is bit-identical for every thread count.
 ///
@@ -58,7 +61,7 @@
 namespace linattn {
 
 /// Where the multi-head backward writes dQ [B, Tq, H_q, dk], dK [B, Tk, H_kv, dk] and
-/// dV [B, Tk, H_kv, dv]: views of the same shapes as Q, K and V (any strides, either layout).
+/// dV [B, Tk, H_v, dv]: views of the same shapes as Q, K and V (any strides, either layout).
 template <class Scalar>
 struct GradientViews {
   TensorView<Scalar> Q, K, V;
@@ -283,14 +286,14 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
   const Index r = layer.feature_dim();
   check_views(heads, r, Q, K, V, dY, layout, state != nullptr || Mask(mask).is_causal());
   for (std::size_t i = 0; i < N; ++i) {
-    check_token_view(inputs[i], K, heads.kv_heads, r, Rule::kind == WriteKind::gated);
+    check_token_view(inputs[i], K, heads.v_heads(), r, Rule::kind == WriteKind::gated);
     check_gradient_view(i == 0 ? "of the first per-token input" : "of the second per-token input",
                         d_inputs[i], inputs[i]);
   }
   check_gradient_view("dQ", grads.Q, Q);
   check_gradient_view("dK", grads.K, K);
   check_gradient_view("dV", grads.V, V);
-  const Index G = layer.group_size(), Hkv = heads.kv_heads, sequences = layout.count(Q.batches());
+  const Index Hkv = heads.kv_heads, sequences = layout.count(Q.batches());
   if (state != nullptr) {
     check_slots(*state, layer, sequences, slots);
     initial->check_like(*state, "the initial states' gradient");
@@ -303,7 +306,7 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
   } else if (initial != nullptr) {
     check_state_gradients(layer, *initial, final_gradients, sequences, slots);
   }
-  constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
+  const HeadMap map(heads, MultiHeadAttention<Attention>::shares_states);
   constexpr bool from_saved = !std::is_same_v<Saved, NoSavedForward>;
   if constexpr (from_saved) saved->check_for(layer, sequences);
   const bool padded = layout.kind() == SequenceLayout::Kind::padded;
@@ -312,8 +315,9 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
       layout.kind() == SequenceLayout::Kind::packed
           ? double(Q.times()) / double(std::max<Index>(sequences, 1))
           : double(Q.times());
-  // About three forward reads per query head (the read, dV and dS, dQ and dK).
-  const double flops = 12.0 * double(r) * double(heads.value_dim) * rows_per_sequence * double(G);
+  // About three forward reads per output head (the read, dV and dS, dQ and dK).
+  const double flops =
+      12.0 * double(r) * double(heads.value_dim) * rows_per_sequence * double(map.members());
   using Scalar = typename Attention::scalar_type;
   const auto run = [&](Index item, BackwardWorkspace<Scalar>& workspace) {
     const Index s = item / Hkv, g = item % Hkv;
@@ -321,19 +325,19 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
     const Index q_len = full_rows ? Q.times() : layout.length(s, Q.times());
     const Index k_len = full_rows ? K.times() : q_len;
     if (padded) {
-      zero_rows(grads.Q.slice(entry, q_len, Q.times() - q_len, g * G, G));
+      zero_rows(grads.Q.slice(entry, q_len, Q.times() - q_len, g * map.G, map.G));
       zero_rows(grads.K.slice(entry, k_len, K.times() - k_len, g, 1));
-      zero_rows(grads.V.slice(entry, k_len, V.times() - k_len, g, 1));
+      zero_rows(grads.V.slice(entry, k_len, V.times() - k_len, g * map.Gv, map.Gv));
       for (std::size_t i = 0; i < N; ++i)
-        zero_rows(d_inputs[i].slice(entry, k_len, K.times() - k_len, g, 1));
+        zero_rows(d_inputs[i].slice(entry, k_len, K.times() - k_len, g * map.Gv, map.Gv));
     }
     const Index position = slots.empty() ? s : slots[static_cast<std::size_t>(s)];
-    const auto state_head = [&](Index j) { return shared ? g : g * G + j; };
+    const auto state_head = [&](Index j) { return map.member_state(g, j); };
     const auto state_of = [&](Index j) -> const typename Attention::State* {
       return state != nullptr ? &state->sequence(position).head(state_head(j)) : nullptr;
     };
     const auto final_of = [&](Index j) -> const StateGradient<typename Attention::scalar_type>* {
-      if (final_gradients == nullptr || (shared && j > 0)) return nullptr;
+      if (final_gradients == nullptr || !map.first_of_state(j)) return nullptr;
       return &final_gradients->head(position, state_head(j));
     };
     const auto initial_of = [&](Index j) -> StateGradient<typename Attention::scalar_type>* {
@@ -345,9 +349,9 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
       else
         return static_cast<const NoSavedForward*>(nullptr);
     };
-    backward_item(layer.attention(), G, g, entry, first, q_len, k_len, Q, K, V, inputs, mask, dY,
-                  grads.Q, grads.K, grads.V, d_inputs, shared, state_of, final_of, initial_of,
-                  saved_of, workspace);
+    backward_item(layer.attention(), map, g, entry, first, q_len, k_len, Q, K, V, inputs, mask, dY,
+                  grads.Q, grads.K, grads.V, d_inputs, state_of, final_of, initial_of, saved_of,
+                  workspace);
   };
   // Each thread's items share one lane of the workspace (the caller's, kept across calls, or
   // this call's): the buffers are then allocated once per thread, not once per item (same bits
@@ -377,7 +381,7 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
 
 /// parallel_backward_into(layer, Q, K, V, in..., mask, dY, grads, d_in..., layout = batch()):
 /// the gradients of out = layer.parallel_into(Q, K, V, in..., mask, out, layout) given
-/// dY = dLoss/dout ([B, Tq, H_q, dv]): dQ, dK, dV into `grads` (a GradientViews) and the
+/// dY = dLoss/dout ([B, Tq, max(H_q, H_v), dv]): dQ, dK, dV into `grads` (a GradientViews) and the
 /// per-token inputs' gradients into d_in... (views shaped like in..., in the same order).
 /// Mask::none (additive only) or Mask::causal as in the forward. Throws ShapeError for views or
 /// a layout that do not fit (naming them) and what the single-head backward throws; as the

@@ -14,7 +14,7 @@
 ///                         GradientViews<float>{dQ, dK, dV}, d_in..., initial_gradients,
 ///                         layout, slots);
 ///
-/// Every rule (Additive, Decay, Gated, Delta, GatedDelta), both layouts, grouped-query heads,
+/// Every rule (Additive, Decay, Gated, Delta, GatedDelta), both layouts, grouped query or value heads,
 /// batch / packed / padded layouts (SequenceLayout), the layer's executor.
 ///
 /// What is saved depends on K, V and the per-token inputs only, never on Q: the G query heads of
@@ -157,7 +157,7 @@ namespace detail {
 
 /// The layer's saving forward, stateless (`state` null: layer.parallel_into, causal) or
 /// continuing the states at `slots` (layer.prefill_into): checks, then one item per (sequence,
-/// key/value head) on the layer's executor. A shared state is saved by the group's first head
+/// state head) on the layer's executor. A shared state is saved by the group's first head
 /// and the other G - 1 heads read it in one grouped call (the bits of one call per head, as the
 /// layer's forward), from a copy of the state as it was when it is carried; unshared states are
 /// each saved by their own head. A throw leaves `saved` empty.
@@ -178,45 +178,43 @@ void layer_saving_forward(const MultiHeadAttention<Attention>& layer,
   LayerSavedForwardAccess::mark_empty(saved);
   check_views(heads, r, Q, K, V, out, layout, true);
   for (std::size_t i = 0; i < N; ++i)
-    check_token_view(inputs[i], K, heads.kv_heads, r, Rule::kind == WriteKind::gated);
+    check_token_view(inputs[i], K, heads.v_heads(), r, Rule::kind == WriteKind::gated);
   const Index sequences = layout.count(Q.batches());
   if (state != nullptr) check_slots(*state, layer, sequences, slots);
 
   constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
-  const Index G = layer.group_size(), Hkv = heads.kv_heads, H = layer.state_heads();
+  const HeadMap map(heads, shared);
+  const Index G = map.query_count(), H = layer.state_heads();
   LayerSavedForwardAccess::resize(saved, sequences, H);
   const bool padded = layout.kind() == SequenceLayout::Kind::padded;
   const bool full_rows = layout.kind() == SequenceLayout::Kind::batch;
   const Attention& attn = layer.attention();
   const auto run = [&](Index item) {
-    const Index s = item / Hkv, g = item % Hkv, h0 = g * G;
+    const Index s = item / H, h = item % H, q0 = map.query_first(h), o0 = map.out_first(h);
     const Index entry = layout.batch_entry(s), first = layout.first_row(s);
     const Index n = full_rows ? Q.times() : layout.length(s, Q.times());
     const Index position = slots.empty() ? s : slots[static_cast<std::size_t>(s)];
-    if (padded) zero_rows(out.slice(entry, n, out.times() - n, h0, G));
-    const auto k = K.head_rows(entry, g, first, n);
-    const auto v = V.head_rows(entry, g, first, n);
-    const auto in = rows_inputs(inputs, entry, g, first, n);
+    if (padded) zero_rows(out.slice(entry, n, out.times() - n, o0, G));
+    const auto k = K.head_rows(entry, map.key_of(h), first, n);
+    const auto v = V.head_rows(entry, map.value_of(h), first, n);
+    const auto in = rows_inputs(inputs, entry, map.value_of(h), first, n);
     std::apply(
         [&](const auto&... x) {
           std::optional<typename Attention::State> before;  // a shared carried state as it was
-          for (Index j = 0; j < (shared ? 1 : G); ++j) {
-            const Index sh = shared ? g : h0 + j;
-            const auto q = Q.head_rows(entry, h0 + j, first, n);
-            auto o = out.head_rows(entry, h0 + j, first, n);
-            SavedForward<Scalar>& keep = LayerSavedForwardAccess::item(saved, s, sh);
-            if (state == nullptr) {
-              parallel_saving_into(attn, q, k, v, x..., Mask::causal, o, keep);
-            } else {
-              auto& head = state->sequence(position).head(sh);
-              if (shared && G > 1) before.emplace(head);
-              prefill_saving_into(attn, head, q, k, v, x..., o, keep);
-            }
+          const auto q = Q.head_rows(entry, q0, first, n);
+          auto o = out.head_rows(entry, o0, first, n);
+          SavedForward<Scalar>& keep = LayerSavedForwardAccess::item(saved, s, h);
+          if (state == nullptr) {
+            parallel_saving_into(attn, q, k, v, x..., Mask::causal, o, keep);
+          } else {
+            auto& head = state->sequence(position).head(h);
+            if (G > 1) before.emplace(head);
+            prefill_saving_into(attn, head, q, k, v, x..., o, keep);
           }
           if constexpr (shared) {
             if (G > 1) {
-              const auto rest_q = Q.slice(entry, first, n, h0 + 1, G - 1);
-              const auto rest_out = out.slice(entry, first, n, h0 + 1, G - 1);
+              const auto rest_q = Q.slice(entry, first, n, q0 + 1, G - 1);
+              const auto rest_out = out.slice(entry, first, n, o0 + 1, G - 1);
               if (state == nullptr)
                 attn.parallel_into(rest_q, k, v, x..., Mask::causal, rest_out);
               else
@@ -233,7 +231,7 @@ void layer_saving_forward(const MultiHeadAttention<Attention>& layer,
   const double flops = 4.0 * double(r) * double(heads.value_dim) * rows * double(G);
   try {
     // Every item runs; the lowest failing item's exception is rethrown (as the layer's forward).
-    parallel_for(sequences * Hkv, layer.executor(), flops, run);
+    parallel_for(sequences * H, layer.executor(), flops, run);
   } catch (...) {
     LayerSavedForwardAccess::mark_empty(saved);
     throw;

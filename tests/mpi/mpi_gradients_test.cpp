@@ -326,22 +326,23 @@ View token_rows(const View& full, Index t0, Index n) {
 
 // A layer call's gradient buffers, [B, T, H, d] batch-first (dQ, dK, dV and the per-token
 // inputs', shaped like `inputs`), every value `fill`, with views of their rows [t0, t0 + n).
+// (Hv: the value heads, and the per-token inputs' heads; Hkv unless values are grouped.)
 template <class Scalar, std::size_t N>
 struct LayerGrads {
-  Index B = 0, T = 0, Hq = 0, Hkv = 0, dk = 0, dv = 0;
+  Index B = 0, T = 0, Hq = 0, Hkv = 0, dk = 0, dv = 0, Hv = 0;
   std::vector<Scalar> Q, K, V;
   std::array<std::vector<Scalar>, N> in;
   std::array<Index, N> in_dim{};
 
   LayerGrads(Index B_, Index T_, Index Hq_, Index Hkv_, Index dk_, Index dv_,
-             const std::array<TensorView<const Scalar>, N>& inputs, Scalar fill)
-      : B(B_), T(T_), Hq(Hq_), Hkv(Hkv_), dk(dk_), dv(dv_),
+             const std::array<TensorView<const Scalar>, N>& inputs, Scalar fill, Index Hv_ = 0)
+      : B(B_), T(T_), Hq(Hq_), Hkv(Hkv_), dk(dk_), dv(dv_), Hv(Hv_ > 0 ? Hv_ : Hkv_),
         Q(std::size_t(B_ * T_ * Hq_ * dk_), fill),
         K(std::size_t(B_ * T_ * Hkv_ * dk_), fill),
-        V(std::size_t(B_ * T_ * Hkv_ * dv_), fill) {
+        V(std::size_t(B_ * T_ * Hv * dv_), fill) {
     for (std::size_t i = 0; i < N; ++i) {
       in_dim[i] = inputs[i].dim();
-      in[i].assign(std::size_t(B * T * Hkv * in_dim[i]), fill);
+      in[i].assign(std::size_t(B * T * Hv * in_dim[i]), fill);
     }
   }
 
@@ -349,41 +350,45 @@ struct LayerGrads {
     const GradientViews<Scalar> v{
         token_rows(TensorView<Scalar>::batch_first(Q.data(), B, T, Hq, dk), t0, n),
         token_rows(TensorView<Scalar>::batch_first(K.data(), B, T, Hkv, dk), t0, n),
-        token_rows(TensorView<Scalar>::batch_first(V.data(), B, T, Hkv, dv), t0, n)};
+        token_rows(TensorView<Scalar>::batch_first(V.data(), B, T, Hv, dv), t0, n)};
     std::array<TensorView<Scalar>, N> d;
     for (std::size_t i = 0; i < N; ++i)
-      d[i] = token_rows(TensorView<Scalar>::batch_first(in[i].data(), B, T, Hkv, in_dim[i]), t0, n);
+      d[i] = token_rows(TensorView<Scalar>::batch_first(in[i].data(), B, T, Hv, in_dim[i]), t0, n);
     return {v, d};
   }
 };
 
 // The layer's distributed backward against the single-process layer backward
 // (multihead_gradients.hpp) over the whole sequence, for attention `attn` whose per-token
-// inputs are drawn from `specs` ({channels, lo, hi} per input).
+// inputs are drawn from `specs` ({channels, lo, hi} per input). Grouped query heads (4 over 2
+// key/value heads), or with `value_group` G_v > 1 grouped value heads (2 G_v over 2 query/key
+// heads).
 template <class Attention, std::size_t N>
-void check_layer(const Attention& attn, const std::array<std::array<double, 3>, N>& specs) {
+void check_layer(const Attention& attn, const std::array<std::array<double, 3>, N>& specs,
+                 Index value_group = 1) {
   using Scalar = typename Attention::scalar_type;
   const int rank = world().rank, P = world().size;
-  const Index B = 2, T = 17, Hq = 4, Hkv = 2, dk = 4, dv = 3;
-  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv}, attn);
+  const Index B = 2, T = 17, Hkv = 2, Hq = value_group > 1 ? 2 : 4, Hv = Hkv * value_group,
+              Ho = std::max(Hq, Hv), dk = 4, dv = 3;
+  const MultiHeadAttention<Attention> layer(HeadConfig{Hq, Hkv, dk, dv, Hv}, attn);
   const auto buffer = [](Index n, std::uint64_t seed) {
     const RowMatrix<Scalar> m = random_matrix<Scalar>(1, n, seed);
     return std::vector<Scalar>(m.data(), m.data() + n);
   };
   const std::vector<Scalar> Qb = buffer(B * T * Hq * dk, 6001), Kb = buffer(B * T * Hkv * dk, 6002),
-                            Vb = buffer(B * T * Hkv * dv, 6003), dYb = buffer(B * T * Hq * dv, 6004);
+                            Vb = buffer(B * T * Hv * dv, 6003), dYb = buffer(B * T * Ho * dv, 6004);
   std::array<std::vector<Scalar>, N> inb;
   std::array<TensorView<const Scalar>, N> in;
   for (std::size_t i = 0; i < N; ++i) {
     const Index c = Index(specs[i][0]);
-    const RowMatrix<Scalar> m = uniform_matrix<Scalar>(1, B * T * Hkv * c, 6010 + i, specs[i][1], specs[i][2]);
+    const RowMatrix<Scalar> m = uniform_matrix<Scalar>(1, B * T * Hv * c, 6010 + i, specs[i][1], specs[i][2]);
     inb[i].assign(m.data(), m.data() + m.size());
-    in[i] = TensorView<const Scalar>::batch_first(inb[i].data(), B, T, Hkv, c);
+    in[i] = TensorView<const Scalar>::batch_first(inb[i].data(), B, T, Hv, c);
   }
   const auto Q = TensorView<const Scalar>::batch_first(Qb.data(), B, T, Hq, dk);
   const auto K = TensorView<const Scalar>::batch_first(Kb.data(), B, T, Hkv, dk);
-  const auto V = TensorView<const Scalar>::batch_first(Vb.data(), B, T, Hkv, dv);
-  const auto dY = TensorView<const Scalar>::batch_first(dYb.data(), B, T, Hq, dv);
+  const auto V = TensorView<const Scalar>::batch_first(Vb.data(), B, T, Hv, dv);
+  const auto dY = TensorView<const Scalar>::batch_first(dYb.data(), B, T, Ho, dv);
   auto state = layer.make_state(B);
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < state.heads(); ++h) {
@@ -402,7 +407,7 @@ void check_layer(const Attention& attn, const std::array<std::array<double, 3>, 
     }
   // Gradient buffers: the whole sequence's (reference) and the distributed ones.
   using Grads = LayerGrads<Scalar, N>;
-  const auto make = [&] { return Grads(B, T, Hq, Hkv, dk, dv, in, Scalar(0)); };
+  const auto make = [&] { return Grads(B, T, Hq, Hkv, dk, dv, in, Scalar(0), Hv); };
   const auto views = [](Grads& g, Index t0, Index n) { return g.views(t0, n); };
   Grads whole = make();
   {
@@ -444,10 +449,10 @@ void check_layer(const Attention& attn, const std::array<std::array<double, 3>, 
     const Index n = lengths[std::size_t(rank)];
     INFO("rank " << rank << " of " << P << ", rows " << first << " + " << n);
     // Each schedule against the whole sequence's backward, and automatic: the bits of the
-    // schedule the cost model picks for B H_q items on P ranks.
+    // schedule the cost model picks for B max(H_q, H_v) items on P ranks.
     Grads picked = make();
     const bool pipeline_pays = linattn::detail::backward_pipeline_pays(
-        B * Hq, P, linattn::detail::backward_costs<typename Attention::rule_type>());
+        B * Ho, P, linattn::detail::backward_costs<typename Attention::rule_type>());
     for (const mpi::Schedule schedule :
          {mpi::Schedule::summaries, mpi::Schedule::pipeline, mpi::Schedule::automatic}) {
     INFO("schedule " << int(schedule));
@@ -479,8 +484,8 @@ void check_layer(const Attention& attn, const std::array<std::array<double, 3>, 
     run(again, K, &workspace);
     CHECK(near_rows(got.Q, whole.Q, Hq, dk, first, n));
     CHECK(near_rows(got.K, whole.K, Hkv, dk, first, n));
-    CHECK(near_rows(got.V, whole.V, Hkv, dv, first, n));
-    for (std::size_t i = 0; i < N; ++i) CHECK(near_rows(got.in[i], whole.in[i], Hkv, in[i].dim(), first, n));
+    CHECK(near_rows(got.V, whole.V, Hv, dv, first, n));
+    for (std::size_t i = 0; i < N; ++i) CHECK(near_rows(got.in[i], whole.in[i], Hv, in[i].dim(), first, n));
     for (Index b = 0; b < B; ++b)
       for (Index h = 0; h < state.heads(); ++h) {
         if (rank == 0) {
@@ -724,6 +729,11 @@ TEST_CASE("the layer's sequence-parallel backward equals the single-process laye
   }
   SECTION("decay, float") {
     check_layer(RuleAttention<EluPlusOne, Decay, float>(EluPlusOne{}, Decay(0.9)), std::array<std::array<double, 3>, 0>{});
+  }
+  SECTION("grouped value heads: additive, gated delta") {
+    check_layer(LinearAttention<EluPlusOne, double>(), std::array<std::array<double, 3>, 0>{}, 3);
+    check_layer(RuleAttention<L2Normalize, GatedDelta, double>(L2Normalize{}, delta),
+                std::array<std::array<double, 3>, 2>{{{1, 0.1, 1.9}, {1, -0.2, -0.01}}}, 2);
   }
 }
 

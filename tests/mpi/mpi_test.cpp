@@ -217,27 +217,33 @@ TEST_CASE("consecutive calls continue each other; an initial state held by rank 
 
 namespace {
 
-// The layer split across the ranks equals, for every query head, the one-head split call on
+// The layer split across the ranks equals, for every output head, the one-head split call on
 // that head's rows (cut out of the buffers), bit for bit, under the same schedule; its states
-// equal the one-head states.
+// equal the one-head states. Grouped query heads (4 over 2 key/value heads), or with
+// `value_group` G_v > 1 grouped value heads (2 G_v over 2 query/key heads, head o reading query
+// and key head o / G_v).
 template <class Attention, std::size_t N>
 void check_layer(const char* name, const Attention& attention, const std::array<InputSpec, N>& specs,
-                 Layout layout, bool threads, mpi::Schedule schedule) {
+                 Layout layout, bool threads, mpi::Schedule schedule, Index value_group = 1) {
   using Scalar = typename Attention::scalar_type;
   const World w = world();
-  const Index B = 2, Hq = 4, Hkv = 2, G = Hq / Hkv, dk = 8, dv = 6, T = 61;
-  MultiHeadAttention<Attention> layer({Hq, Hkv, dk, dv}, attention);
+  const Index B = 2, Hkv = 2, Hq = value_group > 1 ? 2 : 4, Hv = Hkv * value_group,
+              Ho = std::max(Hq, Hv), dk = 8, dv = 6, T = 61;
+  // Output head o reads query head q_of(o), key head o / (Ho / Hkv) and value head v_of(o).
+  const auto q_of = [&](Index o) { return value_group > 1 ? o / value_group : o; };
+  const auto v_of = [&](Index o) { return value_group > 1 ? o : o / (Hq / Hkv); };
+  MultiHeadAttention<Attention> layer({Hq, Hkv, dk, dv, Hv}, attention);
   ThreadPool pool(2);
   if (threads) layer.set_executor(&pool);
   const Index r = layer.feature_dim();
   const Buffer<Scalar> q(layout, B, T, Hq, dk, random_matrix<Scalar>(1, B * T * Hq * dk, 2500));
   const Buffer<Scalar> k(layout, B, T, Hkv, dk, random_matrix<Scalar>(1, B * T * Hkv * dk, 2501));
-  const Buffer<Scalar> v(layout, B, T, Hkv, dv, random_matrix<Scalar>(1, B * T * Hkv * dv, 2502));
+  const Buffer<Scalar> v(layout, B, T, Hv, dv, random_matrix<Scalar>(1, B * T * Hv * dv, 2502));
   std::vector<Buffer<Scalar>> in;
   for (std::size_t i = 0; i < N; ++i) {
     const Index c = specs[i].per_channel ? r : 1;
-    in.emplace_back(layout, B, T, Hkv, c,
-                    uniform_matrix<Scalar>(1, B * T * Hkv * c, 2503 + i, specs[i].lo, specs[i].hi));
+    in.emplace_back(layout, B, T, Hv, c,
+                    uniform_matrix<Scalar>(1, B * T * Hv * c, 2503 + i, specs[i].lo, specs[i].hi));
   }
   const auto shapes = slicings(T, w.size);
   for (const auto& lengths : {shapes[std::min<std::size_t>(1, shapes.size() - 1)], shapes.back()}) {
@@ -245,7 +251,7 @@ void check_layer(const char* name, const Attention& attention, const std::array<
     INFO(name << (layout == Layout::batch_first ? ", batch-first" : ", head-first")
               << (threads ? ", thread pool" : "") << ", rank " << w.rank << ", rows "
               << my.offset << " + " << my.length << ", schedule " << int(schedule));
-    Buffer<Scalar> out(layout, B, T, Hq, dv, RowMatrix<Scalar>::Zero(1, B * T * Hq * dv));
+    Buffer<Scalar> out(layout, B, T, Ho, dv, RowMatrix<Scalar>::Zero(1, B * T * Ho * dv));
     auto state = layer.make_state(2);
     const std::array<Index, 2> slots{1, 0};
     const mpi::Carry carry{mpi::kLastRank, false, schedule};
@@ -259,14 +265,14 @@ void check_layer(const char* name, const Attention& attention, const std::array<
     // Only this rank's rows of the output are written (batch-first buffers are staged
     // head-major and copied back: Carry::stage_token_major).
     for (Index b = 0; b < B; ++b)
-      for (Index h = 0; h < Hq; ++h) {
+      for (Index h = 0; h < Ho; ++h) {
         const RowMatrix<Scalar> all_rows = out.cut(b, h, 0, T);
         CHECK(all_rows.topRows(my.offset).isZero(0));
         CHECK(all_rows.bottomRows(T - my.offset - my.length).isZero(0));
       }
     if (layout == Layout::batch_first && !threads) {
       // Staged or read in place: the same bits, outputs and states.
-      Buffer<Scalar> out_in_place(layout, B, T, Hq, dv, RowMatrix<Scalar>::Zero(1, B * T * Hq * dv));
+      Buffer<Scalar> out_in_place(layout, B, T, Ho, dv, RowMatrix<Scalar>::Zero(1, B * T * Ho * dv));
       auto state_in_place = layer.make_state(2);
       mpi::Carry in_place = carry;
       in_place.stage_token_major = false;
@@ -280,22 +286,22 @@ void check_layer(const char* name, const Attention& attention, const std::array<
       }(std::make_index_sequence<N>{});
       CHECK(std::memcmp(out_in_place.data.data(), out.data.data(), out.data.size() * sizeof(Scalar)) == 0);
       for (Index b = 0; b < B; ++b)
-        for (Index g = 0; g < Hkv; ++g)
+        for (Index g = 0; g < Hv; ++g)
           CHECK(same_bits(state_in_place.sequence(b).head(g).S(), state.sequence(b).head(g).S()));
     }
     mpi::SequenceParallel<Attention> one(attention, MPI_COMM_WORLD, carry);
     for (Index b = 0; b < B; ++b)
-      for (Index h = 0; h < Hq; ++h) {
-        const Index g = h / G;
+      for (Index h = 0; h < Ho; ++h) {
+        const Index g = h / (Ho / Hkv), vh = v_of(h);
         auto head_state = attention.make_state(dk, dv);
         RowMatrix<Scalar> y(my.length, dv);
         [&]<std::size_t... I>(std::index_sequence<I...>) {
-          one.prefill_into(head_state, q.cut(b, h, my.offset, my.length),
-                           k.cut(b, g, my.offset, my.length), v.cut(b, g, my.offset, my.length),
-                           in[I].cut(b, g, my.offset, my.length)..., y);
+          one.prefill_into(head_state, q.cut(b, q_of(h), my.offset, my.length),
+                           k.cut(b, g, my.offset, my.length), v.cut(b, vh, my.offset, my.length),
+                           in[I].cut(b, vh, my.offset, my.length)..., y);
         }(std::make_index_sequence<N>{});
         CHECK(same_bits(out.cut(b, h, my.offset, my.length), y));
-        const auto& layer_head = state.sequence(slots[std::size_t(b)]).head(g);
+        const auto& layer_head = state.sequence(slots[std::size_t(b)]).head(vh);
         CHECK(same_bits(layer_head.S(), head_state.S()));
         CHECK(layer_head.tokens() == my.offset + my.length);
       }
@@ -304,7 +310,7 @@ void check_layer(const char* name, const Attention& attention, const std::array<
 
 }  // namespace
 
-TEST_CASE("multi-head layer, both schedules, every rule, both layouts, grouped heads, slots, "
+TEST_CASE("multi-head layer, both schedules, every rule, both layouts, grouped query or value heads, slots, "
           "threads: each head equals the one-head split call bit for bit, staged or not",
           "[mpi][multihead]") {
   for (mpi::Schedule s : {mpi::Schedule::summaries, mpi::Schedule::pipeline})
@@ -323,6 +329,11 @@ TEST_CASE("multi-head layer, both schedules, every rule, both layouts, grouped h
         check_layer("gated_delta", RuleAttention<L2Normalize, GatedDelta>(),
                     std::array<InputSpec, 2>{InputSpec{false, 0.0, 1.0}, InputSpec{false, -0.2, 0.0}},
                     layout, threads, s);
+        check_layer("gated_delta, grouped value heads", RuleAttention<L2Normalize, GatedDelta>(),
+                    std::array<InputSpec, 2>{InputSpec{false, 0.0, 2.0}, InputSpec{false, -0.2, 0.0}},
+                    layout, threads, s, 2);
+        check_layer("additive, grouped value heads", LinearAttention<EluPlusOne>(),
+                    std::array<InputSpec, 0>{}, layout, threads, s, 3);
       }
 }
 

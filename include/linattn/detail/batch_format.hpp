@@ -112,14 +112,17 @@ std::vector<SequenceState<HeadState>> read_sequences(const Layer& layer,
   const auto state_heads = static_cast<std::uint64_t>(layer.state_heads());
   // Versions 1 and 2 keep one block per query head, merged below.
   constexpr bool additive = std::is_same_v<HeadState, AttentionState<Scalar>>;
-  const bool per_query_head = additive && version < 4 && blocks == q_heads;
+  // (Grouped value heads came after version 4: such a layer reads only its own blocks.)
+  const bool per_query_head =
+      additive && version < 4 && blocks == q_heads && h.v_heads() == h.kv_heads;
   if (q_heads != std::uint64_t(h.q_heads) || kv_heads != std::uint64_t(h.kv_heads) ||
       !(blocks == state_heads || per_query_head))
     format_error(R::shape_mismatch, "saved with H_q=" + std::to_string(q_heads) + " H_kv=" +
                                         std::to_string(kv_heads) + " and " + std::to_string(blocks) +
                                         " state heads, this layer has H_q=" +
                                         std::to_string(h.q_heads) + " H_kv=" +
-                                        std::to_string(h.kv_heads) + " and keeps " +
+                                        std::to_string(h.kv_heads) + " H_v=" +
+                                        std::to_string(h.v_heads()) + " and keeps " +
                                         std::to_string(state_heads));
   // Every head block holds at least S and z: bound the count by the bytes present before
   // anything is allocated.

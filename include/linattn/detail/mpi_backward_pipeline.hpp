@@ -110,7 +110,7 @@ inline bool backward_pipeline_pays(Index items, int P, const BackwardCosts& c) n
 /// this rank sees it.
 struct BackwardItem {
   Index entry = 0;     // the sequence's batch entry in the views
-  Index head = 0;      // the query head
+  Index head = 0;      // the output head (a query head, or with grouped values a value head)
   Index position = 0;  // the sequence's position in the states and state gradients (slots)
   Index first = 0, rows = 0;  // this rank's rows of it: [first, first + rows) of `entry`
   bool held = false;          // whether this rank runs it
@@ -118,13 +118,13 @@ struct BackwardItem {
   int first_rank = 0, last_rank = 0;  // the first and the last rank that run it
 };
 
-/// The call's items, in the order (sequence, query head), for this rank. The batch layout: every
+/// The call's items, in the order (sequence, output head), for this rank. The batch layout: every
 /// rank runs every item over all its rows, chained through all ranks in rank order (a rank with
 /// an empty slice passes the state and the gradient on). A packed or padded layout: an item is
 /// run by the ranks that hold rows of its sequence, chained in rank order (a sequence with no
 /// rows: by rank 0 alone). `lengths` are the ranks' slice lengths (agreed). O(items P).
 inline std::vector<BackwardItem> backward_items(const SequenceLayout& layout, Index batches,
-                                                Index q_heads, std::span<const Index> slots,
+                                                Index out_heads, std::span<const Index> slots,
                                                 const std::vector<Index>& lengths, int rank) {
   const int P = static_cast<int>(lengths.size());
   std::vector<Index> starts(std::size_t(P) + 1, 0);
@@ -132,7 +132,7 @@ inline std::vector<BackwardItem> backward_items(const SequenceLayout& layout, In
   const Index total = starts.back(), sequences = layout.count(batches);
   const bool whole = layout.kind() == SequenceLayout::Kind::batch;
   std::vector<BackwardItem> items;
-  items.reserve(std::size_t(sequences * q_heads));
+  items.reserve(std::size_t(sequences * out_heads));
   for (Index s = 0; s < sequences; ++s) {
     BackwardItem item;
     item.entry = layout.batch_entry(s);
@@ -168,7 +168,7 @@ inline std::vector<BackwardItem> backward_items(const SequenceLayout& layout, In
         item.next = next;
       }
     }
-    for (Index h = 0; h < q_heads; ++h) {
+    for (Index h = 0; h < out_heads; ++h) {
       item.head = h;
       items.push_back(item);
     }
@@ -232,12 +232,12 @@ std::optional<Failure> run_backward_pipeline(
   using Scalar = typename Attention::scalar_type;
   using Rule = typename Attention::rule_type;
   using Message = CarryMessage<Scalar, Rule::keeps_normalizer>;
-  constexpr bool shared = MultiHeadAttention<Attention>::shares_states;
+  const HeadMap map(layer.heads(), MultiHeadAttention<Attention>::shares_states);
   constexpr std::int64_t kOk = 0, kFailed = 1, kZero = 2;  // a message's status
   const Attention& attn = layer.attention();
   const HeadConfig& heads = layer.heads();
   const Index r = layer.feature_dim(), dk = heads.key_dim, dv = heads.value_dim;
-  const Index G = layer.group_size(), n = Index(items.size());
+  const Index members = map.members(), n = Index(items.size());
   const Message message{r, dv, Rule::keeps_normalizer ? r : 0};
   const Index m = message.scalars();
   if (Index(sizeof(Scalar)) * m > Index{2147483647})  // the same verdict on every rank
@@ -276,7 +276,10 @@ std::optional<Failure> run_backward_pipeline(
   const auto at = [&](Scalar* buffer, Index i) { return buffer + slot[std::size_t(i)] * m; };
   std::vector<MPI_Request> sends;
   sends.reserve(std::size_t(2 * slots));
-  const auto state_head = [&](const BackwardItem& it) { return shared ? it.head / G : it.head; };
+  // An item's head is an output head: member j = head % members of key head head / members.
+  const auto state_head = [&](const BackwardItem& it) {
+    return map.member_state(it.head / members, it.head % members);
+  };
   // Receives are blocking and made when an item needs its message (pre-posted receives made the
   // batch layout's wavefronts about 10% slower on the Zen 5 VM). Each (source, tag) stream
   // delivers its items in item order, and a rank may run them in another order (its wavefront
@@ -379,7 +382,8 @@ std::optional<Failure> run_backward_pipeline(
     for (const Index i : wavefront_order(items, true)) {
       const BackwardItem& it = items[std::size_t(i)];
       if (slot[std::size_t(i)] < 0) continue;  // its start: at its backward (start_message)
-      const Index g = it.head / G;
+      const Index g = it.head / members, j = it.head % members;
+      const Index qh = map.member_query(g, j), vh = map.member_value(g, j);
       Scalar* in = at(states_in, i);
       bool ok = !failed;
       if (it.prev >= 0 || (!first && !ends.initial_zero)) {
@@ -396,9 +400,9 @@ std::optional<Failure> run_backward_pipeline(
         try {
           state.assign(message.S(in), message.zmap(in), tokens);
           if (it.rows > 0) {
-            const auto q = Q.head_rows(it.entry, it.head, it.first, it.rows);
+            const auto q = Q.head_rows(it.entry, qh, it.first, it.rows);
             const auto k = K.head_rows(it.entry, g, it.first, it.rows);
-            const auto v = V.head_rows(it.entry, g, it.first, it.rows);
+            const auto v = V.head_rows(it.entry, vh, it.first, it.rows);
             // The forward's outputs (the caller has them) go into the head gradient rows' room.
             buffers.fit_heads(it.rows, it.rows, dk, dv);
             auto discarded = buffers.head_V.topRows(it.rows);
@@ -409,7 +413,7 @@ std::optional<Failure> run_backward_pipeline(
                   else
                     attn.prefill_into(state, q, k, v, x..., discarded);
                 },
-                rows_inputs(inputs, it.entry, g, it.first, it.rows));
+                rows_inputs(inputs, it.entry, vh, it.first, it.rows));
           }
           message.pack(state, out);
           if (!all_finite(
@@ -433,7 +437,7 @@ std::optional<Failure> run_backward_pipeline(
   // 2. The backward wavefront. First the messages each item expects; the last rank sends the
   // final states' gradients of the items that end on another rank.
   const auto final_of = [&](const BackwardItem& it) -> const StateGradient<Scalar>* {
-    if (final_gradients == nullptr || (shared && it.head % G != 0)) return nullptr;
+    if (final_gradients == nullptr || !map.first_of_state(it.head % members)) return nullptr;
     return &final_gradients->head(it.position, state_head(it));
   };
   for (Index i = 0; i < n; ++i) {
@@ -458,7 +462,8 @@ std::optional<Failure> run_backward_pipeline(
   StateGradient<Scalar> before = after;
   for (const Index i : wavefront_order(items, false)) {
     const BackwardItem& it = items[std::size_t(i)];
-    const Index g = it.head / G, j = it.head % G;
+    const Index g = it.head / members, j = it.head % members;
+    const Index qh = map.member_query(g, j), vh = map.member_value(g, j);
     bool ok = !failed;
     if (it.next >= 0 || (!last && ends.final_gradients)) {
       Scalar* in = at(gradients_in, i);
@@ -478,9 +483,9 @@ std::optional<Failure> run_backward_pipeline(
       try {
         if (it.rows > 0) {
           const Index t0 = it.first, rows = it.rows;
-          const auto q = Q.head_rows(it.entry, it.head, t0, rows);
+          const auto q = Q.head_rows(it.entry, qh, t0, rows);
           const auto k = K.head_rows(it.entry, g, t0, rows);
-          const auto v = V.head_rows(it.entry, g, t0, rows);
+          const auto v = V.head_rows(it.entry, vh, t0, rows);
           const auto dy = dY.head_rows(it.entry, it.head, t0, rows);
           buffers.fit_heads(rows, rows, dk, dv);
           auto dQ_head = buffers.head_Q.topRows(rows);
@@ -509,10 +514,10 @@ std::optional<Failure> run_backward_pipeline(
                                           &after, out_rows, d_in_head, before, &workspace);
                 }
               },
-              rows_inputs(inputs, it.entry, g, t0, rows));
-          grads.Q.head_rows(it.entry, it.head, t0, rows) = dQ_head;
-          add_group_share<Rule>(j, grads.K, grads.V, d_inputs, it.entry, g, t0, rows, dK_head,
-                                dV_head, d_in_head);
+              rows_inputs(inputs, it.entry, vh, t0, rows));
+          write_or_add(map.first_of_query(j), grads.Q.head_rows(it.entry, qh, t0, rows), dQ_head);
+          add_key_value_share<Rule>(j == 0, map.first_of_value(j), grads.K, grads.V, d_inputs,
+                                    it.entry, g, vh, t0, rows, dK_head, dV_head, d_in_head);
         } else {
           before.S = after.S;
           before.z = after.z;
@@ -521,7 +526,7 @@ std::optional<Failure> run_backward_pipeline(
         // gradients (the G heads of a shared state added in head order: the same bits every
         // run); then back along the chain.
         if (every_rank_initial || it.first_rank == rank)
-          add_state_share(!shared || j == 0, initial.head(it.position, state_head(it)), before.S,
+          add_state_share(map.first_of_state(j), initial.head(it.position, state_head(it)), before.S,
                           before.z);
         if (it.prev >= 0) {
           Scalar* out = at(outgoing, i);
@@ -544,7 +549,8 @@ std::optional<Failure> run_backward_pipeline(
   if (!every_rank_initial && P > 1) {
     for (Index i = 0; i < n; ++i) {
       const BackwardItem& it = items[std::size_t(i)];
-      if ((shared && it.head % G != 0) || (first ? it.first_rank == 0 : it.first_rank != rank))
+      if (!map.first_of_state(it.head % members) ||
+          (first ? it.first_rank == 0 : it.first_rank != rank))
         continue;
       StateGradient<Scalar>& d0 = initial.head(it.position, state_head(it));
       if (first) {

@@ -37,7 +37,7 @@ struct CallConfig {
   double normalization_epsilon = 0;
   std::uint64_t feature_map_fingerprint = 0;
   std::int64_t key_dim = 0, value_dim = 0, feature_dim = 0;
-  std::int64_t sequences = 0, q_heads = 0, kv_heads = 0;
+  std::int64_t sequences = 0, q_heads = 0, kv_heads = 0, value_heads = 0;
   char rule[24] = {};
   char feature_map[40] = {};
 };
@@ -199,6 +199,7 @@ inline std::optional<Failure> first_disagreement(const std::vector<RankRecord>& 
     compare("the number of sequences", c0.sequences, ck.sequences);
     compare("the number of query heads", c0.q_heads, ck.q_heads);
     compare("the number of key/value heads", c0.kv_heads, ck.kv_heads);
+    compare("the number of value heads", c0.value_heads, ck.value_heads);
     compare("Carry::initial_rank", c0.initial_rank, ck.initial_rank);
     compare("Carry::broadcast_final", c0.broadcast_final, ck.broadcast_final);
     compare("Carry::schedule (0: automatic, 1: summaries, 2: pipeline, 3: hybrid)", c0.schedule,

@@ -76,10 +76,37 @@ InputGradientRows<Scalar> head_input_rows(ColVector<Scalar>& buffer, Index T,
   return rows;
 }
 
-/// Query head j's share of its key/value head's gradients (dK, dV and the per-token inputs'
-/// d_in) into the model's rows [first, first + n) of sequence `entry`, key/value head g: the
-/// group's first head (j = 0) writes them, the others add theirs in head order, so the sums
-/// have the same bits on every run and thread.
+/// Writes `from` into `to` (`writes`) or adds it: the first reader of a head writes its
+/// gradient rows, the others add theirs in member order, so the sums have the same bits on
+/// every run and thread.
+template <class To, class From>
+void write_or_add(bool writes, To&& to, const From& from) {
+  if (writes)
+    to = from;
+  else
+    to += from;
+}
+
+/// A member's share of the dK rows of key head `key_head` and of the dV and per-token input
+/// gradient rows of value head `value_head`, rows [first, first + n) of sequence `entry`:
+/// written where first_key / first_value, else added (write_or_add).
+template <class Rule, class Scalar, std::size_t N, class DIn>
+void add_key_value_share(bool first_key, bool first_value, const TensorView<Scalar>& dK,
+                         const TensorView<Scalar>& dV,
+                         const std::array<TensorView<Scalar>, N>& d_inputs, Index entry,
+                         Index key_head, Index value_head, Index first, Index n,
+                         const std::type_identity_t<Eigen::Ref<const RowMatrix<Scalar>>>& dK_head,
+                         const std::type_identity_t<Eigen::Ref<const RowMatrix<Scalar>>>& dV_head,
+                         const DIn& d_in) {
+  write_or_add(first_key, dK.head_rows(entry, key_head, first, n), dK_head);
+  write_or_add(first_value, dV.head_rows(entry, value_head, first, n), dV_head);
+  for (std::size_t i = 0; i < N; ++i)
+    write_or_add(first_value, d_inputs[i].head_rows(entry, value_head, first, n),
+                 input_gradient<Rule>(d_in, i, n, d_inputs[i].dim()));
+}
+
+/// Query head j's share of its key/value head g's gradients (dK, dV and the per-token inputs'
+/// d_in; grouped queries): the group's first head (j = 0) writes them, the others add theirs.
 template <class Rule, class Scalar, std::size_t N, class DIn>
 void add_group_share(Index j, const TensorView<Scalar>& dK, const TensorView<Scalar>& dV,
                      const std::array<TensorView<Scalar>, N>& d_inputs, Index entry, Index g,
@@ -87,22 +114,8 @@ void add_group_share(Index j, const TensorView<Scalar>& dK, const TensorView<Sca
                      const std::type_identity_t<Eigen::Ref<const RowMatrix<Scalar>>>& dK_head,
                      const std::type_identity_t<Eigen::Ref<const RowMatrix<Scalar>>>& dV_head,
                      const DIn& d_in) {
-  auto dk_rows = dK.head_rows(entry, g, first, n);
-  auto dv_rows = dV.head_rows(entry, g, first, n);
-  if (j == 0) {
-    dk_rows = dK_head;
-    dv_rows = dV_head;
-  } else {
-    dk_rows += dK_head;
-    dv_rows += dV_head;
-  }
-  for (std::size_t i = 0; i < N; ++i) {
-    auto d_rows = d_inputs[i].head_rows(entry, g, first, n);
-    if (j == 0)
-      d_rows = input_gradient<Rule>(d_in, i, n, d_inputs[i].dim());
-    else
-      d_rows += input_gradient<Rule>(d_in, i, n, d_inputs[i].dim());
-  }
+  add_key_value_share<Rule>(j == 0, j == 0, dK, dV, d_inputs, entry, g, g, first, n, dK_head,
+                            dV_head, d_in);
 }
 
 /// Query head j's share of a state head's gradient (S, z): the group's first head (j = 0), or
@@ -121,18 +134,21 @@ void add_state_share(bool writes, StateGradient<Scalar>& to, const DS& S, const 
 /// The layer's backward without a saved forward: it rebuilds the chunk-boundary states.
 struct NoSavedForward {};
 
-/// The backward of one (sequence s, key/value head g) item. `state_of(j)` gives the initial
-/// head state query head j of the group read (null: stateless), `final_of(j)` the final-state
-/// gradient it carries back (null: none; given for one head of a shared state only) and
-/// `initial_of(j)` where its initial-state gradient goes (null: stateless); `shared` says the
-/// group's heads share one state, whose gradient is then summed in head order. `saved_of(j)`:
+/// The backward of one (sequence s, key head g) item: its members j (output heads, `map`:
+/// G query heads of one key/value head, or G_v value heads of one query/key head) in turn.
+/// `state_of(j)` gives the initial head state member j read (null: stateless), `final_of(j)`
+/// the final-state gradient it carries back (null: none; given for the first reader of a shared
+/// state only) and `initial_of(j)` where its initial-state gradient goes (null: stateless); a
+/// state that several members read (map.shared) gets the sum of their gradients, in member
+/// order, as dQ of a query head and dK, dV of a key and value head do. `saved_of(j)`:
 /// the SavedForward of a causal forward (stateless, or carried when initial_of(j) is not null)
 /// that head j's backward reads instead of rebuilding the states (a callable returning const
 /// NoSavedForward*: none). `workspace`: the backward's buffers and the head's gradient rows,
 /// kept by the caller across the items one thread runs (BackwardWorkspace).
 template <class Attention, class MaskArg, class Inputs, class DInputs, class StateOf, class FinalOf,
           class InitialOf, class SavedOf>
-void backward_item(const Attention& attn, Index G, Index g, Index entry, Index first, Index q_len,
+void backward_item(const Attention& attn, const HeadMap& map, Index g, Index entry, Index first,
+                   Index q_len,
                    Index k_len, const TensorView<const typename Attention::scalar_type>& Q,
                    const TensorView<const typename Attention::scalar_type>& K,
                    const TensorView<const typename Attention::scalar_type>& V, const Inputs& inputs,
@@ -140,7 +156,7 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
                    const TensorView<typename Attention::scalar_type>& dQ,
                    const TensorView<typename Attention::scalar_type>& dK,
                    const TensorView<typename Attention::scalar_type>& dV, const DInputs& d_inputs,
-                   bool shared, const StateOf& state_of, const FinalOf& final_of,
+                   const StateOf& state_of, const FinalOf& final_of,
                    const InitialOf& initial_of, const SavedOf& saved_of,
                    BackwardWorkspace<typename Attention::scalar_type>& workspace) {
   using Scalar = typename Attention::scalar_type;
@@ -151,11 +167,13 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
   if (q_len == 0 || k_len == 0) {
     // No query reads a key: the rows' gradients are zero and a carried state's gradient is the
     // final state's gradient passed through (no token changes the state).
-    zero_rows(dQ.slice(entry, first, q_len, g * G, G));
+    zero_rows(dQ.slice(entry, first, q_len, g * map.G, map.G));
     zero_rows(dK.slice(entry, first, k_len, g, 1));
-    zero_rows(dV.slice(entry, first, k_len, g, 1));
-    for (std::size_t i = 0; i < N; ++i) zero_rows(d_inputs[i].slice(entry, first, k_len, g, 1));
-    for (Index j = 0; j < (shared ? 1 : G); ++j) {
+    zero_rows(dV.slice(entry, first, k_len, g * map.Gv, map.Gv));
+    for (std::size_t i = 0; i < N; ++i)
+      zero_rows(d_inputs[i].slice(entry, first, k_len, g * map.Gv, map.Gv));
+    for (Index j = 0; j < map.members(); ++j) {
+      if (!map.first_of_state(j)) continue;
       StateGradient<Scalar>* initial = initial_of(j);
       if (initial == nullptr) continue;
       if (const StateGradient<Scalar>* fin = final_of(j); fin != nullptr) {
@@ -169,8 +187,6 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
     return;
   }
   const auto k = K.head_rows(entry, g, first, k_len);
-  const auto v = V.head_rows(entry, g, first, k_len);
-  const auto in = rows_inputs(inputs, entry, g, first, k_len);
   // Every query head's gradients go through contiguous buffers of their own, copied (first
   // head) or added (the others, in head order: the same bits on any thread) into the model's
   // rows: Eigen's products round differently into a strided destination on some instruction
@@ -185,16 +201,17 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
   // Query head j > 0's share of a shared state's gradient: the lane's buffers, moved in and
   // back (no allocation once they have the state's shape).
   StateGradient<Scalar> d0_head{std::move(buffers.group_S), std::move(buffers.group_z)};
-  for (Index j = 0; j < G; ++j) {
-    const Index h = g * G + j;
-    const auto q = Q.head_rows(entry, h, first, q_len);
-    const auto dy = dY.head_rows(entry, h, first, q_len);
-    auto dq_rows = dQ.head_rows(entry, h, first, q_len);
+  for (Index j = 0; j < map.members(); ++j) {
+    const Index qh = map.member_query(g, j), vh = map.member_value(g, j);
+    const auto q = Q.head_rows(entry, qh, first, q_len);
+    const auto v = V.head_rows(entry, vh, first, k_len);
+    const auto in = rows_inputs(inputs, entry, vh, first, k_len);
+    const auto dy = dY.head_rows(entry, map.member_out(g, j), first, q_len);
     GradientsRef<Scalar> out{dQ_head, dK_head, dV_head};
     const auto* state = state_of(j);
     // A shared state's gradient: the first head writes it, the others add theirs.
     StateGradient<Scalar>* initial = initial_of(j);
-    const bool add_initial = shared && j > 0 && initial != nullptr;
+    const bool add_initial = !map.first_of_state(j) && initial != nullptr;
     StateGradient<Scalar>& d0 = add_initial || initial == nullptr ? d0_head : *initial;
     std::apply(
         [&](const auto&... x) {
@@ -232,8 +249,9 @@ void backward_item(const Attention& attn, Index G, Index g, Index entry, Index f
           }
         },
         in);
-    dq_rows = dQ_head;
-    add_group_share<Rule>(j, dK, dV, d_inputs, entry, g, first, k_len, dK_head, dV_head, d_in_head);
+    write_or_add(map.first_of_query(j), dQ.head_rows(entry, qh, first, q_len), dQ_head);
+    add_key_value_share<Rule>(j == 0, map.first_of_value(j), dK, dV, d_inputs, entry, g, vh, first,
+                              k_len, dK_head, dV_head, d_in_head);
     if (add_initial) {
       initial->S += d0_head.S;
       if (initial->z.size() > 0) initial->z += d0_head.z;

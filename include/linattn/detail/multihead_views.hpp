@@ -12,23 +12,68 @@
 #include <array>
 #include <cstddef>
 #include <span>
+#include <string>
 #include <tuple>
 #include <utility>
 
 namespace linattn::detail {
 
-/// Throws ShapeError if a count or dim is not positive or H_q is not a multiple of H_kv.
+/// Throws ShapeError if a count or dim is not positive, H_q or H_v is not a multiple of H_kv,
+/// or both group (grouped values need H_q = H_kv).
 inline void check_head_config(const HeadConfig& h) {
-  if (h.q_heads < 1 || h.kv_heads < 1 || h.key_dim < 1 || h.value_dim < 1)
+  if (h.q_heads < 1 || h.kv_heads < 1 || h.key_dim < 1 || h.value_dim < 1 || h.value_heads < 0)
     throw_shape_error("multi-head attention needs positive heads and dims, got H_q=", h.q_heads,
-                      " H_kv=", h.kv_heads, " dk=", h.key_dim, " dv=", h.value_dim);
+                      " H_kv=", h.kv_heads, " dk=", h.key_dim, " dv=", h.value_dim,
+                      h.value_heads != 0 ? " H_v=" : "",
+                      h.value_heads != 0 ? std::to_string(h.value_heads) : std::string());
   if (h.q_heads % h.kv_heads != 0)
     throw_shape_error("query heads H_q=", h.q_heads, " must be a multiple of key/value heads H_kv=",
                       h.kv_heads);
+  if (h.v_heads() % h.kv_heads != 0)
+    throw_shape_error("value heads H_v=", h.v_heads(), " must be a multiple of key heads H_kv=",
+                      h.kv_heads);
+  if (h.v_heads() > h.kv_heads && h.q_heads != h.kv_heads)
+    throw_shape_error("grouped value heads (H_v=", h.v_heads(), " > H_kv=", h.kv_heads,
+                      ") need as many query heads as key heads, got H_q=", h.q_heads);
 }
 
-/// Q [B, Tq, H_q, dk], K [B, Tk, H_kv, dk], V [B, Tk, H_kv, dv], out [B, Tq, H_q, dv] (or the
-/// output's gradient, read-only), and a layout that fits; `same_length` (causal, or a
+/// Which heads of the buffers a multi-head layer's work reads and writes, for G = H_q / H_kv
+/// query heads or G_v = H_v / H_kv value heads per key head (one of them is 1).
+///   Forward item = state head h: with shared states (one per value head) it reads query heads
+///     [query_first(h), + query_count) and key head key_of(h), value head (and per-token inputs)
+///     value_of(h), and writes output heads [out_first(h), + query_count); with one state per
+///     output head (log-scaled maps) query_count is 1.
+///   Backward item = key head g with G G_v members j (one per output head g G G_v + j): member j
+///     reads query head member_query, value head member_value; dQ, dV and the state gradients
+///     of heads that several members read are summed, the first of them (first_of_*) writing.
+struct HeadMap {
+  Index G = 1, Gv = 1;
+  bool shared = true;
+
+  HeadMap(const HeadConfig& h, bool shares_states)
+      : G(h.q_heads / h.kv_heads), Gv(h.v_heads() / h.kv_heads), shared(shares_states) {}
+
+  [[nodiscard]] Index query_count() const noexcept { return shared ? G : 1; }
+  [[nodiscard]] Index query_first(Index h) const noexcept { return shared ? h / Gv * G : h / Gv; }
+  [[nodiscard]] Index key_of(Index h) const noexcept { return shared ? h / Gv : h / (G * Gv); }
+  [[nodiscard]] Index value_of(Index h) const noexcept { return shared ? h : h / G; }
+  [[nodiscard]] Index out_first(Index h) const noexcept { return shared ? h * G : h; }
+
+  [[nodiscard]] Index members() const noexcept { return G * Gv; }
+  [[nodiscard]] Index member_query(Index g, Index j) const noexcept { return g * G + j / Gv; }
+  [[nodiscard]] Index member_value(Index g, Index j) const noexcept { return g * Gv + j / G; }
+  [[nodiscard]] Index member_out(Index g, Index j) const noexcept { return g * G * Gv + j; }
+  [[nodiscard]] Index member_state(Index g, Index j) const noexcept {
+    return shared ? member_value(g, j) : member_out(g, j);
+  }
+  /// Whether member j is the first of those that read its query head, its value head, its state.
+  [[nodiscard]] bool first_of_query(Index j) const noexcept { return j % Gv == 0; }
+  [[nodiscard]] bool first_of_value(Index j) const noexcept { return j % G == 0; }
+  [[nodiscard]] bool first_of_state(Index j) const noexcept { return !shared || j % G == 0; }
+};
+
+/// Q [B, Tq, H_q, dk], K [B, Tk, H_kv, dk], V [B, Tk, H_v, dv], out [B, Tq, max(H_q, H_v), dv]
+/// (or the output's gradient, read-only), and a layout that fits; `same_length` (causal, or a
 /// variable-length layout) needs Tq = Tk.
 template <class Scalar, class OutElement>
 void check_views(const HeadConfig& heads, Index r, const TensorView<const Scalar>& Q,
@@ -36,13 +81,23 @@ void check_views(const HeadConfig& heads, Index r, const TensorView<const Scalar
                  const TensorView<OutElement>& out, const SequenceLayout& layout,
                  bool same_length) {
   static_cast<void>(r);
+  const bool grouped_values = heads.v_heads() != heads.kv_heads;
   auto fail = [&](const char* what) {
     throw_shape_error(what, "; Q ", Q.describe(), ", K ", K.describe(), ", V ", V.describe(),
                       ", out ", out.describe(), " for H_q=", heads.q_heads, " H_kv=",
-                      heads.kv_heads, " dk=", heads.key_dim, " dv=", heads.value_dim);
+                      heads.kv_heads, grouped_values ? " H_v=" : "",
+                      grouped_values ? std::to_string(heads.v_heads()) : std::string(), " dk=",
+                      heads.key_dim, " dv=", heads.value_dim);
   };
-  if (Q.heads() != heads.q_heads || out.heads() != heads.q_heads) fail("Q and out need H_q heads");
-  if (K.heads() != heads.kv_heads || V.heads() != heads.kv_heads) fail("K and V need H_kv heads");
+  if (grouped_values) {
+    if (Q.heads() != heads.q_heads || K.heads() != heads.kv_heads)
+      fail("Q and K need H_q = H_kv heads");
+    if (V.heads() != heads.v_heads() || out.heads() != heads.v_heads())
+      fail("V and out need H_v heads");
+  } else {
+    if (Q.heads() != heads.q_heads || out.heads() != heads.q_heads) fail("Q and out need H_q heads");
+    if (K.heads() != heads.kv_heads || V.heads() != heads.kv_heads) fail("K and V need H_kv heads");
+  }
   if (Q.dim() != heads.key_dim || K.dim() != heads.key_dim) fail("Q and K need dim dk");
   if (V.dim() != heads.value_dim || out.dim() != heads.value_dim) fail("V and out need dim dv");
   if (K.batches() != Q.batches() || V.batches() != Q.batches() || out.batches() != Q.batches())
@@ -54,17 +109,17 @@ void check_views(const HeadConfig& heads, Index r, const TensorView<const Scalar
   layout.check(Q.batches(), Q.times());
 }
 
-/// A per-token input view: [B, T, H_kv, 1], or [B, T, H_kv, r] where per-channel values are
-/// allowed (Gated), with B and T of K.
+/// A per-token input view: [B, T, H_v, 1], or [B, T, H_v, r] where per-channel values are
+/// allowed (Gated), with B and T of K (H_v: the value heads, HeadConfig::v_heads()).
 template <class Scalar>
 void check_token_view(const TensorView<const Scalar>& in, const TensorView<const Scalar>& K,
-                      Index kv_heads, Index r, bool per_channel) {
-  if (in.batches() != K.batches() || in.times() != K.times() || in.heads() != kv_heads ||
+                      Index value_heads, Index r, bool per_channel) {
+  if (in.batches() != K.batches() || in.times() != K.times() || in.heads() != value_heads ||
       !(in.dim() == 1 || (per_channel && in.dim() == r)))
     throw_shape_error("a per-token input view is ", in.describe(), ", expected [B=", K.batches(),
-                      ", T=", K.times(), ", H_kv=", kv_heads, ", 1", per_channel ? " or r=" : "",
+                      ", T=", K.times(), ", H_v=", value_heads, ", 1", per_channel ? " or r=" : "",
                       per_channel ? std::to_string(r) : std::string(),
-                      "] (one value per token and key/value head)");
+                      "] (one value per token and value head)");
 }
 
 /// `positions` (the size of `what`, a batch state or its gradient) is `sequences`, or `slots`
@@ -113,7 +168,7 @@ std::array<TensorView<const Scalar>, N> token_views(const Tuple& all) {
   }(std::make_index_sequence<N>{});
 }
 
-/// Rows [first, first + n) of key/value head g of batch entry `entry` of each per-token input,
+/// Rows [first, first + n) of value head g of batch entry `entry` of each per-token input,
 /// as a tuple of n x c row views (what the single-head calls take).
 template <class Scalar, std::size_t N>
 auto rows_inputs(const std::array<TensorView<const Scalar>, N>& inputs, Index entry, Index g,
@@ -123,7 +178,7 @@ auto rows_inputs(const std::array<TensorView<const Scalar>, N>& inputs, Index en
   }(std::make_index_sequence<N>{});
 }
 
-/// One decode token's per-token inputs of key/value head g of batch row b: the gates as a
+/// One decode token's per-token inputs of value head g of batch row b: the gates as a
 /// 1 x c row (Gated), beta and log_alpha as numbers (the delta rules).
 template <class Rule, class Scalar, std::size_t N>
 auto step_inputs(const std::array<TensorView<const Scalar>, N>& inputs, Index b, Index g) {
