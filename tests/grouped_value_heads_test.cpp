@@ -40,19 +40,8 @@ struct Dims {
   [[nodiscard]] Index Hv() const { return Hc * Gv; }
 };
 
-// A per-token input: one value per token and value head, or r (per-channel gates), uniform on
-// [lo, hi).
-struct InputSpec {
-  bool per_channel;
-  double lo, hi;
-};
-
-template <class Attention>
-struct RuleCase {
-  const char* name;
-  Attention attn;
-  std::array<InputSpec, Attention::rule_type::token_inputs> inputs;
-};
+using linattn_test::InputSpec;
+using linattn_test::RuleCase;
 
 // One problem: Q, K [B, T, H_c, dk], V [B, T, H_v, dv], per-token inputs [B, T, H_v, c], dY
 // [B, T, H_v, dv], and the expanded Q, K [B, T, H_v, dk] (head h = head h / G_v).
@@ -576,14 +565,13 @@ TEST_CASE("grouped value heads: dQ and dK by finite differences", "[multihead][g
 TEST_CASE("grouped value heads: configurations and views that do not fit are refused",
           "[multihead][grouped_values][errors]") {
   using Attention = RuleAttention<L2Normalize, Delta, float>;
-  const auto refused = [](const HeadConfig& h, const std::string& part) {
-    try {
-      const Layer<Attention> layer(h);
-      FAIL("accepted");
-    } catch (const ShapeError& e) {
-      INFO(e.what());
-      CHECK(std::string(e.what()).find(part) != std::string::npos);
-    }
+  // `call` throws ShapeError naming `part`.
+  const auto expect = [](auto&& call, const std::string& part) {
+    CHECK_THROWS_AS(call(), ShapeError);
+    CHECK_THROWS_WITH(call(), Catch::Contains(part));
+  };
+  const auto refused = [&](const HeadConfig& h, const std::string& part) {
+    expect([&] { static_cast<void>(Layer<Attention>(h)); }, part);
   };
   refused(HeadConfig{2, 2, 8, 8, 3}, "value heads H_v=3 must be a multiple of key heads H_kv=2");
   refused(HeadConfig{4, 2, 8, 8, 4}, "need as many query heads as key heads, got H_q=4");
@@ -600,15 +588,6 @@ TEST_CASE("grouped value heads: configurations and views that do not fit are ref
   const auto out_of = [&](Index H) { return TensorView<float>::batch_first(out.data(), 1, 5, H, 8); };
   std::vector<float> beta(5 * 4, 0.5f);
   const auto beta_of = [&](Index H) { return TensorView<const float>::batch_first(beta.data(), 1, 5, H, 1); };
-  const auto expect = [](auto&& call, const std::string& part) {
-    try {
-      call();
-      FAIL("accepted");
-    } catch (const ShapeError& e) {
-      INFO(e.what());
-      CHECK(std::string(e.what()).find(part) != std::string::npos);
-    }
-  };
   expect([&] { layer.parallel_into(at(2), at(2), at(2), beta_of(4), Mask::causal, out_of(4)); },
          "V and out need H_v heads");
   expect([&] { layer.parallel_into(at(4), at(2), at(4), beta_of(4), Mask::causal, out_of(4)); },

@@ -1,13 +1,15 @@
 #pragma once
 // Multi-head test buffers: flat [B, T, H, d] or [B, H, T, d] vectors, addressed by an index
 // formula written out independently of TensorView, so the tests check the library's views
-// against it (shared by multihead_test.cpp and multihead_gradients_test.cpp).
+// against it, and the rule cases the layer's tests run (shared by multihead_test.cpp,
+// multihead_gradients_test.cpp and grouped_value_heads_test.cpp).
 
 #include <linattn/tensor_view.hpp>
 #include <linattn/types.hpp>
 
 #include "test_support.hpp"
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -48,5 +50,20 @@ RowMatrix<Scalar> cut(const std::vector<Scalar>& buf, Layout l, Index b, Index h
       m(t, c) = buf[static_cast<std::size_t>(flat(l, b, first + t, h, c, T, H, d))];
   return m;
 }
+
+// A rule's per-token input: one value per token and value head, or r (per-channel gates), drawn
+// uniformly from [lo, hi).
+struct InputSpec {
+  bool per_channel;
+  double lo, hi;
+};
+
+// An attention under test, named, with the specs of its rule's per-token inputs.
+template <class Attention>
+struct RuleCase {
+  const char* name;
+  Attention attn;
+  std::array<InputSpec, Attention::rule_type::token_inputs> inputs;
+};
 
 }  // namespace linattn_test

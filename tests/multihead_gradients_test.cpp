@@ -250,19 +250,8 @@ TEST_CASE("the layer's backward names views that do not fit", "[multihead][gradi
 
 namespace {
 
-// A per-token input: one value per token and key/value head, or r (per-channel gates), drawn
-// uniformly from [lo, hi).
-struct InputSpec {
-  bool per_channel;
-  double lo, hi;
-};
-
-template <class Attention>
-struct RuleCase {
-  const char* name;
-  Attention attn;
-  std::array<InputSpec, Attention::rule_type::token_inputs> inputs;
-};
+using linattn_test::InputSpec;
+using linattn_test::RuleCase;
 
 // Calls f(case) for every write rule: Additive, Decay, Gated (one gate, per channel), Delta and
 // GatedDelta, with a chunk that does not divide the lengths used below.
