@@ -29,20 +29,22 @@ int main() {
 
   struct Model {
     const char* name;
-    Index q_heads, kv_heads, d;
+    Index q_heads, kv_heads, d, value_heads = 0;  // 0: as many value heads as key heads
   };
   // Head layouts of common shapes (per layer); with ELU+1 features the state is kept per
-  // key/value head, as the K/V cache is (see batch_state.hpp).
+  // value head, as the K/V cache is (see batch_state.hpp). The last row has grouped value heads,
+  // as Qwen3-Next's Gated DeltaNet layers: 32 value heads over 16 query/key heads.
   const Model models[] = {{"MHA 8 x 64", 8, 8, 64},
                           {"MHA 16 x 128", 16, 16, 128},
                           {"GQA 32 q / 8 kv x 128", 32, 8, 128},
-                          {"MQA 16 q / 1 kv x 128", 16, 1, 128}};
+                          {"MQA 16 q / 1 kv x 128", 16, 1, 128},
+                          {"GVA 16 qk / 32 v x 128", 16, 16, 128, 32}};
   std::printf("\nPer layer and sequence, ELU+1 features (r = dk), float:\n");
   std::printf("%-24s %14s %18s %22s\n", "heads", "state bytes", "K/V bytes/token",
               "K/V cache larger at");
   for (const Model& m : models) {
     const linattn::MultiHeadAttention<linattn::LinearAttention<linattn::EluPlusOne, float>> layer(
-        linattn::HeadConfig{m.q_heads, m.kv_heads, m.d, m.d});
+        linattn::HeadConfig{m.q_heads, m.kv_heads, m.d, m.d, m.value_heads});
     const auto f = layer.footprint();
     const auto state = layer.make_state();
     std::printf("%-24s %14zu %18td %22td\n", m.name, state.bytes_per_sequence(),
