@@ -450,41 +450,47 @@ TEST_CASE("grouped value heads with log-scaled random features: one state per va
   check_rule(c, Layout::batch_first, d, 900);
 }
 
-TEST_CASE("grouped value heads: packed sequences, threads and a saved state",
-          "[multihead][grouped_values][threads]") {
+// A variable-length layout (`values`: packed offsets over B = 1, or padded lengths), on one and
+// two threads: the forward, the recomputing backward and the backward from a saved forward
+// against the expanded layer's, and the states saved to bytes and restored.
+void check_layout_and_threads(SequenceLayout::Kind kind, const std::vector<Index>& values, Index B) {
   using Attention = RuleAttention<L2Normalize, GatedDelta, float>;
   Options opt;
   opt.chunk_size = 8;
   opt.normalization = Normalization::unnormalized();
   const RuleCase<Attention> c{"gated delta", Attention(L2Normalize{}, opt),
                               {InputSpec{false, 0.1, 1.9}, InputSpec{false, -0.5, -0.01}}};
+  const bool packed = kind == SequenceLayout::Kind::packed;
+  INFO((packed ? "packed" : "padded"));
   // Enough work per item (12 r dv T flops per value head) for the pool to run the items.
-  const Dims d{1, 96, 2, 2, 16, 16};
+  const Dims d{B, 96, 2, 2, 16, 16};
   const Problem<Attention> p(c, Layout::batch_first, d, 1300);
   auto grouped = grouped_layer(c.attn, d);
   const auto expanded = expanded_layer(c.attn, d);
-  const std::vector<Index> offsets{0, 37, 37, 96};  // the second sequence is empty
-  const auto layout = SequenceLayout::packed(offsets);
+  const auto layout = packed ? SequenceLayout::packed(values) : SequenceLayout::padded(values);
+  const Index S = layout.count(B);
   const auto out_view = [&](std::vector<float>& o) {
     return view<float>(p.layout, o.data(), d.B, d.T, d.Hv(), d.dv);
   };
-  const auto [beta, alpha] = p.ins();
+  const auto ins = p.ins();
+  const TensorView<const float>& beta = ins[0];
+  const TensorView<const float>& alpha = ins[1];
   std::vector<float> og(p.v.size(), -7.f), ox(p.v.size(), -9.f), ot(p.v.size(), -5.f);
-  auto sg = grouped.make_state(3), sx = expanded.make_state(3), st = grouped.make_state(3);
+  auto sg = grouped.make_state(S), sx = expanded.make_state(S), st = grouped.make_state(S);
   grouped.prefill_into(sg, p.Q(false), p.K(false), p.V(), beta, alpha, out_view(og), layout);
   expanded.prefill_into(sx, p.Q(true), p.K(true), p.V(), beta, alpha, out_view(ox), layout);
-  CHECK(og == ox);
+  CHECK(og == ox);  // padded rows: zero in both
   ThreadPool pool(2);
   grouped.set_executor(&pool);
   grouped.prefill_into(st, p.Q(false), p.K(false), p.V(), beta, alpha, out_view(ot), layout);
   CHECK(ot == og);
-  for (Index s = 0; s < 3; ++s)
+  for (Index s = 0; s < S; ++s)
     for (Index h = 0; h < d.Hv(); ++h) {
       INFO("sequence " << s << ", head " << h);
       check_same_state(sg.sequence(s).head(h), sx.sequence(s).head(h));
       check_same_state(st.sequence(s).head(h), sg.sequence(s).head(h));
     }
-  // The backward: packed, one and two threads, against the expanded layer.
+  // The backward, one and two threads, against the expanded layer (padded rows: zero in all).
   Grads<float, 2> g1 = make_grads(p, false), g2 = make_grads(p, false), gx = make_grads(p, true);
   for (auto* g : {&g1, &g2, &gx}) {
     const bool is_expanded = g == &gx;
@@ -504,15 +510,42 @@ TEST_CASE("grouped value heads: packed sequences, threads and a saved state",
   CHECK(g2.dV == g1.dV);
   CHECK(g2.d_in[0] == g1.d_in[0]);
   CHECK(g2.d_in[1] == g1.d_in[1]);
+  // From a saved forward (the pool's threads), against the expanded layer's.
+  {
+    LayerSavedForward<float> saved_g, saved_x;
+    std::vector<float> sog(p.v.size(), -3.f), sox(p.v.size(), -4.f);
+    parallel_saving_into(grouped, p.Q(false), p.K(false), p.V(), beta, alpha, Mask::causal,
+                         out_view(sog), saved_g, layout);
+    parallel_saving_into(expanded, p.Q(true), p.K(true), p.V(), beta, alpha, Mask::causal,
+                         out_view(sox), saved_x, layout);
+    CHECK(sog == sox);
+    Grads<float, 2> sg_grads = make_grads(p, false), sx_grads = make_grads(p, true);
+    auto views_g = grad_views(p, sg_grads, false), views_x = grad_views(p, sx_grads, true);
+    parallel_backward_into(grouped, saved_g, p.Q(false), p.K(false), p.V(), beta, alpha,
+                           Mask::causal, p.dY(), views_g.first, views_g.second[0],
+                           views_g.second[1], layout);
+    parallel_backward_into(expanded, saved_x, p.Q(true), p.K(true), p.V(), beta, alpha,
+                           Mask::causal, p.dY(), views_x.first, views_x.second[0],
+                           views_x.second[1], layout);
+    INFO("from a saved forward");
+    check_same_grads(sg_grads, sx_grads, p.layout, d);
+  }
 
   // A saved state is the grouped layer's: it restores into a layer of the same heads, not into
   // one with the same query/key heads and ungrouped values.
   const auto blob = save_state(grouped, sg);
   const auto restored = load_state(grouped, blob);
-  for (Index s = 0; s < 3; ++s)
+  for (Index s = 0; s < S; ++s)
     for (Index h = 0; h < d.Hv(); ++h) check_same_state(restored.sequence(s).head(h), sg.sequence(s).head(h));
   const Layer<Attention> ungrouped(HeadConfig{d.Hc, d.Hc, d.dk, d.dv}, c.attn);
   CHECK_THROWS_WITH(load_state(ungrouped, blob), Catch::Contains("H_v=2 and keeps 2"));
+}
+
+TEST_CASE("grouped value heads: packed and padded sequences, threads, saved forward and state",
+          "[multihead][grouped_values][threads]") {
+  // Packed: the second sequence is empty. Padded: the second entry's rows from 41 on are pad.
+  check_layout_and_threads(SequenceLayout::Kind::packed, {0, 37, 37, 96}, 1);
+  check_layout_and_threads(SequenceLayout::Kind::padded, {96, 41}, 2);
 }
 
 TEST_CASE("grouped value heads: dQ and dK by finite differences", "[multihead][grouped_values][fd]") {

@@ -5,13 +5,14 @@
 /// and the size accounting that compares the state with a K/V cache. HeadState is the state of
 /// the layer's attention (AttentionState for Additive, RuleState for the other rules).
 ///
-/// State heads: MultiHeadAttention keeps one state per key/value head (H_s = H_kv), since the
-/// query heads of a group accumulate the same sums, except for random features under the
-/// additive rule (log-scaled maps), which keep one per query head (H_s = H_q).
+/// State heads: MultiHeadAttention keeps one state per value head (H_s = H_v, which is H_kv
+/// unless values are grouped), since the query heads of a group accumulate the same sums,
+/// except for random features under the additive rule (log-scaled maps), which keep one per
+/// output head (H_s = max(H_q, H_v)).
 ///
 /// Memory per sequence: H_s (r dv + r) scalars (r dv for the delta rules) whatever the context
-/// length. A softmax model's K/V cache holds H_kv (dk + dv) scalars per token, so it outgrows
-/// the state at L = floor(H_s (r dv + r) / (H_kv (dk + dv))) + 1 tokens; for
+/// length. A softmax model's K/V cache holds H_kv dk + H_v dv scalars per token, so it outgrows
+/// the state at L = floor(H_s (r dv + r) / (H_kv dk + H_v dv)) + 1 tokens; for
 /// r = dk = dv = 128 and one head that is 16,512 scalars against 256 per token: 65 tokens.
 
 #include <linattn/errors.hpp>

@@ -25,8 +25,9 @@
 /// Sequence i of `layout` continues the state at batch position slots[i] (i when empty).
 ///
 /// State per value head: the G = H_q / H_kv query heads of a group read the same sums, so
-/// the state keeps them once per key/value head (state_heads() = H_v) and a call absorbs each
-/// group's keys once and reads them G times; grouped value heads each keep their own. Random
+/// the state keeps them once per key/value head (state_heads() = H_v = H_kv) and a call absorbs
+/// each group's keys once and reads them G times; grouped value heads each keep their own
+/// (state_heads() = H_v). Random
 /// features under the additive rule keep one state per output head: their log-domain kernels
 /// rescale S per head.
 ///
@@ -171,8 +172,8 @@ class MultiHeadAttention {
 
   /// step_into(state, q, k, v, in..., out, slots = {}): one decode token per sequence;
   /// q [N, 1, H_q, dk], k [N, 1, H_kv, dk], v [N, 1, H_v, dv], in [N, 1, H_v, 1 or r],
-  /// out [N, 1, max(H_q, H_v), dv]; batch row i steps the state at position slots[i] (or i). Allocates
-  /// nothing. Throws as prefill_into().
+  /// out [N, 1, max(H_q, H_v), dv]; batch row i steps the state at position slots[i] (or i).
+  /// Allocates nothing. Throws as prefill_into().
   template <class... Args>
   void step_into(State& state, ConstView q, ConstView k, ConstView v, Args&&... args) const {
     constexpr std::size_t N = rule_type::token_inputs;

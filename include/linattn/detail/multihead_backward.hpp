@@ -1,8 +1,10 @@
 #pragma once
-// The multi-head layer's backward, one work item (sequence, key/value head) at a time: the
-// single-head backward of every query head of the group on views of the buffers, the group's
-// shares of dK, dV, the per-token inputs' gradients and (shared states) the initial state's
-// gradient added in head order, so the bits do not depend on the thread that runs the item.
+// The multi-head layer's backward, one work item (sequence, key head) at a time: the
+// single-head backward of every output head that reads the key head (the G query heads of a
+// group, or the G_v value heads of a query/key head: HeadMap) on views of the buffers, the
+// shares of the gradients of heads that several of them read (dK; dV, the per-token inputs' and
+// a shared state's; or dQ) added in head order, so the bits do not depend on the thread that
+// runs the item.
 
 #include <linattn/backward_workspace.hpp>
 #include <linattn/detail/multihead_views.hpp>
@@ -105,21 +107,8 @@ void add_key_value_share(bool first_key, bool first_value, const TensorView<Scal
                  input_gradient<Rule>(d_in, i, n, d_inputs[i].dim()));
 }
 
-/// Query head j's share of its key/value head g's gradients (dK, dV and the per-token inputs'
-/// d_in; grouped queries): the group's first head (j = 0) writes them, the others add theirs.
-template <class Rule, class Scalar, std::size_t N, class DIn>
-void add_group_share(Index j, const TensorView<Scalar>& dK, const TensorView<Scalar>& dV,
-                     const std::array<TensorView<Scalar>, N>& d_inputs, Index entry, Index g,
-                     Index first, Index n,
-                     const std::type_identity_t<Eigen::Ref<const RowMatrix<Scalar>>>& dK_head,
-                     const std::type_identity_t<Eigen::Ref<const RowMatrix<Scalar>>>& dV_head,
-                     const DIn& d_in) {
-  add_key_value_share<Rule>(j == 0, j == 0, dK, dV, d_inputs, entry, g, g, first, n, dK_head,
-                            dV_head, d_in);
-}
-
-/// Query head j's share of a state head's gradient (S, z): the group's first head (j = 0), or
-/// any head of an unshared state, writes it, the others add theirs in head order.
+/// A member's share of a state head's gradient (S, z): the first member that reads the state
+/// writes it, the others add theirs in member order.
 template <class Scalar, class DS, class DZ>
 void add_state_share(bool writes, StateGradient<Scalar>& to, const DS& S, const DZ& z) {
   if (writes) {
@@ -148,8 +137,7 @@ struct NoSavedForward {};
 template <class Attention, class MaskArg, class Inputs, class DInputs, class StateOf, class FinalOf,
           class InitialOf, class SavedOf>
 void backward_item(const Attention& attn, const HeadMap& map, Index g, Index entry, Index first,
-                   Index q_len,
-                   Index k_len, const TensorView<const typename Attention::scalar_type>& Q,
+                   Index q_len, Index k_len, const TensorView<const typename Attention::scalar_type>& Q,
                    const TensorView<const typename Attention::scalar_type>& K,
                    const TensorView<const typename Attention::scalar_type>& V, const Inputs& inputs,
                    const MaskArg& mask, const TensorView<const typename Attention::scalar_type>& dY,
