@@ -4,8 +4,13 @@
 // against it, and the rule cases the layer's tests run (shared by multihead_test.cpp,
 // multihead_gradients_test.cpp and grouped_value_heads_test.cpp).
 
+#include <linattn/attention.hpp>
+#include <linattn/feature_maps.hpp>
+#include <linattn/normalization.hpp>
+#include <linattn/options.hpp>
 #include <linattn/tensor_view.hpp>
 #include <linattn/types.hpp>
+#include <linattn/write_rules.hpp>
 
 #include "test_support.hpp"
 
@@ -65,5 +70,30 @@ struct RuleCase {
   Attention attn;
   std::array<InputSpec, Attention::rule_type::token_inputs> inputs;
 };
+
+// Calls f(case) for every write rule: Additive, Decay, Gated (one gate, per channel), Delta and
+// GatedDelta (betas uniform on [0.1, beta_hi)), with a chunk of 4, which does not divide the
+// lengths the tests use.
+template <class Scalar, class F>
+void for_each_rule(F&& f, double beta_hi = 0.9) {
+  using namespace linattn;
+  Options opt;
+  opt.chunk_size = 4;
+  Options delta_opt = opt;
+  delta_opt.normalization = Normalization::unnormalized();
+  const InputSpec gate{false, -1.0, -0.05}, channel_gate{true, -1.0, -0.05},
+      beta{false, 0.1, beta_hi}, alpha{false, -0.5, -0.01};
+  using Additive_ = RuleAttention<EluPlusOne, Additive, Scalar>;
+  using Decay_ = RuleAttention<EluPlusOne, Decay, Scalar>;
+  using Gated_ = RuleAttention<EluPlusOne, Gated, Scalar>;
+  using Delta_ = RuleAttention<L2Normalize, Delta, Scalar>;
+  using GatedDelta_ = RuleAttention<L2Normalize, GatedDelta, Scalar>;
+  f(RuleCase<Additive_>{"additive", Additive_(EluPlusOne{}, opt), {}});
+  f(RuleCase<Decay_>{"decay", Decay_(EluPlusOne{}, Decay(0.8), opt), {}});
+  f(RuleCase<Gated_>{"gated", Gated_(EluPlusOne{}, opt), {gate}});
+  f(RuleCase<Gated_>{"gated per channel", Gated_(EluPlusOne{}, opt), {channel_gate}});
+  f(RuleCase<Delta_>{"delta", Delta_(L2Normalize{}, delta_opt), {beta}});
+  f(RuleCase<GatedDelta_>{"gated delta", GatedDelta_(L2Normalize{}, delta_opt), {beta, alpha}});
+}
 
 }  // namespace linattn_test

@@ -252,26 +252,7 @@ namespace {
 
 using linattn_test::InputSpec;
 using linattn_test::RuleCase;
-
-// Calls f(case) for every write rule: Additive, Decay, Gated (one gate, per channel), Delta and
-// GatedDelta, with a chunk that does not divide the lengths used below.
-template <class Scalar, class F>
-void for_each_rule(F&& f) {
-  Options opt;
-  opt.chunk_size = 4;
-  Options delta_opt = opt;
-  delta_opt.normalization = Normalization::unnormalized();
-  const InputSpec gate{false, -1.0, -0.05}, channel_gate{true, -1.0, -0.05},
-      beta{false, 0.1, 0.9}, alpha{false, -0.5, -0.01};
-  f(RuleCase<RuleAttention<EluPlusOne, Additive, Scalar>>{"additive", RuleAttention<EluPlusOne, Additive, Scalar>(EluPlusOne{}, opt), {}});
-  f(RuleCase<RuleAttention<EluPlusOne, Decay, Scalar>>{"decay", RuleAttention<EluPlusOne, Decay, Scalar>(EluPlusOne{}, Decay(0.8), opt), {}});
-  f(RuleCase<RuleAttention<EluPlusOne, Gated, Scalar>>{"gated", RuleAttention<EluPlusOne, Gated, Scalar>(EluPlusOne{}, opt), {gate}});
-  f(RuleCase<RuleAttention<EluPlusOne, Gated, Scalar>>{"gated per channel", RuleAttention<EluPlusOne, Gated, Scalar>(EluPlusOne{}, opt),
-                                                       {channel_gate}});
-  f(RuleCase<RuleAttention<L2Normalize, Delta, Scalar>>{"delta", RuleAttention<L2Normalize, Delta, Scalar>(L2Normalize{}, delta_opt), {beta}});
-  f(RuleCase<RuleAttention<L2Normalize, GatedDelta, Scalar>>{"gated delta", RuleAttention<L2Normalize, GatedDelta, Scalar>(L2Normalize{}, delta_opt),
-                                                             {beta, alpha}});
-}
+using linattn_test::for_each_rule;
 
 template <class View>
 View rows_of(const View& full, Index t0, Index n) {
