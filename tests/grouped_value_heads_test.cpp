@@ -352,28 +352,26 @@ void check_rule(const RuleCase<Attention>& c, Layout l, const Dims& d, std::uint
       CHECK(og == ox);
       check_states<Attention>(cg, cx, d);
     }
-    std::apply([&](const auto&... x) {
-      std::apply([&](const auto&... dgi) {
-        if (from_saved)
-          prefill_backward_into(grouped, saved_g, rows_of(p.Q(false), T0, n),
-                                rows_of(p.K(false), T0, n), rows_of(p.V(), T0, n), x...,
-                                rows_of(p.dY(), T0, n), &fin, cut(vg), dgi..., *gg.initial);
-        else
-          prefill_backward_into(grouped, sg0, rows_of(p.Q(false), T0, n),
-                                rows_of(p.K(false), T0, n), rows_of(p.V(), T0, n), x...,
-                                rows_of(p.dY(), T0, n), &fin, cut(vg), dgi..., *gg.initial);
-      }, dg);
-      std::apply([&](const auto&... dxi) {
-        if (from_saved)
-          prefill_backward_into(expanded, saved_x, rows_of(p.Q(true), T0, n),
-                                rows_of(p.K(true), T0, n), rows_of(p.V(), T0, n), x...,
-                                rows_of(p.dY(), T0, n), &fin, cut(vx), dxi..., *gx.initial);
-        else
-          prefill_backward_into(expanded, sx0, rows_of(p.Q(true), T0, n),
-                                rows_of(p.K(true), T0, n), rows_of(p.V(), T0, n), x...,
-                                rows_of(p.dY(), T0, n), &fin, cut(vx), dxi..., *gx.initial);
-      }, dx);
-    }, cut_ins);
+    // The carried backward of `layer` from `source` (the states before the rows, or the saved
+    // forward of them), on the grouped or the expanded problem's inputs.
+    const auto backward = [&](const auto& layer, const auto& source, bool expanded_inputs,
+                              const GradientViews<Scalar>& views, const auto& d_ins,
+                              BatchStateGradient<Scalar>& initial) {
+      std::apply([&](const auto&... x) {
+        std::apply([&](const auto&... d_in) {
+          prefill_backward_into(layer, source, rows_of(p.Q(expanded_inputs), T0, n),
+                                rows_of(p.K(expanded_inputs), T0, n), rows_of(p.V(), T0, n), x...,
+                                rows_of(p.dY(), T0, n), &fin, cut(views), d_in..., initial);
+        }, d_ins);
+      }, cut_ins);
+    };
+    if (from_saved) {
+      backward(grouped, saved_g, false, vg, dg, *gg.initial);
+      backward(expanded, saved_x, true, vx, dx, *gx.initial);
+    } else {
+      backward(grouped, sg0, false, vg, dg, *gg.initial);
+      backward(expanded, sx0, true, vx, dx, *gx.initial);
+    }
     // Rows before T0 were not part of the call: the NaN they were filled with stays in both.
     // Compare the call's rows only.
     Dims tail = d;
