@@ -16,10 +16,10 @@ else
   CXX=clang++ cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLINATTN_FUZZ=ON \
     -DLINATTN_BUILD_TESTS=OFF -DLINATTN_BUILD_EXAMPLES=OFF >/dev/null
 fi
-cmake --build "$dir" -j"$(nproc)" --target fuzz_state_blob fuzz_api make_seed_corpus
-mkdir -p "$dir/corpus/blob" "$dir/corpus/api"
-"$dir/tests/fuzz/make_seed_corpus" "$dir/corpus/blob" "$dir/corpus/api"
-for target in fuzz_state_blob fuzz_api; do
+cmake --build "$dir" -j"$(nproc)" --target fuzz_state_blob fuzz_api fuzz_layer make_seed_corpus
+mkdir -p "$dir/corpus/blob" "$dir/corpus/api" "$dir/corpus/layer"
+"$dir/tests/fuzz/make_seed_corpus" "$dir/corpus/blob" "$dir/corpus/api" "$dir/corpus/layer"
+for target in fuzz_state_blob fuzz_api fuzz_layer; do
   corpus="$dir/corpus/${target#fuzz_}"
   [ "$target" = fuzz_state_blob ] && corpus="$dir/corpus/blob"
   echo "fuzz.sh: $target for ${seconds}s"

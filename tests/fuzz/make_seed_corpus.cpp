@@ -1,6 +1,7 @@
 // Writes the fuzzers' seed corpus, made by the library itself: valid saved states of every
 // kind the state-blob target tries (head states and batches, pending decode tokens, a
-// log-scaled state) and API inputs of each rule. Usage: make_seed_corpus <blob dir> <api dir>.
+// log-scaled state), API inputs of each rule, and layer inputs of each rule, head grouping and
+// sequence layout. Usage: make_seed_corpus <blob dir> <api dir> <layer dir>.
 
 #include <linattn/linattn.hpp>
 
@@ -35,11 +36,11 @@ void head(const std::string& dir, const std::string& name, const Attention& attn
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: make_seed_corpus <blob dir> <api dir>\n");
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: make_seed_corpus <blob dir> <api dir> <layer dir>\n");
     return 2;
   }
-  const std::string blobs = argv[1], api = argv[2];
+  const std::string blobs = argv[1], api = argv[2], layers = argv[3];
   Options blocked;
   blocked.decode_block = 4;
   head(blobs, "additive", LinearAttention<EluPlusOne>(), 5);
@@ -55,5 +56,27 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 400; ++i) seed.push_back(static_cast<std::byte>((i * 37 + rule * 11) % 256));
     write(api + "/rule" + std::to_string(rule), seed);
   }
+  // Layer seeds, in fuzz_layer.cpp's reading order: scalar type, rule, per-channel gates,
+  // H_kv - 1, G - 1, G_v - 1, no broken heads, dk - 1, dv - 1, T, layout, B - 1 (not packed), no
+  // broken layout, the layout's numbers (packed: 3 sequences cut at 2 and 5; padded: lengths 7
+  // and 4), no broken view, ordinary values and inputs; then the buffers' placements and the
+  // values' seed. H_kv = 2 with (G, G_v) = (1, 1), (3, 1), (1, 2); dk = 3, dv = 2, T = 7.
+  const int groups[3][2] = {{1, 1}, {3, 1}, {1, 2}};
+  for (int rule = 0; rule < 4; ++rule)
+    for (const auto& group : groups)
+      for (int layout = 0; layout < 3; ++layout) {
+        std::vector<int> bytes{rule % 2, rule, 1, 1, group[0] - 1, group[1] - 1, 0, 2, 1, 7, layout};
+        if (layout != 1) bytes.push_back(1);
+        bytes.push_back(0);
+        if (layout == 1) bytes.insert(bytes.end(), {2, 2, 3});
+        if (layout == 2) bytes.insert(bytes.end(), {7, 4});
+        bytes.insert(bytes.end(), {0, 0, 0});
+        for (int i = 0; i < 40; ++i) bytes.push_back((i * 37 + rule * 11 + layout * 5) % 256);
+        std::vector<std::byte> seed;
+        for (const int b : bytes) seed.push_back(static_cast<std::byte>(b));
+        write(layers + "/rule" + std::to_string(rule) + "_g" + std::to_string(group[0]) + "_gv" +
+                  std::to_string(group[1]) + "_layout" + std::to_string(layout),
+              seed);
+      }
   return 0;
 }
