@@ -8,11 +8,12 @@
 // length past T, one view with a wrong extent, an out-of-range gate or beta).
 // Contract (docs/multihead.md, docs/input_contract.md):
 // - a valid head configuration is accepted, an invalid one refused with a ShapeError; a broken
-//   view or layout is refused with a std::invalid_argument by every call, a gate or beta out of
-//   range (on a row that belongs to a sequence) too;
+//   view or layout is refused with a std::invalid_argument by parallel_into, prefill_into and
+//   parallel_backward_into alike;
 // - with valid moderate inputs every call succeeds, and gives the bits of the single-head calls
-//   it is made of: each output head of each sequence is attn.parallel (or prefill, then step)
-//   on copies of its rows, read from query/key head h / G_v and key/value head h / G; padded
+//   it is made of: each output head of each sequence is attn.parallel (or prefill, then step;
+//   for query heads sharing a state the grouped step with the head alone) on copies of its rows,
+//   read from query/key head h / G_v and key/value head h / G; padded
 //   output rows are zero; dQ, dK, dV and the per-token inputs' gradients are the single-head
 //   backward's, summed over a group's members in member order where heads are shared.
 // ASan and UBSan watch every access of the layer's index arithmetic (detail::HeadMap, the
@@ -265,6 +266,58 @@ void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
     }
   };
 
+  // The buffers and calls of the prefill and decode step (2.) and the backward (3.), made
+  // first: a broken call must be refused by each of them.
+  const Index N = s.sequences();
+  auto state = layer->make_state(N);
+  Tensor<Scalar> q1(in, N, 1, s.Hq, s.dk), k1(in, N, 1, s.Hkv, s.dk), v1(in, N, 1, s.Hv, s.dv),
+      o1(in, N, 1, Hout, s.dv);
+  o1.fill(in, stream, Fill::moderate);
+  q1.fill(in, stream, Fill::moderate);
+  k1.fill(in, stream, Fill::moderate);
+  v1.fill(in, stream, Fill::moderate);
+  std::vector<Tensor<Scalar>> step_inputs;
+  for (int i = 0; i < inputs; ++i) {
+    const bool gate = Rule::kind == WriteKind::gated || i == 1;
+    step_inputs.emplace_back(in, N, 1, s.Hv, gate ? gate_width : 1);
+    step_inputs.back().fill(in, stream, gate ? Fill::log_gate : Fill::beta);
+  }
+  const auto prefill_call = [&] {
+    with_inputs([&](const auto&... x) {
+      layer->prefill_into(state, Q.cview(), K.cview(), V.cview(), x..., out.view(), layout);
+    });
+    if constexpr (inputs == 0)
+      layer->step_into(state, q1.cview(), k1.cview(), v1.cview(), o1.view());
+    else if constexpr (inputs == 1)
+      layer->step_into(state, q1.cview(), k1.cview(), v1.cview(), step_inputs[0].cview(), o1.view());
+    else
+      layer->step_into(state, q1.cview(), k1.cview(), v1.cview(), step_inputs[0].cview(),
+                       step_inputs[1].cview(), o1.view());
+  };
+  Tensor<Scalar> dY(in, s.B, s.T, Hout, s.dv), dQ(in, s.B, s.T, s.Hq, s.dk),
+      dK(in, s.B, s.T, s.Hkv, s.dk), dV(in, s.B, s.T, s.Hv, s.dv);
+  dY.fill(in, stream, Fill::moderate);
+  for (Tensor<Scalar>* grad : {&dQ, &dK, &dV}) grad->fill(in, stream, Fill::moderate);
+  std::vector<Tensor<Scalar>> d_inputs;
+  for (const auto& t : token_inputs) {
+    d_inputs.emplace_back(in, t.B, t.T, t.H, t.d);
+    d_inputs.back().fill(in, stream, Fill::moderate);
+  }
+  const GradientViews<Scalar> grads{dQ.view(), dK.view(), dV.view()};
+  const auto backward_call = [&] {
+    with_inputs([&](const auto&... x) {
+      if constexpr (inputs == 0)
+        parallel_backward_into(*layer, Q.cview(), K.cview(), V.cview(), Mask::causal,
+                               dY.cview(), grads, layout);
+      else if constexpr (inputs == 1)
+        parallel_backward_into(*layer, Q.cview(), K.cview(), V.cview(), x..., Mask::causal,
+                               dY.cview(), grads, d_inputs[0].view(), layout);
+      else
+        parallel_backward_into(*layer, Q.cview(), K.cview(), V.cview(), x..., Mask::causal,
+                               dY.cview(), grads, d_inputs[0].view(), d_inputs[1].view(), layout);
+    });
+  };
+
   // 1. Stateless causal forward.
   const int forward = outcome([&] {
     with_inputs([&](const auto&... x) {
@@ -272,7 +325,18 @@ void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
     });
   });
   expect(forward, "parallel_into: a broken call accepted or a valid one refused");
-  if (broken_call || !moderate) return;
+  if (broken_call) {
+    if (outcome(prefill_call) != 2) broken("prefill_into: a broken call not refused as such");
+    // (the backward takes dY, not the output: a wrong output extent does not concern it)
+    const int refused = outcome(backward_call);
+    if (s.broken_layout || s.broken_view != 3) {
+      if (refused != 2) broken("parallel_backward_into: a broken call not refused as such");
+    } else if (moderate && refused != 0) {
+      broken("parallel_backward_into refused valid inputs");
+    }
+    return;
+  }
+  if (!moderate) return;
   for (Index seq = 0; seq < s.sequences(); ++seq) {
     const Span sp = s.span(seq);
     for (Index h = 0; h < Hout; ++h) {
@@ -296,32 +360,7 @@ void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
             if (out(b, t, h, c) != Scalar(0)) broken("parallel_into: a padded output row is not zero");
 
   // 2. Prefill, then one decode step per sequence, against the single-head state's.
-  const Index N = s.sequences();
-  auto state = layer->make_state(N);
-  Tensor<Scalar> q1(in, N, 1, s.Hq, s.dk), k1(in, N, 1, s.Hkv, s.dk), v1(in, N, 1, s.Hv, s.dv),
-      o1(in, N, 1, Hout, s.dv);
-  o1.fill(in, stream, Fill::moderate);
-  q1.fill(in, stream, Fill::moderate);
-  k1.fill(in, stream, Fill::moderate);
-  v1.fill(in, stream, Fill::moderate);
-  std::vector<Tensor<Scalar>> step_inputs;
-  for (int i = 0; i < inputs; ++i) {
-    const bool gate = Rule::kind == WriteKind::gated || i == 1;
-    step_inputs.emplace_back(in, N, 1, s.Hv, gate ? gate_width : 1);
-    step_inputs.back().fill(in, stream, gate ? Fill::log_gate : Fill::beta);
-  }
-  const int prefilled = outcome([&] {
-    with_inputs([&](const auto&... x) {
-      layer->prefill_into(state, Q.cview(), K.cview(), V.cview(), x..., out.view(), layout);
-    });
-    if constexpr (inputs == 0)
-      layer->step_into(state, q1.cview(), k1.cview(), v1.cview(), o1.view());
-    else if constexpr (inputs == 1)
-      layer->step_into(state, q1.cview(), k1.cview(), v1.cview(), step_inputs[0].cview(), o1.view());
-    else
-      layer->step_into(state, q1.cview(), k1.cview(), v1.cview(), step_inputs[0].cview(),
-                       step_inputs[1].cview(), o1.view());
-  });
+  const int prefilled = outcome(prefill_call);
   if (prefilled != 0) broken("prefill_into or step_into refused valid inputs");
   for (Index seq = 0; seq < N; ++seq) {
     const Span sp = s.span(seq);
@@ -368,29 +407,7 @@ void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
   }
 
   // 3. The stateless backward, against the single-head backwards (summed in member order).
-  Tensor<Scalar> dY(in, s.B, s.T, Hout, s.dv), dQ(in, s.B, s.T, s.Hq, s.dk),
-      dK(in, s.B, s.T, s.Hkv, s.dk), dV(in, s.B, s.T, s.Hv, s.dv);
-  dY.fill(in, stream, Fill::moderate);
-  for (Tensor<Scalar>* grad : {&dQ, &dK, &dV}) grad->fill(in, stream, Fill::moderate);
-  std::vector<Tensor<Scalar>> d_inputs;
-  for (const auto& t : token_inputs) {
-    d_inputs.emplace_back(in, t.B, t.T, t.H, t.d);
-    d_inputs.back().fill(in, stream, Fill::moderate);
-  }
-  const GradientViews<Scalar> grads{dQ.view(), dK.view(), dV.view()};
-  const int backward = outcome([&] {
-    with_inputs([&](const auto&... x) {
-      if constexpr (inputs == 0)
-        parallel_backward_into(*layer, Q.cview(), K.cview(), V.cview(), Mask::causal,
-                               dY.cview(), grads, layout);
-      else if constexpr (inputs == 1)
-        parallel_backward_into(*layer, Q.cview(), K.cview(), V.cview(), x..., Mask::causal,
-                               dY.cview(), grads, d_inputs[0].view(), layout);
-      else
-        parallel_backward_into(*layer, Q.cview(), K.cview(), V.cview(), x..., Mask::causal,
-                               dY.cview(), grads, d_inputs[0].view(), d_inputs[1].view(), layout);
-    });
-  });
+  const int backward = outcome(backward_call);
   if (backward != 0) broken("parallel_backward_into refused valid inputs");
   for (Index seq = 0; seq < N; ++seq) {
     const Span sp = s.span(seq);
