@@ -1,32 +1,40 @@
-// libFuzzer target: the multi-head layer (multihead.hpp, multihead_gradients.hpp) over head
-// configurations, sequence layouts and buffer placements chosen by the input. The input picks
-// the scalar type, the rule (Additive, Decay, Gated with one gate per token or per channel,
-// GatedDelta), H_kv, the query and value groups G and G_v, dk, dv, B, T, the layout
-// (batch, packed, padded) with its offsets or lengths, each buffer's layout (batch-first or
-// head-first) and its element offset from an allocation's start, the values, and sometimes one
-// broken thing (a head count that is not a multiple, an offset list that does not end at T, a
-// length past T, one view with a wrong extent, an out-of-range gate or beta).
+// libFuzzer target: the multi-head layer (multihead.hpp, multihead_gradients.hpp,
+// multihead_saved_forward.hpp) over head configurations, sequence layouts, state slots and buffer
+// placements chosen by the input. The input picks the scalar type, the attention (ELU+1 features
+// with Additive, Decay, Gated with one gate per token or per channel, GatedDelta with
+// L2-normalized keys, or positive random features, whose log-scaled states are kept per query
+// head), H_kv, the query and value groups G and G_v, dk, dv, B, T, the layout (batch, packed,
+// padded) with its offsets or lengths, the carried states' positions and slots, each buffer's
+// layout (batch-first or head-first) and its element offset from an allocation's start, the
+// values, and sometimes one broken thing (a head count that is not a multiple, an offset list
+// that does not end at T, a length past T, one view with a wrong extent, a slot out of range or
+// repeated, an out-of-range gate or beta).
 // Contract (docs/multihead.md, docs/input_contract.md):
 // - a valid head configuration is accepted, an invalid one refused with a ShapeError; a broken
-//   view or layout is refused with a std::invalid_argument by parallel_into, prefill_into and
-//   parallel_backward_into alike;
+//   view, layout or slot list is refused with a std::invalid_argument by every call it reaches;
 // - with valid moderate inputs every call succeeds, and gives the bits of the single-head calls
 //   it is made of: each output head of each sequence is attn.parallel (or prefill, then step;
 //   for query heads sharing a state the grouped step with the head alone) on copies of its rows,
-//   read from query/key head h / G_v and key/value head h / G; padded
-//   output rows are zero; dQ, dK, dV and the per-token inputs' gradients are the single-head
-//   backward's, summed over a group's members in member order where heads are shared.
+//   read from query/key head h / G_v and key/value head h / G, continuing its state head's state
+//   at the sequence's slot; padded output rows are zero; the saving forwards give the forwards'
+//   bits (outputs and states);
+// - the backwards (stateless and carried, recomputing and from a saved forward) give dQ, dK, dV,
+//   the per-token inputs' gradients and the initial states' gradients of the single-head
+//   backwards, summed over a group's members in member order where heads or states are shared
+//   (the first member of a shared state carries the final state's gradient); padded rows get
+//   zero gradients; state gradients at positions no slot names are not touched.
 // ASan and UBSan watch every access of the layer's index arithmetic (detail::HeadMap, the
-// sequence layouts, the views' strides).
+// sequence layouts, the slots, the views' strides).
 
 #include "fuzz_support.hpp"
 
 #include <linattn/linattn.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <optional>
-#include <tuple>
+#include <span>
 #include <vector>
 
 using namespace linattn;
@@ -110,16 +118,26 @@ struct Tensor {
   }
 };
 
-template <class Scalar, class M>
-bool same_bits(const M& layer, const RowMatrix<Scalar>& single) {
-  if (layer.rows() != single.rows() || layer.cols() != single.cols()) return false;
-  for (Index i = 0; i < single.rows(); ++i)
-    for (Index j = 0; j < single.cols(); ++j) {
-      const Scalar a = layer(i, j), b = single(i, j);
-      if (!(a == b || (a != a && b != b))) return false;
+/// Whether a and b have the same shape and bits (NaN matching NaN).
+template <class A, class B>
+bool same_bits(const A& a, const B& b) {
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+  for (Index i = 0; i < b.rows(); ++i)
+    for (Index j = 0; j < b.cols(); ++j) {
+      const auto x = a(i, j), y = b(i, j);
+      if (!(x == y || (x != x && y != y))) return false;
     }
   return true;
 }
+
+/// The gradients a layer backward writes, each buffer pre-filled with values (a gradient the
+/// layer fails to write shows).
+template <class Scalar>
+struct GradientBuffers {
+  Tensor<Scalar> dQ, dK, dV;
+  std::vector<Tensor<Scalar>> d_inputs;
+  [[nodiscard]] GradientViews<Scalar> views() { return {dQ.view(), dK.view(), dV.view()}; }
+};
 
 /// Where sequence s lies: batch entry, first row, rows.
 struct Span {
@@ -128,13 +146,15 @@ struct Span {
 
 struct Shape {
   Index Hkv, G, Gv, Hq, Hv, dk, dv, B, T;
-  int rule;
+  int rule;  // 0 Additive, 1 Decay, 2 Gated, 3 GatedDelta (ELU+1 or L2Normalize), 4 random features
   bool per_channel;
   int layout;  // 0 batch, 1 packed, 2 padded
   std::vector<Index> layout_numbers;
   bool broken_heads, broken_layout;
   int broken_view;  // 0 none, else which view gets a wrong extent
   bool special_values, inputs_out_of_range;
+  Index extra_positions;  // carried states: positions no sequence's slot names
+  bool use_slots, broken_slots;
 
   [[nodiscard]] SequenceLayout sequence_layout() const {
     if (layout == 1) return SequenceLayout::packed(layout_numbers);
@@ -155,7 +175,7 @@ struct Shape {
 
 Shape read_shape(Bytes& in) {
   Shape s{};
-  s.rule = in.u8() % 4;
+  s.rule = in.u8() % 5;
   s.per_channel = in.u8() % 2 == 1;
   s.Hkv = 1 + in.u8() % 3;
   s.G = 1 + in.u8() % 3;
@@ -184,6 +204,9 @@ Shape read_shape(Bytes& in) {
   s.broken_view = in.u8() % 12 == 1 ? 1 + in.u8() % 4 : 0;
   s.special_values = in.u8() % 8 == 1;
   s.inputs_out_of_range = in.u8() % 16 == 1;
+  s.extra_positions = in.u8() % 3;
+  s.use_slots = s.extra_positions > 0 || in.u8() % 2 == 1;
+  s.broken_slots = s.use_slots && in.u8() % 16 == 1;
   return s;
 }
 
@@ -198,18 +221,24 @@ bool valid_heads(const Shape& s) { return !s.broken_heads && (s.G == 1 || s.Gv =
                s.rule, s.per_channel ? " per channel" : "", s.Hq, s.Hkv, s.Hv, s.dk, s.dv, s.B, s.T,
                s.layout);
   for (const Index n : s.layout_numbers) std::fprintf(stderr, " %td", n);
-  std::fprintf(stderr, " )\n");
+  std::fprintf(stderr, " ), %td extra state positions%s%s\n", s.extra_positions,
+               s.use_slots ? ", slots" : "", s.broken_slots ? " (broken)" : "");
   broken(what);
 }
 
 template <class Scalar, class Attention>
 void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
   const auto broken = [&s](const char* what) { broken_for(s, what); };
+  const auto broken_in = [&s](const char* call, const char* what) {
+    std::fprintf(stderr, "linattn fuzz: in %s\n", call);
+    broken_for(s, what);
+  };
   using Rule = typename Attention::rule_type;
+  using Layer = MultiHeadAttention<Attention>;
   constexpr int inputs = Rule::token_inputs;
   const HeadConfig heads{.q_heads = s.Hq, .kv_heads = s.Hkv, .key_dim = s.dk, .value_dim = s.dv,
                          .value_heads = s.Hv};
-  std::optional<MultiHeadAttention<Attention>> layer;
+  std::optional<Layer> layer;
   const int made = outcome([&] { layer.emplace(heads, attn); });
   if (made != 0 && made != 2) broken("a head configuration refused with a non-shape error");
   if ((made == 0) != valid_heads(s)) broken("a head configuration accepted or refused wrongly");
@@ -247,15 +276,31 @@ void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
     else if constexpr (inputs == 1) return f(token_inputs[0].cview());
     else return f(token_inputs[0].cview(), token_inputs[1].cview());
   };
+  // ... and with the views of a backward's per-token input gradients.
+  auto with_d_inputs = [](GradientBuffers<Scalar>& g, auto&& f) {
+    if constexpr (inputs == 0) return f();
+    else if constexpr (inputs == 1) return f(g.d_inputs[0].view());
+    else return f(g.d_inputs[0].view(), g.d_inputs[1].view());
+  };
+  // Calls a single-head function with one head's per-token input rows spliced in.
+  auto splice = [](const std::vector<RowMatrix<Scalar>>& x, auto&& f) {
+    if constexpr (inputs == 0) return f();
+    else if constexpr (inputs == 1) return f(x[0]);
+    else return f(x[0], x[1]);
+  };
   auto single_inputs = [&](const Span& sp, Index vh) {
     std::vector<RowMatrix<Scalar>> rows;
     for (const auto& t : token_inputs) rows.push_back(t.rows(sp.batch, vh, sp.first, sp.length));
     return rows;
   };
-  // Output head h reads query head q_of(h), key head k_of(h), value head (and inputs) v_of(h).
+  // Output head h reads query head q_of(h), key head k_of(h), value head (and inputs) v_of(h),
+  // and the state of state head state_of(h); the first reader of a shared state carries the
+  // final state's gradient in a carried backward.
   auto q_of = [&](Index h) { return s.Gv > 1 ? h / s.Gv : h; };
   auto k_of = [&](Index h) { return s.Gv > 1 ? h / s.Gv : h / s.G; };
   auto v_of = [&](Index h) { return s.Gv > 1 ? h : h / s.G; };
+  auto state_of = [&](Index h) { return Layer::shares_states ? v_of(h) : h; };
+  auto first_reader = [&](Index h) { return !Layer::shares_states || h % s.G == 0; };
   auto expect = [&](int result, const char* what) {
     if (broken_call) {
       if (result != 2) broken(what);
@@ -265,10 +310,37 @@ void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
       broken(what);
     }
   };
+  auto make_gradients = [&] {
+    GradientBuffers<Scalar> g{Tensor<Scalar>(in, s.B, s.T, s.Hq, s.dk),
+                              Tensor<Scalar>(in, s.B, s.T, s.Hkv, s.dk),
+                              Tensor<Scalar>(in, s.B, s.T, s.Hv, s.dv), {}};
+    for (Tensor<Scalar>* grad : {&g.dQ, &g.dK, &g.dV}) grad->fill(in, stream, Fill::moderate);
+    for (const auto& t : token_inputs) {
+      g.d_inputs.emplace_back(in, t.B, t.T, t.H, t.d);
+      g.d_inputs.back().fill(in, stream, Fill::moderate);
+    }
+    return g;
+  };
 
-  // The buffers and calls of the prefill and decode step (2.) and the backward (3.), made
-  // first: a broken call must be refused by each of them.
-  const Index N = s.sequences();
+  // The carried states' positions and the sequences' slots among them (a permutation's first N
+  // positions; sometimes one out of range or repeated).
+  const Index N = s.sequences(), P = N + s.extra_positions;
+  std::vector<Index> slots;
+  if (s.use_slots) {
+    std::vector<Index> positions(static_cast<std::size_t>(P));
+    for (Index i = 0; i < P; ++i) positions[static_cast<std::size_t>(i)] = i;
+    for (Index i = P - 1; i > 0; --i)
+      std::swap(positions[static_cast<std::size_t>(i)], positions[stream.u8() % static_cast<std::size_t>(i + 1)]);
+    slots.assign(positions.begin(), positions.begin() + N);
+    if (s.broken_slots) {
+      const int how = stream.u8() % 3;
+      slots[0] = how == 0 && N > 1 ? slots[static_cast<std::size_t>(N) - 1] : how == 1 ? -1 : P;
+    }
+  }
+  const std::span<const Index> slot_span(slots);
+  auto position_of = [&](Index seq) { return slots.empty() ? seq : slots[static_cast<std::size_t>(seq)]; };
+
+  // The buffers and calls of every section, made first: a broken call must be refused by each.
   auto state = layer->make_state(N);
   Tensor<Scalar> q1(in, N, 1, s.Hq, s.dk), k1(in, N, 1, s.Hkv, s.dk), v1(in, N, 1, s.Hv, s.dv),
       o1(in, N, 1, Hout, s.dv);
@@ -294,27 +366,62 @@ void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
       layer->step_into(state, q1.cview(), k1.cview(), v1.cview(), step_inputs[0].cview(),
                        step_inputs[1].cview(), o1.view());
   };
-  Tensor<Scalar> dY(in, s.B, s.T, Hout, s.dv), dQ(in, s.B, s.T, s.Hq, s.dk),
-      dK(in, s.B, s.T, s.Hkv, s.dk), dV(in, s.B, s.T, s.Hv, s.dv);
+  Tensor<Scalar> dY(in, s.B, s.T, Hout, s.dv);
   dY.fill(in, stream, Fill::moderate);
-  for (Tensor<Scalar>* grad : {&dQ, &dK, &dV}) grad->fill(in, stream, Fill::moderate);
-  std::vector<Tensor<Scalar>> d_inputs;
-  for (const auto& t : token_inputs) {
-    d_inputs.emplace_back(in, t.B, t.T, t.H, t.d);
-    d_inputs.back().fill(in, stream, Fill::moderate);
-  }
-  const GradientViews<Scalar> grads{dQ.view(), dK.view(), dV.view()};
-  const auto backward_call = [&] {
+  auto grads = make_gradients();
+  const auto backward_call = [&](GradientBuffers<Scalar>& g) {
     with_inputs([&](const auto&... x) {
-      if constexpr (inputs == 0)
-        parallel_backward_into(*layer, Q.cview(), K.cview(), V.cview(), Mask::causal,
-                               dY.cview(), grads, layout);
-      else if constexpr (inputs == 1)
+      with_d_inputs(g, [&](const auto&... dx) {
         parallel_backward_into(*layer, Q.cview(), K.cview(), V.cview(), x..., Mask::causal,
-                               dY.cview(), grads, d_inputs[0].view(), layout);
-      else
-        parallel_backward_into(*layer, Q.cview(), K.cview(), V.cview(), x..., Mask::causal,
-                               dY.cview(), grads, d_inputs[0].view(), d_inputs[1].view(), layout);
+                               dY.cview(), g.views(), dx..., layout);
+      });
+    });
+  };
+  LayerSavedForward<Scalar> saved;
+  Tensor<Scalar> out_saved(in, s.B, s.T, extent(3, Hout), s.dv);
+  out_saved.fill(in, stream, Fill::moderate);
+  const auto saving_call = [&] {
+    with_inputs([&](const auto&... x) {
+      parallel_saving_into(*layer, Q.cview(), K.cview(), V.cview(), x..., Mask::causal,
+                           out_saved.view(), saved, layout);
+    });
+  };
+  const auto saved_backward_call = [&](GradientBuffers<Scalar>& g) {
+    with_inputs([&](const auto&... x) {
+      with_d_inputs(g, [&](const auto&... dx) {
+        parallel_backward_into(*layer, saved, Q.cview(), K.cview(), V.cview(), x..., Mask::causal,
+                               dY.cview(), g.views(), dx..., layout);
+      });
+    });
+  };
+  auto carried = layer->make_state(P);
+  BatchStateGradient<Scalar> final_gradients(carried);
+  for (Index p = 0; p < P; ++p)
+    for (Index h = 0; h < final_gradients.heads(); ++h) {
+      StateGradient<Scalar>& g = final_gradients.head(p, h);
+      for (Index i = 0; i < g.S.size(); ++i) g.S.data()[i] = (stream.u8() - Scalar(128)) / Scalar(32);
+      for (Index i = 0; i < g.z.size(); ++i) g.z[i] = (stream.u8() - Scalar(128)) / Scalar(32);
+    }
+  LayerSavedForward<Scalar> carried_saved;
+  const auto carried_prefill = [&](auto& st, Tensor<Scalar>& o) {
+    with_inputs([&](const auto&... x) {
+      layer->prefill_into(st, Q.cview(), K.cview(), V.cview(), x..., o.view(), layout, slot_span);
+    });
+  };
+  const auto carried_saving = [&](auto& st, Tensor<Scalar>& o) {
+    with_inputs([&](const auto&... x) {
+      prefill_saving_into(*layer, st, Q.cview(), K.cview(), V.cview(), x..., o.view(),
+                          carried_saved, layout, slot_span);
+    });
+  };
+  // From the states before the call (a BatchState) or from the saving forward's LayerSavedForward.
+  const auto carried_backward = [&](const auto& from, GradientBuffers<Scalar>& g,
+                                    BatchStateGradient<Scalar>& initial) {
+    with_inputs([&](const auto&... x) {
+      with_d_inputs(g, [&](const auto&... dx) {
+        prefill_backward_into(*layer, from, Q.cview(), K.cview(), V.cview(), x..., dY.cview(),
+                              &final_gradients, g.views(), dx..., initial, layout, slot_span);
+      });
     });
   };
 
@@ -327,55 +434,83 @@ void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
   expect(forward, "parallel_into: a broken call accepted or a valid one refused");
   if (broken_call) {
     if (outcome(prefill_call) != 2) broken("prefill_into: a broken call not refused as such");
+    if (outcome(saving_call) != 2) broken("parallel_saving_into: a broken call not refused as such");
+    if (outcome([&] { carried_prefill(carried, out); }) != 2)
+      broken("prefill_into at slots: a broken call not refused as such");
+    if (outcome([&] { carried_saving(carried, out); }) != 2)
+      broken("prefill_saving_into: a broken call not refused as such");
     // (the backward takes dY, not the output: a wrong output extent does not concern it)
-    const int refused = outcome(backward_call);
+    const int refused = outcome([&] { backward_call(grads); });
+    BatchStateGradient<Scalar> initial(carried);
+    const int carried_refused = outcome([&] { carried_backward(carried, grads, initial); });
     if (s.broken_layout || s.broken_view != 3) {
       if (refused != 2) broken("parallel_backward_into: a broken call not refused as such");
-    } else if (moderate && refused != 0) {
-      broken("parallel_backward_into refused valid inputs");
+      if (carried_refused != 2) broken("prefill_backward_into: a broken call not refused as such");
+    } else {
+      if (moderate && refused != 0) broken("parallel_backward_into refused valid inputs");
+      if (s.broken_slots ? carried_refused != 2 : moderate && carried_refused != 0)
+        broken("prefill_backward_into: a broken slot list accepted or valid inputs refused");
     }
     return;
   }
-  if (!moderate) return;
-  for (Index seq = 0; seq < s.sequences(); ++seq) {
-    const Span sp = s.span(seq);
-    for (Index h = 0; h < Hout; ++h) {
-      const auto x = single_inputs(sp, v_of(h));
-      const RowMatrix<Scalar> Qh = Q.rows(sp.batch, q_of(h), sp.first, sp.length),
-                              Kh = K.rows(sp.batch, k_of(h), sp.first, sp.length),
-                              Vh = V.rows(sp.batch, v_of(h), sp.first, sp.length);
-      RowMatrix<Scalar> expected;
-      if constexpr (inputs == 0) expected = attn.parallel(Qh, Kh, Vh, Mask::causal);
-      else if constexpr (inputs == 1) expected = attn.parallel(Qh, Kh, Vh, x[0], Mask::causal);
-      else expected = attn.parallel(Qh, Kh, Vh, x[0], x[1], Mask::causal);
-      if (!same_bits<Scalar>(out.rows(sp.batch, h, sp.first, sp.length), expected))
-        broken("parallel_into: a head differs from its single-head call");
-    }
+  if (s.broken_slots) {  // every call with slots refuses them, whatever the values
+    if (outcome([&] { carried_prefill(carried, out); }) != 2)
+      broken("prefill_into: a broken slot list not refused as such");
+    if (outcome([&] { carried_saving(carried, out); }) != 2)
+      broken("prefill_saving_into: a broken slot list not refused as such");
+    BatchStateGradient<Scalar> initial(carried);
+    if (outcome([&] { carried_backward(carried, grads, initial); }) != 2)
+      broken("prefill_backward_into: a broken slot list not refused as such");
   }
-  if (s.layout == 2)
-    for (Index b = 0; b < s.B; ++b)
-      for (Index t = s.layout_numbers[static_cast<std::size_t>(b)]; t < s.T; ++t)
-        for (Index h = 0; h < Hout; ++h)
-          for (Index c = 0; c < s.dv; ++c)
-            if (out(b, t, h, c) != Scalar(0)) broken("parallel_into: a padded output row is not zero");
+  if (!moderate) return;
+  // Every output head of every sequence of `o` against expected(seq, h, sp), and padded rows zero.
+  const auto check_outputs = [&](const char* call, const Tensor<Scalar>& o, const auto& expected) {
+    for (Index seq = 0; seq < N; ++seq) {
+      const Span sp = s.span(seq);
+      for (Index h = 0; h < Hout; ++h)
+        if (!same_bits(o.rows(sp.batch, h, sp.first, sp.length), expected(seq, h, sp)))
+          broken_in(call, "a head differs from its single-head call");
+    }
+    if (s.layout == 2)
+      for (Index b = 0; b < s.B; ++b)
+        for (Index t = s.layout_numbers[static_cast<std::size_t>(b)]; t < s.T; ++t)
+          for (Index h = 0; h < Hout; ++h)
+            for (Index c = 0; c < s.dv; ++c)
+              if (o(b, t, h, c) != Scalar(0)) broken_in(call, "a padded output row is not zero");
+  };
+  const auto head_rows = [&](const Tensor<Scalar>& t, const Span& sp, Index head) {
+    return t.rows(sp.batch, head, sp.first, sp.length);
+  };
+  check_outputs("parallel_into", out, [&](Index, Index h, const Span& sp) {
+    return splice(single_inputs(sp, v_of(h)), [&](const auto&... x) {
+      return attn.parallel(head_rows(Q, sp, q_of(h)), head_rows(K, sp, k_of(h)),
+                           head_rows(V, sp, v_of(h)), x..., Mask::causal);
+    });
+  });
+  const Tensor<Scalar> parallel_out = out;
+  if (outcome(saving_call) != 0) broken("parallel_saving_into refused valid inputs");
+  check_outputs("parallel_saving_into", out_saved, [&](Index, Index h, const Span& sp) {
+    return head_rows(parallel_out, sp, h);
+  });
 
   // 2. Prefill, then one decode step per sequence, against the single-head state's.
   const int prefilled = outcome(prefill_call);
   if (prefilled != 0) broken("prefill_into or step_into refused valid inputs");
+  check_outputs("prefill_into", out, [&](Index, Index h, const Span& sp) {
+    auto head = attn.make_state(s.dk, s.dv);
+    return splice(single_inputs(sp, v_of(h)), [&](const auto&... x) {
+      return attn.prefill(head, head_rows(Q, sp, q_of(h)), head_rows(K, sp, k_of(h)),
+                          head_rows(V, sp, v_of(h)), x...);
+    });
+  });
   for (Index seq = 0; seq < N; ++seq) {
     const Span sp = s.span(seq);
     for (Index h = 0; h < Hout; ++h) {
-      const auto x = single_inputs(sp, v_of(h));
       auto head = attn.make_state(s.dk, s.dv);
-      const RowMatrix<Scalar> Qh = Q.rows(sp.batch, q_of(h), sp.first, sp.length),
-                              Kh = K.rows(sp.batch, k_of(h), sp.first, sp.length),
-                              Vh = V.rows(sp.batch, v_of(h), sp.first, sp.length);
-      RowMatrix<Scalar> prefix;
-      if constexpr (inputs == 0) prefix = attn.prefill(head, Qh, Kh, Vh);
-      else if constexpr (inputs == 1) prefix = attn.prefill(head, Qh, Kh, Vh, x[0]);
-      else prefix = attn.prefill(head, Qh, Kh, Vh, x[0], x[1]);
-      if (!same_bits<Scalar>(out.rows(sp.batch, h, sp.first, sp.length), prefix))
-        broken("prefill_into: a head differs from its single-head prefill");
+      splice(single_inputs(sp, v_of(h)), [&](const auto&... x) {
+        static_cast<void>(attn.prefill(head, head_rows(Q, sp, q_of(h)), head_rows(K, sp, k_of(h)),
+                                       head_rows(V, sp, v_of(h)), x...));
+      });
       const RowMatrix<Scalar> q = q1.rows(seq, q_of(h), 0, 1), k = k1.rows(seq, k_of(h), 0, 1),
                               v = v1.rows(seq, v_of(h), 0, 1);
       // The step's per-token inputs: a number each, or a per-channel gate's row.
@@ -385,95 +520,208 @@ void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
       };
       RowMatrix<Scalar> y(1, s.dv);
       const auto step = [&](const auto&... x) {
-        if (s.G > 1) {
-          // Query heads sharing a state decode through the grouped step (absorb once, read per
-          // head); the reference is that step with this head alone. It agrees with the plain
-          // step to rounding only (attention.hpp), so the plain step is not the reference here.
-          const std::vector<ConstRowsView<Scalar>> queries{
-              ConstRowsView<Scalar>(q.data(), 1, s.dk, Eigen::OuterStride<>(s.dk))};
-          const std::vector<RowsView<Scalar>> outputs{
-              RowsView<Scalar>(y.data(), 1, s.dv, Eigen::OuterStride<>(s.dv))};
-          attn.step_into(head, queries, k.row(0), v.row(0), x..., outputs);
-        } else {
-          attn.step_into(head, q.row(0), k.row(0), v.row(0), x..., y.row(0));
+        if constexpr (Layer::shares_states) {
+          if (s.G > 1) {
+            // Query heads sharing a state decode through the grouped step (absorb once, read
+            // per head); the reference is that step with this head alone. It agrees with the
+            // plain step to rounding only (attention.hpp), so the plain step is not the
+            // reference here.
+            const std::vector<ConstRowsView<Scalar>> queries{
+                ConstRowsView<Scalar>(q.data(), 1, s.dk, Eigen::OuterStride<>(s.dk))};
+            const std::vector<RowsView<Scalar>> outputs{
+                RowsView<Scalar>(y.data(), 1, s.dv, Eigen::OuterStride<>(s.dv))};
+            attn.step_into(head, queries, k.row(0), v.row(0), x..., outputs);
+            return;
+          }
         }
+        attn.step_into(head, q.row(0), k.row(0), v.row(0), x..., y.row(0));
       };
       if constexpr (inputs == 0) step();
       else if constexpr (inputs == 1) step(step_in(step_inputs[0]));
       else step(step_in(step_inputs[0]), step_in(step_inputs[1]));
-      if (!same_bits<Scalar>(o1.rows(seq, h, 0, 1), y))
+      if (!same_bits(o1.rows(seq, h, 0, 1), y))
         broken("step_into: a head differs from its single-head step");
     }
   }
 
-  // 3. The stateless backward, against the single-head backwards (summed in member order).
-  const int backward = outcome(backward_call);
-  if (backward != 0) broken("parallel_backward_into refused valid inputs");
-  for (Index seq = 0; seq < N; ++seq) {
-    const Span sp = s.span(seq);
-    // Sums of the shared heads' gradients, in member order (the first written, the others added).
-    std::vector<RowMatrix<Scalar>> sum_Q(static_cast<std::size_t>(s.Hq)),
-        sum_K(static_cast<std::size_t>(s.Hkv)), sum_V(static_cast<std::size_t>(s.Hv));
-    std::vector<std::vector<RowMatrix<Scalar>>> sum_in(static_cast<std::size_t>(inputs),
-                                                       std::vector<RowMatrix<Scalar>>(static_cast<std::size_t>(s.Hv)));
-    auto add = [](RowMatrix<Scalar>& sum, const auto& g) {
-      if (sum.size() == 0 && g.size() != 0) sum = g;
-      else if (g.size() != 0) sum += g;
+  // The gradients a layer backward wrote into g (and, for a carried backward, into `initial` at
+  // the sequences' positions) against single(seq, h, Qh, Kh, Vh, x, dYh, final) of each output
+  // head, summed over shared heads and states in member order (the first written, the others
+  // added); padded rows zero; positions no slot names keep `untouched`'s gradients.
+  const auto check_gradients = [&](const char* call, const GradientBuffers<Scalar>& g,
+                                   const auto& single, const BatchStateGradient<Scalar>* initial,
+                                   const BatchStateGradient<Scalar>* untouched) {
+    const auto add = [](auto& sum, const auto& term) {
+      if (sum.size() == 0 && term.size() != 0) sum = term;
+      else if (term.size() != 0) sum += term;
     };
-    for (Index h = 0; h < Hout; ++h) {
-      const auto x = single_inputs(sp, v_of(h));
-      const RowMatrix<Scalar> Qh = Q.rows(sp.batch, q_of(h), sp.first, sp.length),
-                              Kh = K.rows(sp.batch, k_of(h), sp.first, sp.length),
-                              Vh = V.rows(sp.batch, v_of(h), sp.first, sp.length),
-                              dYh = dY.rows(sp.batch, h, sp.first, sp.length);
-      if constexpr (inputs == 0) {
-        const auto g = parallel_backward(attn, Qh, Kh, Vh, Mask::causal, dYh);
-        add(sum_Q[static_cast<std::size_t>(q_of(h))], g.Q);
-        add(sum_K[static_cast<std::size_t>(k_of(h))], g.K);
-        add(sum_V[static_cast<std::size_t>(v_of(h))], g.V);
-      } else {
-        const auto g = [&] {
-          if constexpr (inputs == 1) return parallel_backward(attn, Qh, Kh, Vh, x[0], Mask::causal, dYh);
-          else return parallel_backward(attn, Qh, Kh, Vh, x[0], x[1], Mask::causal, dYh);
-        }();
-        add(sum_Q[static_cast<std::size_t>(q_of(h))], g.Q);
-        add(sum_K[static_cast<std::size_t>(k_of(h))], g.K);
-        add(sum_V[static_cast<std::size_t>(v_of(h))], g.V);
-        const auto vh = static_cast<std::size_t>(v_of(h));
+    const auto count = [](Index n) { return static_cast<std::size_t>(n); };
+    std::vector<bool> named(count(P), false);
+    for (Index seq = 0; seq < N; ++seq) {
+      const Span sp = s.span(seq);
+      // (a stateless backward has no positions, and its slots may be the broken ones)
+      const Index position = initial != nullptr ? position_of(seq) : 0;
+      if (initial != nullptr) named[count(position)] = true;
+      std::vector<RowMatrix<Scalar>> sum_Q(count(s.Hq)), sum_K(count(s.Hkv)), sum_V(count(s.Hv));
+      std::vector<std::vector<RowMatrix<Scalar>>> sum_in(count(inputs),
+                                                         std::vector<RowMatrix<Scalar>>(count(s.Hv)));
+      std::vector<RowMatrix<Scalar>> sum_S(count(layer->state_heads()));
+      std::vector<ColVector<Scalar>> sum_z(count(layer->state_heads()));
+      for (Index h = 0; h < Hout; ++h) {
+        const StateGradient<Scalar>* final_gradient =
+            initial != nullptr && first_reader(h) ? &final_gradients.head(position, state_of(h)) : nullptr;
+        const auto gr = single(seq, h, head_rows(Q, sp, q_of(h)), head_rows(K, sp, k_of(h)),
+                               head_rows(V, sp, v_of(h)), single_inputs(sp, v_of(h)),
+                               head_rows(dY, sp, h), final_gradient);
+        add(sum_Q[count(q_of(h))], gr.Q);
+        add(sum_K[count(k_of(h))], gr.K);
+        add(sum_V[count(v_of(h))], gr.V);
+        const auto vh = count(v_of(h));
         if constexpr (Rule::kind == WriteKind::gated) {
-          add(sum_in[0][vh], g.inputs.log_gate);
-        } else {
-          add(sum_in[0][vh], RowMatrix<Scalar>(g.inputs.beta));
-          add(sum_in[1][vh], RowMatrix<Scalar>(g.inputs.log_alpha));
+          add(sum_in[0][vh], gr.inputs.log_gate);
+        } else if constexpr (inputs == 2) {
+          add(sum_in[0][vh], RowMatrix<Scalar>(gr.inputs.beta));
+          add(sum_in[1][vh], RowMatrix<Scalar>(gr.inputs.log_alpha));
         }
+        add(sum_S[count(state_of(h))], gr.initial.S);
+        add(sum_z[count(state_of(h))], gr.initial.z);
       }
-    }
-    auto check = [&](const Tensor<Scalar>& grad, const std::vector<RowMatrix<Scalar>>& sums,
-                     const char* what) {
-      for (Index h = 0; h < static_cast<Index>(sums.size()); ++h) {
-        const auto& expected = sums[static_cast<std::size_t>(h)];
-        if (sp.length == 0 || expected.size() == 0) continue;
-        if (!same_bits<Scalar>(grad.rows(sp.batch, h, sp.first, sp.length), expected)) broken(what);
-      }
-    };
-    if (s.layout == 2) {  // padded rows: zero gradients
-      auto zero_past = [&](const Tensor<Scalar>& grad, const char* what) {
-        for (Index t = sp.length; t < s.T; ++t)
-          for (Index h = 0; h < grad.H; ++h)
-            for (Index c = 0; c < grad.d; ++c)
-              if (grad(sp.batch, t, h, c) != Scalar(0)) broken(what);
+      const auto check = [&](const Tensor<Scalar>& grad, const std::vector<RowMatrix<Scalar>>& sums,
+                             const char* what) {
+        for (Index h = 0; h < static_cast<Index>(sums.size()); ++h) {
+          const auto& expected = sums[count(h)];
+          if (sp.length == 0 || expected.size() == 0) continue;
+          if (!same_bits(head_rows(grad, sp, h), expected)) broken_in(call, what);
+        }
+        if (s.layout == 2)  // padded rows: zero gradients
+          for (Index t = sp.length; t < s.T; ++t)
+            for (Index h = 0; h < grad.H; ++h)
+              for (Index c = 0; c < grad.d; ++c)
+                if (grad(sp.batch, t, h, c) != Scalar(0)) broken_in(call, "a padded row's gradient is not zero");
       };
-      zero_past(dQ, "parallel_backward_into: a padded row of dQ is not zero");
-      zero_past(dK, "parallel_backward_into: a padded row of dK is not zero");
-      zero_past(dV, "parallel_backward_into: a padded row of dV is not zero");
+      check(g.dQ, sum_Q, "dQ differs from the single-head backwards' sum");
+      check(g.dK, sum_K, "dK differs from the single-head backwards' sum");
+      check(g.dV, sum_V, "dV differs from the single-head backwards' sum");
+      for (int i = 0; i < inputs; ++i)
+        check(g.d_inputs[count(i)], sum_in[count(i)],
+              "a per-token input's gradient differs from the single-head backwards' sum");
+      if (initial != nullptr)
+        for (Index sh = 0; sh < layer->state_heads(); ++sh) {
+          const StateGradient<Scalar>& got = initial->head(position, sh);
+          if (!same_bits(got.S, sum_S[count(sh)]) || !same_bits(got.z, sum_z[count(sh)]))
+            broken_in(call, "an initial state's gradient differs from the single-head backwards' sum");
+        }
     }
-    check(dQ, sum_Q, "parallel_backward_into: dQ differs from the single-head backwards' sum");
-    check(dK, sum_K, "parallel_backward_into: dK differs from the single-head backwards' sum");
-    check(dV, sum_V, "parallel_backward_into: dV differs from the single-head backwards' sum");
-    for (int i = 0; i < inputs; ++i)
-      check(d_inputs[static_cast<std::size_t>(i)], sum_in[static_cast<std::size_t>(i)],
-            "parallel_backward_into: a per-token input's gradient differs from the single-head sum");
+    if (initial != nullptr)
+      for (Index p = 0; p < P; ++p)
+        for (Index sh = 0; sh < layer->state_heads() && !named[count(p)]; ++sh)
+          if (!same_bits(initial->head(p, sh).S, untouched->head(p, sh).S) ||
+              !same_bits(initial->head(p, sh).z, untouched->head(p, sh).z))
+            broken_in(call, "a state gradient at a position no slot names changed");
+  };
+
+  // 3. The stateless backwards, recomputing and from the saved forward of section 1.
+  if (outcome([&] { backward_call(grads); }) != 0) broken("parallel_backward_into refused valid inputs");
+  check_gradients("parallel_backward_into", grads,
+                  [&](Index, Index, const auto& Qh, const auto& Kh, const auto& Vh, const auto& x,
+                      const auto& dYh, const StateGradient<Scalar>*) {
+                    return splice(x, [&](const auto&... xi) {
+                      return parallel_backward(attn, Qh, Kh, Vh, xi..., Mask::causal, dYh);
+                    });
+                  },
+                  nullptr, nullptr);
+  auto saved_grads = make_gradients();
+  if (outcome([&] { saved_backward_call(saved_grads); }) != 0)
+    broken("parallel_backward_into from a saved forward refused valid inputs");
+  check_gradients("parallel_backward_into from a saved forward", saved_grads,
+                  [&](Index, Index, const auto& Qh, const auto& Kh, const auto& Vh, const auto& x,
+                      const auto& dYh, const StateGradient<Scalar>*) {
+                    SavedForward<Scalar> one;
+                    RowMatrix<Scalar> y(Qh.rows(), s.dv);
+                    return splice(x, [&](const auto&... xi) {
+                      parallel_saving_into(attn, Qh, Kh, Vh, xi..., Mask::causal, y, one);
+                      return parallel_backward(attn, one, Qh, Kh, Vh, xi..., Mask::causal, dYh);
+                    });
+                  },
+                  nullptr, nullptr);
+  if (s.broken_slots) return;
+
+  // 4. Carried states at slots (training in segments): the named positions filled by a first
+  // prefill; then prefill_into and prefill_saving_into continuing them, and both backwards.
+  if (outcome([&] { carried_prefill(carried, out); }) != 0) broken("prefill_into at slots refused valid inputs");
+  const auto before = carried;
+  if (outcome([&] { carried_prefill(carried, out); }) != 0) broken("prefill_into at slots refused valid inputs");
+  const auto head_before = [&](Index seq, Index h) {
+    return before.sequence(position_of(seq)).head(state_of(h));
+  };
+  check_outputs("prefill_into at slots", out, [&](Index seq, Index h, const Span& sp) {
+    auto head = head_before(seq, h);
+    return splice(single_inputs(sp, v_of(h)), [&](const auto&... x) {
+      return attn.prefill(head, head_rows(Q, sp, q_of(h)), head_rows(K, sp, k_of(h)),
+                          head_rows(V, sp, v_of(h)), x...);
+    });
+  });
+  auto saving_state = before;
+  Tensor<Scalar> out_carried(in, s.B, s.T, Hout, s.dv);
+  out_carried.fill(in, stream, Fill::moderate);
+  if (outcome([&] { carried_saving(saving_state, out_carried); }) != 0)
+    broken("prefill_saving_into refused valid inputs");
+  check_outputs("prefill_saving_into", out_carried, [&](Index, Index h, const Span& sp) {
+    return head_rows(out, sp, h);
+  });
+  for (Index p = 0; p < P; ++p)
+    for (Index sh = 0; sh < layer->state_heads(); ++sh) {
+      const auto& a = saving_state.sequence(p).head(sh);
+      const auto& b = carried.sequence(p).head(sh);
+      bool same = same_bits(a.S(), b.S()) && a.tokens() == b.tokens();
+      if constexpr (Rule::keeps_normalizer) same = same && same_bits(a.z(), b.z());
+      if (!same) broken("prefill_saving_into: a state differs from prefill_into's");
+    }
+  for (Index p = 0; p < P; ++p) {
+    bool named = false;
+    for (Index seq = 0; seq < N; ++seq) named = named || position_of(seq) == p;
+    for (Index sh = 0; sh < layer->state_heads() && !named; ++sh)
+      if (!same_bits(carried.sequence(p).head(sh).S(), before.sequence(p).head(sh).S()) ||
+          carried.sequence(p).head(sh).tokens() != before.sequence(p).head(sh).tokens())
+        broken("prefill_into: a state at a position no slot names changed");
   }
+
+  BatchStateGradient<Scalar> untouched(carried);
+  for (Index p = 0; p < P; ++p)
+    for (Index h = 0; h < untouched.heads(); ++h) {
+      StateGradient<Scalar>& g = untouched.head(p, h);
+      for (Index i = 0; i < g.S.size(); ++i) g.S.data()[i] = (stream.u8() - Scalar(128)) / Scalar(32);
+      for (Index i = 0; i < g.z.size(); ++i) g.z[i] = (stream.u8() - Scalar(128)) / Scalar(32);
+    }
+  auto initial = untouched;
+  auto carried_grads = make_gradients();
+  if (outcome([&] { carried_backward(before, carried_grads, initial); }) != 0)
+    broken("prefill_backward_into refused valid inputs");
+  check_gradients("prefill_backward_into", carried_grads,
+                  [&](Index seq, Index h, const auto& Qh, const auto& Kh, const auto& Vh,
+                      const auto& x, const auto& dYh, const StateGradient<Scalar>* final_gradient) {
+                    const auto head = head_before(seq, h);
+                    return splice(x, [&](const auto&... xi) {
+                      return prefill_backward(attn, head, Qh, Kh, Vh, xi..., dYh, final_gradient);
+                    });
+                  },
+                  &initial, &untouched);
+  auto initial_saved = untouched;
+  auto carried_saved_grads = make_gradients();
+  if (outcome([&] { carried_backward(carried_saved, carried_saved_grads, initial_saved); }) != 0)
+    broken("prefill_backward_into from a saved forward refused valid inputs");
+  check_gradients("prefill_backward_into from a saved forward", carried_saved_grads,
+                  [&](Index seq, Index h, const auto& Qh, const auto& Kh, const auto& Vh,
+                      const auto& x, const auto& dYh, const StateGradient<Scalar>* final_gradient) {
+                    auto head = head_before(seq, h);
+                    SavedForward<Scalar> one;
+                    RowMatrix<Scalar> y(Qh.rows(), s.dv);
+                    return splice(x, [&](const auto&... xi) {
+                      prefill_saving_into(attn, head, Qh, Kh, Vh, xi..., y, one);
+                      return prefill_backward(attn, one, Qh, Kh, Vh, xi..., dYh, final_gradient);
+                    });
+                  },
+                  &initial_saved, &untouched);
 }
 
 template <class Scalar>
@@ -483,7 +731,11 @@ void run(Bytes& in) {
     case 0: run_layer<Scalar>(in, s, LinearAttention<EluPlusOne, Scalar>()); break;
     case 1: run_layer<Scalar>(in, s, RuleAttention<EluPlusOne, Decay, Scalar>(EluPlusOne{}, Decay(0.5))); break;
     case 2: run_layer<Scalar>(in, s, RuleAttention<EluPlusOne, Gated, Scalar>()); break;
-    default: run_layer<Scalar>(in, s, RuleAttention<L2Normalize, GatedDelta, Scalar>()); break;
+    case 3: run_layer<Scalar>(in, s, RuleAttention<L2Normalize, GatedDelta, Scalar>()); break;
+    default:
+      run_layer<Scalar>(in, s, LinearAttention<PositiveRandomFeatures<Scalar>, Scalar>(
+                                   PositiveRandomFeatures<Scalar>(s.dk, 3, 1)));
+      break;
   }
 }
 

@@ -59,10 +59,12 @@ int main(int argc, char** argv) {
   // Layer seeds, in fuzz_layer.cpp's reading order: scalar type, rule, per-channel gates,
   // H_kv - 1, G - 1, G_v - 1, no broken heads, dk - 1, dv - 1, T, layout, B - 1 (not packed), no
   // broken layout, the layout's numbers (packed: 3 sequences cut at 2 and 5; padded: lengths 7
-  // and 4), no broken view, ordinary values and inputs; then the buffers' placements and the
-  // values' seed. H_kv = 2 with (G, G_v) = (1, 1), (3, 1), (1, 2); dk = 3, dv = 2, T = 7.
+  // and 4), no broken view, ordinary values and inputs, the carried states' extra positions
+  // (0 to 2; with none, slots or not), unbroken slots; then the buffers' placements and the
+  // values' seed. H_kv = 2 with (G, G_v) = (1, 1), (3, 1), (1, 2); dk = 3, dv = 2, T = 7; rules
+  // 0 to 4 (the last is random features).
   const int groups[3][2] = {{1, 1}, {3, 1}, {1, 2}};
-  for (int rule = 0; rule < 4; ++rule)
+  for (int rule = 0; rule < 5; ++rule)
     for (const auto& group : groups)
       for (int layout = 0; layout < 3; ++layout) {
         std::vector<int> bytes{rule % 2, rule, 1, 1, group[0] - 1, group[1] - 1, 0, 2, 1, 7, layout};
@@ -70,7 +72,9 @@ int main(int argc, char** argv) {
         bytes.push_back(0);
         if (layout == 1) bytes.insert(bytes.end(), {2, 2, 3});
         if (layout == 2) bytes.insert(bytes.end(), {7, 4});
-        bytes.insert(bytes.end(), {0, 0, 0});
+        bytes.insert(bytes.end(), {0, 0, 0, layout});
+        if (layout == 0) bytes.push_back(rule % 2);  // slots or not
+        if (layout != 0 || rule % 2 == 1) bytes.push_back(0);
         for (int i = 0; i < 40; ++i) bytes.push_back((i * 37 + rule * 11 + layout * 5) % 256);
         std::vector<std::byte> seed;
         for (const int b : bytes) seed.push_back(static_cast<std::byte>(b));
