@@ -1,0 +1,31 @@
+# cmake -DINCLUDE_DIR=<include dir> -P umbrella_check.cmake
+# The umbrella header linattn/linattn.hpp must include every public header except those of the
+# optional components with their own target and dependency (thread_pool.hpp: linattn::threads;
+# torch.hpp; mpi*.hpp), and none of those: a user of the umbrella gets the whole core and links
+# nothing more. Fails naming the headers that break this.
+file(READ "${INCLUDE_DIR}/linattn/linattn.hpp" umbrella)
+file(GLOB headers RELATIVE "${INCLUDE_DIR}/linattn" "${INCLUDE_DIR}/linattn/*.hpp")
+set(missing "")
+set(unwanted "")
+foreach(header IN LISTS headers)
+  string(FIND "${umbrella}" "#include <linattn/${header}>" at)
+  if(header MATCHES "^(thread_pool|torch|mpi.*)\\.hpp$")
+    if(NOT at EQUAL -1)
+      list(APPEND unwanted ${header})
+    endif()
+  elseif(NOT header STREQUAL "linattn.hpp" AND at EQUAL -1)
+    list(APPEND missing ${header})
+  endif()
+endforeach()
+if(missing)
+  list(JOIN missing ", " missing)
+  message(SEND_ERROR "linattn/linattn.hpp does not include ${missing}")
+endif()
+if(unwanted)
+  list(JOIN unwanted ", " unwanted)
+  message(SEND_ERROR "linattn/linattn.hpp includes ${unwanted} (optional components)")
+endif()
+if(missing OR unwanted)
+  return()
+endif()
+message(STATUS "linattn/linattn.hpp includes every public header but the optional ones")
