@@ -330,6 +330,42 @@ def test_simple_gla_g_gamma_and_no_gate():
     assert_close_to(o0, ref0, bound0, torch.float64, T, "no gate")
 
 
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_retention_decays_head_h_by_one_minus_two_to_the_minus_five_minus_h(kind, dtype):
+    # RetNet's decays written out here, gamma_h = 1 - 2^(-5 - h), not taken from the op.
+    q, k, v, _, _ = make_inputs("simple_gla", dtype)
+    h0 = (torch.randn(B, H, K, V, dtype=torch.float64) * 0.5).to(dtype)
+    gamma = torch.tensor([1 - 2.0 ** (-5 - h) for h in range(H)], dtype=torch.float64)
+    fn = lt.chunk_retention if kind == "chunk" else lt.fused_recurrent_retention
+    o, ht = fn(q, k, v, initial_state=h0, output_final_state=True)
+    ref, S, _, bound = reference("simple_gla", q, k, v, g=torch.log(gamma).view(1, 1, H).expand(B, T, H),
+                                 h0=h0)
+    # The op rounds log(gamma) in its compute type (relative error u, |log gamma| < 1/31), so a
+    # product of up to T decays is off by at most T u relative: T u |terms| more than the
+    # reference comparison's own bound 8 (T + K) u |terms|, i.e. at most 1/8 more.
+    widen = 9 / 8
+    assert_close_to(o, ref, widen * bound, dtype, T, f"{kind} retention {dtype}")
+    s_tol = tolerance(dtype, T, S.abs().amax(dim=(2, 3), keepdim=True) + bound.max())
+    assert ((ht.double() - S).abs() <= widen * s_tol).all(), f"{kind} retention: final state"
+    # head-first inputs give the same bits; grouped value heads are refused (one decay per head)
+    hf = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
+    o_hf, _ = fn(hf(q), hf(k), hf(v), initial_state=h0, head_first=True)
+    assert torch.equal(o_hf.transpose(1, 2), o)
+    with pytest.raises(ValueError, match="grouped value heads"):
+        fn(q, k, torch.cat([v, v], dim=2))
+
+
+def test_retention_gradients_match_finite_differences():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 9, 2, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    h0 = torch.randn(1, 2, 3, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    for fn in (lt.chunk_retention, lt.fused_recurrent_retention):
+        assert torch.autograd.gradcheck(
+            lambda *x: fn(*x[:3], initial_state=x[3], output_final_state=True), (q, k, v, h0))
+
+
 def test_ones_beta_default_of_fused_recurrent_delta_rule():
     q, k, v, _, _ = make_inputs("delta_rule")
     o, _ = lt.fused_recurrent_delta_rule(q, k, v)

@@ -35,6 +35,7 @@ __all__ = [
     "set_saved_forward", "saved_forward_enabled",
     "chunk_linear_attn", "fused_recurrent_linear_attn",
     "chunk_simple_gla", "fused_recurrent_simple_gla",
+    "chunk_retention", "fused_recurrent_retention",
     "chunk_gla", "fused_recurrent_gla",
     "chunk_delta_rule", "fused_recurrent_delta_rule",
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
@@ -255,6 +256,41 @@ def fused_recurrent_simple_gla(q: _Tensor, k: _Tensor, v: _Tensor, g: Optional[_
     a new state tensor; for inference only, see docs/pytorch.md)."""
     return _simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state,
                        cu_seqlens, head_first, False, reverse, inplace_final_state)
+
+
+def _retention_g_gamma(q, v, head_first):
+    """RetNet's fixed decays, one per head as fla's retention ops take them: gamma_h =
+    1 - 2^(-5 - h), as log-gates log(gamma_h) in float64 for float64 inputs, else float32."""
+    H, HV = (q.shape[1], v.shape[1]) if head_first else (q.shape[2], v.shape[2])
+    if HV != H:
+        raise ValueError(f"linattn.torch: the retention ops have one decay per query head and "
+                         f"no grouped value heads: q has {H} heads, v {HV}")
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.log1p(-torch.pow(2.0, -5.0 - torch.arange(H, dtype=dtype)))
+
+
+def chunk_retention(q: _Tensor, k: _Tensor, v: _Tensor, scale: Optional[float] = None,
+                    initial_state: Optional[_Tensor] = None, output_final_state: bool = False,
+                    cu_seqlens: Optional[_Tensor] = None, head_first: bool = False):
+    """RetNet's retention (Sun et al. 2023): S_t = gamma_h S_{t-1} + k_t v_t^T, o_t = scale
+    q_t^T S_t, with the fixed decay gamma_h = 1 - 2^(-5 - h) of head h; chunk_simple_gla with
+    g_gamma = log(gamma), as in fla."""
+    return _simple_gla(q, k, v, None, _retention_g_gamma(q, v, head_first), scale,
+                       initial_state, output_final_state, cu_seqlens, head_first, True)
+
+
+def fused_recurrent_retention(q: _Tensor, k: _Tensor, v: _Tensor, scale: Optional[float] = None,
+                              initial_state: Optional[_Tensor] = None,
+                              output_final_state: bool = False, reverse: bool = False,
+                              cu_seqlens: Optional[_Tensor] = None, head_first: bool = False,
+                              inplace_final_state: bool = False):
+    """chunk_retention token by token; reverse=True reads every sequence backwards (as in
+    fused_recurrent_linear_attn).
+    inplace_final_state=True writes the final state over initial_state (a decode step without
+    a new state tensor; for inference only, see docs/pytorch.md)."""
+    return _simple_gla(q, k, v, None, _retention_g_gamma(q, v, head_first), scale,
+                       initial_state, output_final_state, cu_seqlens, head_first, False,
+                       reverse, inplace_final_state)
 
 
 def chunk_gla(q: _Tensor, k: _Tensor, v: _Tensor, g: _Tensor, scale: Optional[float] = None,
