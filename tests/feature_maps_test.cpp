@@ -109,6 +109,90 @@ TEST_CASE("a user-written feature map plugs into LinearAttention", "[phi]") {
   CHECK((attn.parallel(Q, K, V, Mask::causal) - expected).cwiseAbs().maxCoeff() <= tol);
 }
 
+static_assert(DifferentiableFeatureMap<TaylorExp, float> && !TaylorExp::strictly_positive);
+
+TEMPLATE_TEST_CASE("TaylorExp's kernel is 1 + s + s^2 / 2 with s = q^T k / sqrt(d)", "[phi]", float,
+                   double) {
+  using Scalar = TestType;
+  using Wide = long double;
+  const TaylorExp phi;
+  for (const Index d : {1, 4, 16}) {
+    const Index r = phi.feature_dim(d);
+    CHECK(r == 1 + d + d * (d + 1) / 2);  // 153 for Based's d = 16
+    const Index T = 12;
+    const RowMatrix<Scalar> Q = linattn_test::random_matrix<Scalar>(T, d, 60 + d);
+    const RowMatrix<Scalar> K = linattn_test::random_matrix<Scalar>(T, d, 70 + d);
+    RowMatrix<Scalar> FQ(T, r), FK(T, r);
+    Eigen::Ref<RowMatrix<Scalar>> fq(FQ), fk(FK);
+    phi.apply(Q, fq);
+    phi.apply(K, fk);
+    for (Index i = 0; i < T; ++i)
+      for (Index j = 0; j < T; ++j) {
+        Wide s = 0, a = 0;  // q^T k and sum |q_n k_n|, from the inputs' values
+        for (Index n = 0; n < d; ++n) {
+          s += Wide(Q(i, n)) * Wide(K(j, n));
+          a += std::abs(Wide(Q(i, n)) * Wide(K(j, n)));
+        }
+        s /= std::sqrt(Wide(d));
+        a /= std::sqrt(Wide(d));
+        // Each feature is at most 3 roundings from its value (the constant 1 / d^(1/4) is 3
+        // roundings, times x one more; x_i x_j / sqrt(d): 2 for the constant, 2 products), so
+        // a product of two features errs by 7 u relative, and the dot product of r of them adds
+        // r u, all relative to the kernel of |q| and |k|: 1 + a + a^2 / 2 (the sum of |terms|).
+        const Wide tol = Wide(r + 7) * Wide(linattn_test::unit_roundoff<Scalar>()) * (1 + a + a * a / 2);
+        CHECK(std::abs(Wide(FQ.row(i).dot(FK.row(j))) - (1 + s + s * s / 2)) <= tol);
+      }
+  }
+  // The kernel's minimum 1/2 is at s = -1: q = (1, 1, 1, 1), k = -q / 2 (d = 4, sqrt(d) = 2).
+  const RowMatrix<Scalar> q = RowMatrix<Scalar>::Ones(1, 4), k = -q / Scalar(2);
+  const Index r = phi.feature_dim(4);
+  RowMatrix<Scalar> fq(1, r), fk(1, r);
+  Eigen::Ref<RowMatrix<Scalar>> fq_ref(fq), fk_ref(fk);
+  phi.apply(q, fq_ref);
+  phi.apply(k, fk_ref);
+  // |terms| sum to 1 + 1 + 1/2: (r + 7) u of that.
+  CHECK(std::abs(fq.row(0).dot(fk.row(0)) - Scalar(0.5)) <=
+        static_cast<Scalar>(r + 7) * Scalar(2.5) * linattn_test::unit_roundoff<Scalar>());
+}
+
+TEST_CASE("LinearAttention with TaylorExp is the weighted average under 1 + s + s^2 / 2", "[phi]") {
+  // Rows of K anti-correlated with Q's (s near -1, where the kernel has its minimum 1/2), so the
+  // features' cancellation shows; the reference weighs with the kernel itself, not features.
+  const Index T = 30, d = 4, dv = 3;
+  const LinearAttention<TaylorExp, double> attn;
+  const Index r = attn.feature_dim(d);
+  const auto Q = linattn_test::random_matrix<double>(T, d, 81);
+  const RowMatrix<double> K = -0.5 * Q + 0.3 * linattn_test::random_matrix<double>(T, d, 82);
+  const auto V = linattn_test::random_matrix<double>(T, dv, 83);
+  RowMatrix<double> expected(T, dv);
+  std::vector<double> tolerance(static_cast<std::size_t>(T));
+  const double u = linattn_test::unit_roundoff<double>();
+  for (Index i = 0; i < T; ++i) {
+    double den = 0, magnitude = 0;
+    Eigen::RowVectorXd num = Eigen::RowVectorXd::Zero(dv);
+    for (Index j = 0; j <= i; ++j) {
+      const double s = Q.row(i).dot(K.row(j)) / 2, a = (Q.row(i).cwiseAbs()).dot(K.row(j).cwiseAbs()) / 2;
+      const double w = 1 + s + s * s / 2;
+      num += w * V.row(j);
+      den += w;
+      magnitude += 1 + a + a * a / 2;
+    }
+    expected.row(i) = num / den;
+    // Every sum the paths form (features, state, reads) errs by (T + r + 8) u relative to the
+    // sum of |terms|, which is sum_j M_ij |v_j| for num and sum_j M_ij for den (M the kernel of
+    // |q|, |k|); y = num / den then errs by at most (|d num| + |y| |d den|) / den, twice that
+    // for the two passes (state, then read).
+    tolerance[static_cast<std::size_t>(i)] = 2.0 * static_cast<double>(T + r + 8) * u * magnitude *
+                                             (V.cwiseAbs().maxCoeff() + expected.row(i).cwiseAbs().maxCoeff()) / den;
+  }
+  for (const auto& [what, Y] : {std::pair{"parallel", attn.parallel(Q, K, V, Mask::causal)},
+                               std::pair{"recurrent", attn.recurrent(Q, K, V)}}) {
+    CAPTURE(what);
+    for (Index i = 0; i < T; ++i)
+      CHECK((Y.row(i) - expected.row(i)).cwiseAbs().maxCoeff() <= tolerance[static_cast<std::size_t>(i)]);
+  }
+}
+
 TEMPLATE_TEST_CASE("EluPlusOne is exact above 0, underflows like std::exp and keeps NaN",
                    "[phi]", float, double) {
   // 40 entries: whole SIMD packets and a scalar tail, so both code paths are covered.

@@ -41,9 +41,10 @@ auto carried_forward(const Attn& attn, State& state, const MQ& Q, const MK& K, c
 
 // ---- the maps, in the library and in the reference -------------------------------------------
 
-enum class MapKind { identity, elu, l2, positive, hyperbolic, trig };
+enum class MapKind { identity, elu, l2, taylor, positive, hyperbolic, trig };
 constexpr MapKind kAllMaps[] = {MapKind::identity, MapKind::elu,        MapKind::l2,
-                                MapKind::positive, MapKind::hyperbolic, MapKind::trig};
+                                MapKind::taylor,   MapKind::positive,   MapKind::hyperbolic,
+                                MapKind::trig};
 constexpr Index kProjections = 4;  // m of the random maps in the small tests
 
 const char* map_name(MapKind kind) {
@@ -51,6 +52,7 @@ const char* map_name(MapKind kind) {
     case MapKind::identity: return "identity";
     case MapKind::elu: return "elu_plus_one";
     case MapKind::l2: return "l2_normalize";
+    case MapKind::taylor: return "taylor_exp";
     case MapKind::positive: return "positive_random_features";
     case MapKind::hyperbolic: return "hyperbolic_random_features";
     case MapKind::trig: return "trig_random_features";
@@ -69,6 +71,7 @@ void with_map(MapKind kind, Index d, Index m, F&& f) {
     case MapKind::identity: f(Identity{}); break;
     case MapKind::elu: f(EluPlusOne{}); break;
     case MapKind::l2: f(L2Normalize{}); break;
+    case MapKind::taylor: f(TaylorExp{}); break;
     case MapKind::positive: f(PositiveRandomFeatures<Scalar>(d, m, 5)); break;
     case MapKind::hyperbolic:
       f(PositiveRandomFeatures<Scalar>(d, m, 6, {Projection::orthogonal, std::nan(""), true}));
@@ -87,6 +90,7 @@ struct RefMap {
   double tau = 0;
 
   Index dim(Index d) const {
+    if (kind == MapKind::taylor) return 1 + d + d * (d + 1) / 2;
     if (!is_random(kind)) return d;
     return kind == MapKind::positive ? W.rows() : 2 * W.rows();
   }
@@ -104,6 +108,16 @@ struct RefMap {
       case MapKind::l2:
         for (Index n = 0; n < d; ++n) f[n] = sq > 0 ? x[n] / std::sqrt(sq) : R(0);
         break;
+      case MapKind::taylor: {  // 1, x / d^(1/4), x_i x_j / sqrt(d) (i < j), x_i^2 / sqrt(2 d)
+        const R root_d = std::sqrt(static_cast<R>(d));
+        std::size_t at = 0;
+        f[at++] = 1;
+        for (Index n = 0; n < d; ++n) f[at++] = x[n] / std::sqrt(root_d);
+        for (Index i = 0; i < d; ++i)
+          for (Index j = i; j < d; ++j)
+            f[at++] = x[i] * x[j] / (i == j ? std::sqrt(2 * static_cast<R>(d)) : root_d);
+        break;
+      }
       default: {
         const Index m = W.rows();
         const R root = std::sqrt(static_cast<R>(tau)), t = static_cast<R>(tau);
@@ -147,6 +161,21 @@ struct RefMap {
         // d(x/|x|) = (I - f f^T) / |x|
         for (Index n = 0; n < d; ++n)
           dx[n] = (abs ? g[n] + f[n] * fg : g[n] - f[n] * fg) / std::sqrt(sq);
+        break;
+      }
+      case MapKind::taylor: {  // d f / d x_n of each feature, times its g
+        const R root_d = std::sqrt(static_cast<R>(d));
+        std::size_t at = 1;
+        for (Index n = 0; n < d; ++n) dx[n] += g[at++] / std::sqrt(root_d);
+        for (Index i = 0; i < d; ++i)
+          for (Index j = i; j < d; ++j, ++at) {
+            if (i == j) {
+              dx[i] += g[at] * 2 * x[i] / std::sqrt(2 * static_cast<R>(d));
+            } else {
+              dx[i] += g[at] * x[j] / root_d;
+              dx[j] += g[at] * x[i] / root_d;
+            }
+          }
         break;
       }
       default: {
@@ -753,6 +782,7 @@ struct NoDerivative {  // a feature map without backward()
 static_assert(DifferentiableFeatureMap<Identity>);
 static_assert(DifferentiableFeatureMap<EluPlusOne, double>);
 static_assert(DifferentiableFeatureMap<L2Normalize>);
+static_assert(DifferentiableFeatureMap<TaylorExp, double>);
 static_assert(DifferentiableFeatureMap<PositiveRandomFeatures<float>, float>);
 static_assert(DifferentiableFeatureMap<TrigRandomFeatures<double>, double>);
 static_assert(FeatureMap<NoDerivative> && !DifferentiableFeatureMap<NoDerivative>);

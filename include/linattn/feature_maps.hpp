@@ -1,6 +1,7 @@
 #pragma once
 /// \file feature_maps.hpp
-/// Feature-map policies phi: R^d -> R^r and the FeatureMap concept that checks them.
+/// Feature-map policies phi: R^d -> R^r and the FeatureMap concept that checks them: Identity,
+/// EluPlusOne, L2Normalize and TaylorExp here; the random features in random_features.hpp.
 ///
 /// A feature map is a small value type. Linear attention scores a query q against a key k by
 /// phi(q)^T phi(k); the map defines that kernel, and results are exact for that kernel only.
@@ -182,6 +183,73 @@ struct L2Normalize {
       d_x.row(t) = (d_features.row(t) - along * features.row(t)) / norm;
     });
   }
+};
+
+/// phi(x) = [1, x / d^(1/4), then for i = 1 .. d: x_i^2 / sqrt(2 d) and x_i x_j / sqrt(d) for
+/// j = i + 1 .. d] (the upper triangle of x x^T row by row) for rows x of dimension d, so that phi(q)^T phi(k) = 1 + s + s^2 / 2 with s = q^T k / sqrt(d):
+/// the second-order Taylor expansion of the softmax kernel exp(s), exact for that kernel (Based,
+/// Arora et al. 2024). r = 1 + d + d (d + 1) / 2: each product x_i x_j once (half of x (x) x's
+/// d^2, the same kernel). 1 + s + s^2 / 2 = ((1 + s)^2 + 1) / 2 >= 1/2 for every s, so each key
+/// adds at least 1/2 to the normalized read's denominator phi(q)^T z, which is positive in exact
+/// arithmetic for any inputs, although single features can be negative (strictly_positive is
+/// false). The state is r x dv, so keep d small (Based projects q and k to d = 16: r = 153).
+/// Cost: about r multiplies per row; the backward about 2 r.
+struct TaylorExp {
+  static constexpr bool strictly_positive = false;
+  static constexpr const char* name = "taylor_exp";
+  [[nodiscard]] Index feature_dim(Index d) const noexcept { return 1 + d + d * (d + 1) / 2; }
+  template <class In, class Out>
+  void apply(const In& x, Out& out) const {
+    using Real = typename Eigen::NumTraits<typename In::Scalar>::Real;
+    const Index d = x.cols();
+    const Scalars<Real> c(d);
+    detail::for_each_contiguous_row(x, [&](Index t, const auto& row) {
+      auto f = out.row(t);
+      f(0) = Real(1);
+      f.segment(1, d) = row * c.linear;
+      Index at = 1 + d;
+      for (Index i = 0; i < d; ++i) {
+        f(at) = row(i) * row(i) * c.square;
+        const Index after = d - i - 1;
+        f.segment(at + 1, after) = (row(i) * c.cross) * row.segment(i + 1, after);
+        at += 1 + after;
+      }
+    });
+  }
+  /// d_x = d_lin / d^(1/4) + M x / sqrt(d) per row, where d_lin are the d_features of the linear
+  /// features and M is the symmetric d x d matrix of the product features' d_features (M_ij =
+  /// M_ji for the feature x_i x_j, M_ii sqrt(2) times that of x_i^2). Cost: about 2 r flops per row.
+  template <class In, class F, class DF, class DX>
+  void backward(const In& x, const F& /*features*/, const DF& d_features, DX& d_x) const {
+    using Real = typename Eigen::NumTraits<typename In::Scalar>::Real;
+    const Index d = x.cols();
+    const Scalars<Real> c(d);
+    const Real square_slope = Real(2) * c.square;  // d(x_i^2 / sqrt(2 d)) / d x_i = 2 x_i / sqrt(2 d)
+    detail::for_each_contiguous_row(x, [&](Index t, const auto& row) {
+      const auto g = d_features.row(t);
+      auto dx = d_x.row(t);
+      dx = g.segment(1, d) * c.linear;
+      Index at = 1 + d;
+      for (Index i = 0; i < d; ++i) {
+        const Index after = d - i - 1;
+        const auto pairs = g.segment(at + 1, after);
+        dx(i) += square_slope * row(i) * g(at) + c.cross * pairs.dot(row.segment(i + 1, after));
+        dx.segment(i + 1, after) += (c.cross * row(i)) * pairs;
+        at += 1 + after;
+      }
+    });
+  }
+
+ private:
+  /// The constants for inputs of dimension d: 1 / d^(1/4), 1 / sqrt(2 d), 1 / sqrt(d).
+  template <class Real>
+  struct Scalars {
+    explicit Scalars(Index d)
+        : linear(Real(1) / std::sqrt(std::sqrt(static_cast<Real>(d)))),
+          square(Real(1) / std::sqrt(Real(2) * static_cast<Real>(d))),
+          cross(Real(1) / std::sqrt(static_cast<Real>(d))) {}
+    Real linear, square, cross;
+  };
 };
 
 /// Optional extension of the protocol: features reported in a shifted log domain, for maps
