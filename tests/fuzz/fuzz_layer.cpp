@@ -395,13 +395,18 @@ void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
     });
   };
   auto carried = layer->make_state(P);
-  BatchStateGradient<Scalar> final_gradients(carried);
-  for (Index p = 0; p < P; ++p)
-    for (Index h = 0; h < final_gradients.heads(); ++h) {
-      StateGradient<Scalar>& g = final_gradients.head(p, h);
-      for (Index i = 0; i < g.S.size(); ++i) g.S.data()[i] = (stream.u8() - Scalar(128)) / Scalar(32);
-      for (Index i = 0; i < g.z.size(); ++i) g.z[i] = (stream.u8() - Scalar(128)) / Scalar(32);
-    }
+  // State gradients shaped like the carried states, every entry a value from the stream.
+  const auto state_gradients = [&] {
+    BatchStateGradient<Scalar> gradients(carried);
+    for (Index p = 0; p < P; ++p)
+      for (Index h = 0; h < gradients.heads(); ++h) {
+        StateGradient<Scalar>& g = gradients.head(p, h);
+        for (Index i = 0; i < g.S.size(); ++i) g.S.data()[i] = (stream.u8() - Scalar(128)) / Scalar(32);
+        for (Index i = 0; i < g.z.size(); ++i) g.z[i] = (stream.u8() - Scalar(128)) / Scalar(32);
+      }
+    return gradients;
+  };
+  const BatchStateGradient<Scalar> final_gradients = state_gradients();
   LayerSavedForward<Scalar> carried_saved;
   const auto carried_prefill = [&](auto& st, Tensor<Scalar>& o) {
     with_inputs([&](const auto&... x) {
@@ -686,13 +691,7 @@ void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
         broken("prefill_into: a state at a position no slot names changed");
   }
 
-  BatchStateGradient<Scalar> untouched(carried);
-  for (Index p = 0; p < P; ++p)
-    for (Index h = 0; h < untouched.heads(); ++h) {
-      StateGradient<Scalar>& g = untouched.head(p, h);
-      for (Index i = 0; i < g.S.size(); ++i) g.S.data()[i] = (stream.u8() - Scalar(128)) / Scalar(32);
-      for (Index i = 0; i < g.z.size(); ++i) g.z[i] = (stream.u8() - Scalar(128)) / Scalar(32);
-    }
+  const BatchStateGradient<Scalar> untouched = state_gradients();
   auto initial = untouched;
   auto carried_grads = make_gradients();
   if (outcome([&] { carried_backward(before, carried_grads, initial); }) != 0)
