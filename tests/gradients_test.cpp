@@ -164,16 +164,18 @@ struct RefMap {
         break;
       }
       case MapKind::taylor: {  // d f / d x_n of each feature, times its g
+        // (x is the true input also under `abs`, which then needs |x| for the magnitudes)
+        const auto xn = [&](Index n) { return abs ? std::abs(x[n]) : x[n]; };
         const R root_d = std::sqrt(static_cast<R>(d));
         std::size_t at = 1;
         for (Index n = 0; n < d; ++n) dx[n] += g[at++] / std::sqrt(root_d);
         for (Index i = 0; i < d; ++i)
           for (Index j = i; j < d; ++j, ++at) {
             if (i == j) {
-              dx[i] += g[at] * 2 * x[i] / std::sqrt(2 * static_cast<R>(d));
+              dx[i] += g[at] * 2 * xn(i) / std::sqrt(2 * static_cast<R>(d));
             } else {
-              dx[i] += g[at] * x[j] / root_d;
-              dx[j] += g[at] * x[i] / root_d;
+              dx[i] += g[at] * xn(j) / root_d;
+              dx[j] += g[at] * xn(i) / root_d;
             }
           }
         break;
