@@ -299,10 +299,11 @@ class AttentionCalls {
     check_group(queries, outputs, Tq, K.cols(), V.cols());
   }
 
-  // Binds the per-token inputs of a T-token call for the rule.
+  // Binds the per-token inputs of a T-token call for the rule (the forward paths take
+  // GatedDelta's per-channel log_alpha).
   template <class Tuple, class Scalar>
   void bind(const Tuple& inputs, Index T, Index r, TokenInputs<Scalar>& out) const {
-    bind_token_inputs<Scalar>(self().rule(), inputs, T, r, out);
+    bind_token_inputs<Scalar>(self().rule(), inputs, T, r, out, ChannelAlpha::taken);
   }
   template <class State, class Tuple>
   auto bind_step(State& state, const Tuple& inputs) const {

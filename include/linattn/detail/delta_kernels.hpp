@@ -32,6 +32,7 @@
 // products multiplied one by one, as in gated_kernels.hpp; with unit keys and beta in [0, 2]
 // every step map has 2-norm <= 1, so errors made at earlier steps do not grow.
 
+#include <linattn/detail/gated_kernels.hpp>
 #include <linattn/detail/recurrent_sweep.hpp>
 #include <linattn/detail/rule_common.hpp>
 #include <linattn/detail/small_gemm.hpp>
@@ -105,6 +106,60 @@ void delta_absorb(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar* kf, co
   delta_write(S, kf, prediction, alpha, !reverse);
 }
 
+/// One decode token of GatedDelta with per-channel gates a (Kimi Delta Attention): with
+/// S' = diag(a) S, one read-only sweep gives p = (kf .* a) S = kf S' and w = (qf .* a) S =
+/// qf S', then u = beta (v - p), y = w + (qf . kf) u, and one read-modify-write sweep
+/// S = diag(a) S + kf^T u. `scaled` is r scratch for kf .* a; qf is scaled in place (it is the
+/// caller's scratch). 7 r dv flops, as delta_token with a scalar alpha. No allocation.
+template <class Scalar>
+void channel_delta_token(RowMatrix<Scalar>& S, Scalar* prediction, Scalar* qf, const Scalar* kf,
+                         const Scalar* gates, Scalar* scaled, const Scalar* v, Scalar beta,
+                         Scalar* y, bool reverse) noexcept {
+  const Index r = S.rows(), dv = S.cols();
+  using Vec = Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+  using ConstVec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+  const Scalar qk = ordered_dot(qf, kf, r);
+  Vec(scaled, r) = ConstVec(kf, r) * ConstVec(gates, r);
+  Vec(qf, r) *= ConstVec(gates, r);
+  RankSweep<Scalar> read;
+  read.x[0] = scaled;
+  read.x[1] = qf;
+  read.out[0] = prediction;
+  read.out[1] = y;
+  rank_sweep<0, 2, RowScale::none>(S.data(), dv, r, dv, read, reverse);
+  Vec u(prediction, dv), out(y, dv);
+  u = beta * (ConstVec(v, dv) - u);
+  out += qk * u;
+  RankSweep<Scalar> write;
+  write.row_scale = gates;
+  write.k[0] = kf;
+  write.w[0] = prediction;
+  rank_sweep_with<0>(1, RowScale::per_row, S.data(), dv, r, dv, write, !reverse);
+}
+
+/// channel_delta_token without a read (grouped decode): p = (kf .* a) S, u = beta (v - p),
+/// S = diag(a) S + kf^T u. `scaled` is r scratch. 5 r dv flops. No allocation.
+template <class Scalar>
+void channel_delta_absorb(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar* kf,
+                          const Scalar* gates, Scalar* scaled, const Scalar* v, Scalar beta,
+                          bool reverse) noexcept {
+  const Index r = S.rows(), dv = S.cols();
+  using ConstVec = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>;
+  Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(scaled, r) =
+      ConstVec(kf, r) * ConstVec(gates, r);
+  RankSweep<Scalar> read;
+  read.x[0] = scaled;
+  read.out[0] = prediction;
+  rank_sweep<0, 1, RowScale::none>(S.data(), dv, r, dv, read, reverse);
+  Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> u(prediction, dv);
+  u = beta * (ConstVec(v, dv) - u);
+  RankSweep<Scalar> write;
+  write.row_scale = gates;
+  write.k[0] = kf;
+  write.w[0] = prediction;
+  rank_sweep_with<0>(1, RowScale::per_row, S.data(), dv, r, dv, write, !reverse);
+}
+
 /// The end of the delta recurrence's pair sweep (a RankPass Finish): from the four reads of a
 /// column packet, kf_t S', kf_{t+1} S', qf_t S', qf_{t+1} S', the pair's corrected values and
 /// outputs (formulas at DeltaRecurrence), stored as y and as the next sweep's pending values.
@@ -174,7 +229,7 @@ struct DeltaSingleFinish {
 template <class Scalar>
 class DeltaRecurrence {
  public:
-  DeltaRecurrence(Index r, Index dv) : keys_(2, r), values_(2, dv) {}
+  DeltaRecurrence(Index r, Index dv) : keys_(2, r), values_(2, dv), scaled_(2, r), row_scale_(r) {}
 
   /// Tokens t, t+1 (features qf, kf of length r, values v of length dv, outputs y of length
   /// dv, contiguous; y must not overlap the inputs). `reverse` sets the sweep's direction.
@@ -218,6 +273,32 @@ class DeltaRecurrence {
     pending_ = 1;
   }
 
+  /// One token with per-channel gates a (length r; Kimi Delta Attention): S' = diag(a) S_{t-1},
+  /// u = beta (v - kf S'), y = qf S' + (qf . kf) u, pending S_t = S' + kf^T u. One sweep reads
+  /// (kf .* a) and (qf .* a) from the rows as the pending update leaves them (DeltaSingleFinish
+  /// with alpha 1), and the token's update, scaling each row by its gate, waits for the next
+  /// sweep. 7 r dv flops per token, S loaded and stored once per token (not per pair: a pair's
+  /// carried update would need the two tokens' gates per row).
+  void channel_single(RowMatrix<Scalar>& S, const Scalar* qf, const Scalar* kf,
+                      const Scalar* gates, const Scalar* v, Scalar beta, Scalar* y,
+                      bool reverse) {
+    const Index r = S.rows(), dv = S.cols();
+    using ConstVec = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
+    scaled_.row(0).array() = ConstVec(kf, r) * ConstVec(gates, r);
+    scaled_.row(1).array() = ConstVec(qf, r) * ConstVec(gates, r);
+    RankSweep<Scalar> sweep = pending_sweep();
+    sweep.x[0] = scaled_.row(0).data();
+    sweep.x[1] = scaled_.row(1).data();
+    const DeltaSingleFinish<Scalar> finish{beta, Scalar(1), ordered_dot(qf, kf, r), v, y,
+                                           values_.row(0).data()};
+    rank_sweep_with<2>(pending_, pending_scale(), S.data(), dv, r, dv, sweep, reverse, finish);
+    std::copy_n(kf, r, keys_.row(0).data());
+    std::copy_n(gates, r, row_scale_.data());
+    row_scaled_ = true;
+    scale_ = 1;
+    pending_ = 1;
+  }
+
   /// Applies the pending update, so that S holds every token seen. One sweep if any is pending.
   void finish(RowMatrix<Scalar>& S, bool reverse) noexcept {
     if (pending_ == 0) return;
@@ -225,15 +306,18 @@ class DeltaRecurrence {
     rank_sweep_with<0>(pending_, pending_scale(), S.data(), dv, r, dv, pending_sweep(), reverse);
     pending_ = 0;
     scale_ = 1;
+    row_scaled_ = false;
   }
 
  private:
   RowScale pending_scale() const noexcept {
+    if (row_scaled_) return RowScale::per_row;
     return scale_ != Scalar(1) ? RowScale::uniform : RowScale::none;
   }
   RankSweep<Scalar> pending_sweep() const noexcept {
     RankSweep<Scalar> sweep;
     sweep.scale = scale_;
+    sweep.row_scale = row_scale_.data();
     for (int u = 0; u < 2; ++u) {
       sweep.k[u] = keys_.row(u).data();
       sweep.w[u] = values_.row(u).data();
@@ -241,12 +325,33 @@ class DeltaRecurrence {
     return sweep;
   }
 
-  RowMatrix<Scalar> keys_, values_;
+  RowMatrix<Scalar> keys_, values_, scaled_;
+  RowVector<Scalar> row_scale_;  // the pending token's per-channel gates (row_scaled_)
   int pending_ = 0;
   Scalar scale_ = 1;
+  bool row_scaled_ = false;
 };
 
 // ---- chunked ---------------------------------------------------------------------------------
+
+/// The blocked forward substitution of a chunk's corrected values: u_i += sum_{j<i}
+/// system(i, j) u_j for i < n, u the n x dv rows of `corrected` (contiguous, holding the
+/// right-hand side), system's strictly lower part (row stride ld) read. Blocks of
+/// delta_solve_block rows: a block against all earlier rows is one register-kernel product,
+/// the block itself row by row. About n dv flops per row. No allocation.
+template <class Scalar>
+void substitute_corrected(Index n, Index dv, const Scalar* system, Index ld, Scalar* corrected,
+                          SpreadPrefetch* prefetch) {
+  for (Index b0 = 0; b0 < n; b0 += delta_solve_block) {
+    const Index end = std::min(n, b0 + delta_solve_block);
+    if (b0 > 0)
+      rule_gemm<Scalar, true>(end - b0, dv, b0, system + b0 * ld, ld, corrected, dv,
+                              corrected + b0 * dv, dv, Triangle::none, nullptr, prefetch);
+    for (Index i = b0 + 1; i < end; ++i)
+      accumulate_rows(corrected + i * dv, system + i * ld + b0, corrected + b0 * dv, dv, i - b0,
+                      dv);
+  }
+}
 
 /// A causal chunk of the (gated) delta rule by the WY / UT form (Yang et al. 2024). With
 /// D(i, j) = alpha_{j+1} ... alpha_i, D(i, -1) = alpha_0 ... alpha_i (all 1 for Delta), the
@@ -330,17 +435,7 @@ class DeltaChunk {
     using Row = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
     for (Index i = 0; i < n; ++i)
       corrected_.row(i).array() = beta[i] * (Row(v + i * ld_v, dv) - reads_.row(i).array());
-    // Blocked forward substitution: u_i += sum_{j<i} system(i, j) u_j.
-    for (Index b0 = 0; b0 < n; b0 += delta_solve_block) {
-      const Index end = std::min(n, b0 + delta_solve_block);
-      if (b0 > 0)
-        rule_gemm<Scalar, true>(end - b0, dv, b0, system_.data() + b0 * ld_, ld_,
-                                corrected_.data(), dv, corrected_.data() + b0 * dv, dv,
-                                Triangle::none, nullptr, prefetch);
-      for (Index i = b0 + 1; i < end; ++i)
-        accumulate_rows(corrected_.row(i).data(), &system_(i, b0), corrected_.row(b0).data(), dv,
-                        i - b0, dv);
-    }
+    substitute_corrected(n, dv, system_.data(), ld_, corrected_.data(), prefetch);
     if (gated_)
       for (Index m = 0; m < r; ++m)
         kw_t_.row(m).head(n) = kf_t_.row(m).head(n).cwiseProduct(weight_out_.head(n).transpose());
@@ -386,6 +481,74 @@ class DeltaChunk {
   ColVector<Scalar> gate_, decay_in_, weight_out_;
   Index n_ = 0;
   bool gated_ = false;
+};
+
+/// A causal chunk of GatedDelta with per-channel gates (Kimi Delta Attention, Kimi Team 2025):
+/// S_t = diag(a_t) S_{t-1} + kf_t^T u_t with u_t = beta_t (v_t - kf_t diag(a_t) S_{t-1}). With
+/// D_m(i, j) = a_{j+1,m} ... a_{i,m} (1 for j = i) and D_m(i, -1) = a_{0,m} ... a_{i,m}, the
+/// corrected values solve the unit lower-triangular system
+///   u_i + beta_i sum_{j<i} (sum_m kf_im kf_jm D_m(i, j)) u_j = beta_i (v_i - (kf_i .* D(i, -1)) S)
+/// and then, as for per-channel Gated with the values u,
+///   out_i = (qf_i .* D(i, -1)) S + sum_{j<=i} (sum_m qf_im kf_jm D_m(i, j)) u_j,
+///   S <- diag(D(n-1, -1)) S + sum_j (kf_j .* D(n-1, j))^T u_j.
+/// The decayed pairwise products, for the keys (the system) as for the queries, come from
+/// ChannelGatedChunk's sub-chunk form (every factor <= 1, nothing overflows); the solve is
+/// DeltaChunk's. Per token: the per-channel gated chunk's cost twice for the scores (keys and
+/// queries), the 6 r dv of DeltaChunk against S, and about C dv for the solve; r exps. Use as
+/// DeltaChunk (prepare, read per head, absorb); no allocation after construction.
+template <class Scalar>
+class ChannelDeltaChunk {
+ public:
+  /// The next chunk's rows, advanced by the chunk's products (null: none; see SpreadPrefetch).
+  SpreadPrefetch* prefetch = nullptr;
+
+  ChannelDeltaChunk(Index C, Index r, Index dv)
+      : gated_(C, r, dv), r_(r), dv_(dv), ld_(padded_columns<Scalar>(C)),
+        system_(RowMatrix<Scalar>::Zero(C, ld_)), corrected_(C, dv), reads_(C, dv) {}
+
+  /// The rows of a chunk this kernel takes.
+  [[nodiscard]] Index chunk_rows() const noexcept { return corrected_.rows(); }
+
+  /// The key side of n tokens from state S: kf (n x r, row stride ld_kf), v (n x dv, row stride
+  /// ld_v), beta[t] and the log-gates, r per token (log_alpha[t], t < n).
+  void prepare(Index n, const Scalar* kf, Index ld_kf, const Scalar* v, Index ld_v,
+               TokenValues<Scalar> beta, TokenRows<Scalar> log_alpha, const RowMatrix<Scalar>& S) {
+    n_ = n;
+    gated_.prefetch = prefetch;
+    // The gated chunk's values are the corrected values, filled below before any read.
+    gated_.prepare(n, kf, ld_kf, corrected_.data(), dv_, log_alpha);
+    if (n == 0) return;
+    // The keys against the earlier keys: system(i, j) = -beta_i (decayed kf_i . kf_j), j < i.
+    gated_.score(kf, ld_kf);
+    const Scalar* scores = gated_.scores();
+    const Index ld_s = gated_.score_stride();
+    using Row = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
+    for (Index i = 1; i < n; ++i)
+      system_.row(i).head(i).array() = -beta[i] * Row(scores + i * ld_s, i);
+    // Right-hand side beta_i (v_i - (kf_i .* D(i, -1)) S).
+    rule_gemm<Scalar, false>(n, dv_, r_, gated_.state_rows(), r_, S.data(), dv_, reads_.data(),
+                             dv_, Triangle::none, nullptr, prefetch);
+    for (Index i = 0; i < n; ++i)
+      corrected_.row(i).array() = beta[i] * (Row(v + i * ld_v, dv_) - reads_.row(i).array());
+    substitute_corrected(n, dv_, system_.data(), ld_, corrected_.data(), prefetch);
+  }
+
+  /// One query head: out (n x dv, row stride ld_out) from qf (n x r, row stride ld_qf) and the
+  /// state before the chunk (the S given to prepare()).
+  void read(const Scalar* qf, Index ld_qf, const RowMatrix<Scalar>& S, Scalar* out,
+            Index ld_out) {
+    gated_.read(qf, ld_qf, S, no_normalizer_, out, ld_out, Normalization::unnormalized(), 0);
+  }
+
+  /// The state absorbs the prepared chunk.
+  void absorb(RowMatrix<Scalar>& S) { gated_.absorb(S, no_normalizer_); }
+
+ private:
+  ChannelGatedChunk<Scalar> gated_;
+  Index r_, dv_, ld_;
+  RowMatrix<Scalar> system_, corrected_, reads_;
+  ColVector<Scalar> no_normalizer_;  // empty: the delta rules keep no z
+  Index n_ = 0;
 };
 
 }  // namespace linattn::detail

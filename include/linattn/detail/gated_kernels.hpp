@@ -698,7 +698,7 @@ class ChannelGatedChunk {
   /// One query head, as ScalarGatedChunk::read.
   void read(const Scalar* qf, Index ld_qf, const RowMatrix<Scalar>& S, const ColVector<Scalar>& z,
             Scalar* out, Index ld_out, const Normalization& norm, Index first_row) {
-    const Index n = n_, r = r_, c = gate_subchunk<Scalar>;
+    const Index n = n_, r = r_;
     if (n == 0) return;
     const bool divides = norm.divides();
     if (divides) {
@@ -713,9 +713,24 @@ class ChannelGatedChunk {
         inverse_(i) = reciprocal_or_late(norm.divisor(den, first_row + i), late_(i));
       }
     }
+    score(qf, ld_qf);
+    rule_gemm<Scalar, false>(n, dv_, r, qs_.data(), r, S.data(), dv_, out, ld_out, Triangle::none,
+                             nullptr, prefetch);
+    rule_gemm<Scalar, true>(n, dv_, n, scores_.data(), ld_, v_, ld_v_, out, ld_out,
+                            Triangle::lower_lhs, divides ? inverse_.data() : nullptr, prefetch);
+    if (divides) divide_late_rows(out, ld_out, n, dv_, late_.data());
+  }
+
+  /// The decayed scores of the prepared chunk's keys for the rows x (n x r, row stride ld_x):
+  /// scores(i, j) = sum_m x_im kf_jm D_m(i, j) for j <= i, 0 after (scores(), row stride
+  /// score_stride()), and the rows decayed for the state read, x_i .* D_m(i, -1) (state_rows(),
+  /// n x r, contiguous). read() calls it with the queries; the delta rule's per-channel chunk
+  /// also with the keys.
+  void score(const Scalar* x, Index ld_x) {
+    const Index n = n_, r = r_, c = gate_subchunk<Scalar>;
     using Vec = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
     for (Index i = 0; i < n; ++i) {
-      const Vec q(qf + i * ld_qf, r);
+      const Vec q(x + i * ld_x, r);
       qs_.row(i).array() = q * state_decay_.row(i).array();
       qt_.row(i).array() = q * prefix_.row(i).array();
     }
@@ -726,18 +741,16 @@ class ChannelGatedChunk {
         rule_gemm<Scalar, false>(end - i0, i0, r, qt_.data() + i0 * r, r, w_block(I), ld_,
                                  scores_.data() + i0 * ld_, ld_, Triangle::none, nullptr, prefetch);
       for (Index i = i0; i < end; ++i) {
-        const Scalar* q = qf + i * ld_qf;
+        const Scalar* q = x + i * ld_x;
         decayed_row_scores(q, gates_.data(), r, kf_, ld_kf_, r, i0, i, &scores_(i, 0),
                            qdec_.data());
         scores_.row(i).segment(i + 1, n - i - 1).setZero();
       }
     }
-    rule_gemm<Scalar, false>(n, dv_, r, qs_.data(), r, S.data(), dv_, out, ld_out, Triangle::none,
-                             nullptr, prefetch);
-    rule_gemm<Scalar, true>(n, dv_, n, scores_.data(), ld_, v_, ld_v_, out, ld_out,
-                            Triangle::lower_lhs, divides ? inverse_.data() : nullptr, prefetch);
-    if (divides) divide_late_rows(out, ld_out, n, dv_, late_.data());
   }
+  [[nodiscard]] const Scalar* scores() const noexcept { return scores_.data(); }
+  [[nodiscard]] Index score_stride() const noexcept { return ld_; }
+  [[nodiscard]] const Scalar* state_rows() const noexcept { return qs_.data(); }
 
   /// The state absorbs the prepared chunk: S = diag(prod of the chunk's gates) S + sum_j
   /// (kf_j decayed to the chunk's end)^T v_j, z = z_{n-1} (z may be empty).

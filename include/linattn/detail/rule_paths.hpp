@@ -22,6 +22,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <type_traits>
 
 namespace linattn::detail {
 
@@ -61,11 +63,13 @@ void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, I
   // inputs; only when their channels are contiguous. Their first use, the gates' exponentials
   // in prepare(), otherwise waits on each row (it ran at a third of its in-cache speed for
   // 8 heads' gates in a [T, H r] buffer, d = 64, Zen 5).
+  // (GatedDelta's per-channel log_alpha likewise.)
   using GateRows = Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
-  const bool gate_rows = in.log_gate.cols > 1 && in.log_gate.col_stride == 1;
-  const GateRows log_gates(gate_rows ? in.log_gate.data : nullptr, gate_rows ? T : 0,
-                           gate_rows ? in.log_gate.cols : 0,
-                           Eigen::OuterStride<>(gate_rows ? in.log_gate.row_stride : 0));
+  const TokenArray<Scalar>& channel_gates = in.log_alpha.cols > 1 ? in.log_alpha : in.log_gate;
+  const bool gate_rows = channel_gates.cols > 1 && channel_gates.col_stride == 1;
+  const GateRows log_gates(gate_rows ? channel_gates.data : nullptr, gate_rows ? T : 0,
+                           gate_rows ? channel_gates.cols : 0,
+                           Eigen::OuterStride<>(gate_rows ? channel_gates.row_stride : 0));
   const auto chunks = [&](auto& kernel, const auto& prepare) {
     kernel.prefetch = &next_rows;
     for (Index first = 0; first < T; first += C) {
@@ -97,6 +101,22 @@ void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, I
     }
   };
   if constexpr (is_delta_rule<Rule>) {
+    if (in.log_alpha.cols > 1) {
+      // Per-channel log_alpha: only the plain forwards bind it (ChannelAlpha::taken); the
+      // saving forwards' observers keep DeltaChunks, and their binding refuses it.
+      if constexpr (std::is_same_v<Observer, NoChunkObserver>) {
+        ChannelDeltaChunk<Scalar> kernel(C, r, dv);
+        chunks(kernel, [&](auto& k, Index n, const Scalar* v, Index ld_v, Index first) {
+          k.prepare(n, kf.data(), r, v, ld_v, values_from(in.beta, first),
+                    TokenRows<Scalar>{in.log_alpha.data + first * in.log_alpha.row_stride,
+                                      in.log_alpha.row_stride},
+                    S);
+        });
+        return;
+      } else {
+        throw std::logic_error("linattn: a saving forward was given per-channel log_alpha");
+      }
+    }
     DeltaChunk<Scalar> kernel(C, r, dv);
     chunks(kernel, [&](auto& k, Index n, const Scalar* v, Index ld_v, Index first) {
       k.prepare(n, kf.data(), r, v, ld_v, values_from(in.beta, first),
@@ -174,11 +194,28 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
     const auto alpha = [&](Index t) {
       return in.log_alpha.empty() ? Scalar(1) : std::exp(in.log_alpha(t));
     };
+    const bool per_channel = in.log_alpha.cols > 1;
+    RowMatrix<Scalar> gates(per_channel ? block : 0, r);
     for (Index first = 0; first < T; first += block) {
       const Index n = std::min(block, T - first);
       map_rows<Scalar>(phi, Q, first, n, qf);
       map_rows<Scalar>(phi, K, first, n, kf);
       const auto [v, ld_v] = row_major_rows(V, first, n, v_buffer);
+      if (per_channel) {
+        // One token per sweep (DeltaRecurrence::channel_single), gates row by row as the
+        // per-channel gated chunk forms them (the same bits whatever the buffer's layout).
+        for (Index i = 0; i < n; ++i)
+          gates_from_logs(&in.log_alpha.data[(first + i) * in.log_alpha.row_stride], 1,
+                          gates.row(i).data(), r);
+        for (Index i = 0; i < n; ++i) {
+          const Index t = first + i;
+          if (i % 2 == 0) prefetch_next(t);
+          recurrence.channel_single(S, qf.row(i).data(), kf.row(i).data(), gates.row(i).data(),
+                                    v + i * ld_v, in.beta(t), out.row(t).data(), t % 2 != 0);
+          ++tokens;
+        }
+        continue;
+      }
       Index i = 0;
       for (; i + 1 < n; i += 2) {
         const Index t = first + i;
@@ -274,8 +311,13 @@ void rule_token(const Phi& phi, const Normalization& norm, RuleState<Rule, Scala
   auto& S = StateAccess::S(state);
   auto& tokens = StateAccess::tokens(state);
   if constexpr (is_delta_rule<Rule>) {
-    delta_token<Scalar>(S, scratch.prediction.data(), qf.data(), kf.data(), v.data(), in.beta,
-                        in.alpha, y.data(), tokens % 2 != 0);
+    if (in.per_channel)
+      channel_delta_token<Scalar>(S, scratch.prediction.data(), qf.data(), kf.data(),
+                                  scratch.gates.data(), scratch.z_next.data(), v.data(), in.beta,
+                                  y.data(), tokens % 2 != 0);
+    else
+      delta_token<Scalar>(S, scratch.prediction.data(), qf.data(), kf.data(), v.data(), in.beta,
+                          in.alpha, y.data(), tokens % 2 != 0);
     ++tokens;
   } else {
     GatedToken<Scalar> tk = step_token(scratch, in, v.data());
@@ -301,8 +343,12 @@ void rule_step_group(const Phi& phi, const Normalization& norm, RuleState<Rule, 
   phi.apply(k_row, kf);
   const bool reverse = tokens % 2 != 0;
   if constexpr (is_delta_rule<Rule>) {
-    delta_absorb<Scalar>(S, scratch.prediction.data(), kf.data(), v_row.data(), in.beta, in.alpha,
-                         reverse);
+    if (in.per_channel)
+      channel_delta_absorb<Scalar>(S, scratch.prediction.data(), kf.data(), scratch.gates.data(),
+                                   scratch.z_next.data(), v_row.data(), in.beta, reverse);
+    else
+      delta_absorb<Scalar>(S, scratch.prediction.data(), kf.data(), v_row.data(), in.beta,
+                           in.alpha, reverse);
   } else {
     auto& z = StateAccess::z(state);
     GatedToken<Scalar> tk = step_token(scratch, in, v_row.data());

@@ -112,7 +112,7 @@ template <class Scalar>
 struct TokenInputs {
   TokenArray<Scalar> log_gate;   // Gated: T x 1 (one gate per token) or T x r (per channel)
   TokenArray<Scalar> beta;       // Delta, GatedDelta: T x 1
-  TokenArray<Scalar> log_alpha;  // GatedDelta: T x 1
+  TokenArray<Scalar> log_alpha;  // GatedDelta: T x 1, or T x r (per channel, Kimi Delta Attention)
   Scalar constant_log_gate = 0;  // Decay: log(gamma)
   RowMatrix<Scalar> copies[2];   // owned copies of inputs that could not be read in place
 
@@ -131,33 +131,52 @@ void bind_vector(const Eigen::MatrixBase<D>& x, Index T, const char* what,
   array = bind_array<Scalar>(x, T, 1, copy);
 }
 
+/// Gates given as logs, one per token (T x 1, or a 1 x T row) or one per feature channel
+/// (T x r), bound into `array` with each token's channels contiguous (the kernels read a token's
+/// per-channel gates as one row); ShapeError names `what`.
+template <class Scalar, class D>
+void bind_gates(const Eigen::MatrixBase<D>& g, Index T, Index r, const char* what,
+                TokenArray<Scalar>& array, RowMatrix<Scalar>& copy) {
+  // One gate per token may also come as a row (1 x T, T > 1): per-channel gates have T rows.
+  const bool row_of_gates = T > 1 && g.rows() == 1 && g.cols() == T;
+  if (!row_of_gates && (g.rows() != T || !(g.cols() == 1 || g.cols() == r)))
+    throw_shape_error(what, " must be T x 1 (or 1 x T) or T x r = ", T, "x1 or ", T, "x", r,
+                      ", got ", shape_of(g));
+  array = bind_array<Scalar>(g, T, row_of_gates ? 1 : g.cols(), copy);
+  if (array.cols > 1 && array.col_stride != 1) {
+    copy = array.map();
+    array = {copy.data(), T, array.cols, array.cols, 1};
+  }
+}
+
+/// Whether a path takes GatedDelta's log_alpha per feature channel (T x r).
+enum class ChannelAlpha { refused, taken };
+
 /// Binds and validates the inputs of a call of T tokens with feature dim r for `rule` into
 /// `out`. `inputs` is the tuple of the caller's arguments (their count was checked at compile
-/// time). O(T r) to validate; nothing is copied unless it must be.
+/// time). Per-channel log_alpha is refused (ShapeError) unless the path takes it. O(T r) to
+/// validate; nothing is copied unless it must be.
 template <class Scalar, class Rule, class Tuple>
 void bind_token_inputs(const Rule& rule, const Tuple& inputs, Index T, Index r,
-                       TokenInputs<Scalar>& out) {
+                       TokenInputs<Scalar>& out,
+                       ChannelAlpha channel_alpha = ChannelAlpha::refused) {
+  static_cast<void>(channel_alpha);  // read by GatedDelta only
   if constexpr (Rule::kind == WriteKind::decay) {
     out.constant_log_gate = static_cast<Scalar>(std::log(rule.gamma()));
   } else if constexpr (Rule::kind == WriteKind::gated) {
-    const auto& g = std::get<0>(inputs);
-    // One gate per token may also come as a row (1 x T, T > 1): per-channel gates have T rows.
-    const bool row_of_gates = T > 1 && g.rows() == 1 && g.cols() == T;
-    if (!row_of_gates && (g.rows() != T || !(g.cols() == 1 || g.cols() == r)))
-      throw_shape_error("log-gates must be T x 1 (or 1 x T) or T x r = ", T, "x1 or ", T, "x", r,
-                        ", got ", shape_of(g));
-    out.log_gate = bind_array<Scalar>(g, T, row_of_gates ? 1 : g.cols(), out.copies[0]);
-    // The kernels read a token's per-channel gates as one contiguous row.
-    if (out.log_gate.cols > 1 && out.log_gate.col_stride != 1) {
-      out.copies[0] = out.log_gate.map();
-      out.log_gate = {out.copies[0].data(), T, out.log_gate.cols, out.log_gate.cols, 1};
-    }
+    bind_gates(std::get<0>(inputs), T, r, "log-gates", out.log_gate, out.copies[0]);
     check_log_gates(out.log_gate, "a log-gate");
   } else if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta) {
     bind_vector(std::get<0>(inputs), T, "beta", out.beta, out.copies[0]);
     check_betas(out.beta);
     if constexpr (Rule::kind == WriteKind::gated_delta) {
-      bind_vector(std::get<1>(inputs), T, "log_alpha", out.log_alpha, out.copies[1]);
+      bind_gates(std::get<1>(inputs), T, r, "log_alpha", out.log_alpha, out.copies[1]);
+      if (out.log_alpha.cols > 1 && channel_alpha == ChannelAlpha::refused)
+        throw_shape_error(
+            "per-channel log_alpha (T x r, Kimi Delta Attention) is taken by RuleAttention's "
+            "forward calls only so far (parallel, prefill, recurrent, step); this call needs "
+            "one log_alpha per token (T x 1), got ",
+            T, "x", out.log_alpha.cols);
       check_log_gates(out.log_alpha, "log_alpha");
     }
   } else {
@@ -173,8 +192,9 @@ template <class T>
 concept StepInput = std::is_arithmetic_v<std::remove_cvref_t<T>> ||
                     requires(const T& x) { []<class D>(const Eigen::MatrixBase<D>&) {}(x); };
 
-/// The inputs of one decode step: the gates g = exp(log_gate) as r values (written into the
-/// state's 1 x r `gates` row; all equal, and per_channel false, for one gate) and beta, alpha.
+/// The inputs of one decode step: the gates g = exp(log_gate) (Gated) or exp(log_alpha)
+/// (GatedDelta) as r values (written into the state's 1 x r `gates` row; all equal, and
+/// per_channel false, for one gate) and beta, alpha (GatedDelta's gate when it is one number).
 template <class Scalar>
 struct StepInputs {
   Scalar beta = 1;
@@ -194,46 +214,55 @@ inline double checked_beta(double b) {
   return b;
 }
 
+/// One step's gates from their logs: a number, or a vector of length 1 or r = gates.cols(),
+/// validated (`name` names the input in shape errors, `what` one value in range errors) before
+/// any is written, as exp into `gates` (all equal for one gate). Returns whether they are per
+/// channel.
+template <class Scalar, class G>
+bool bind_step_gates(const G& g, const char* name, const char* what, RowMatrix<Scalar>& gates) {
+  const Index r = gates.cols();
+  if constexpr (std::is_arithmetic_v<G>) {
+    gates.setConstant(
+        static_cast<Scalar>(std::exp(checked_log_gate(static_cast<double>(g), what))));
+    return false;
+  } else {
+    static_assert(StepInput<G>, "a step's gates are a number or an Eigen vector of log-gates");
+    if (!(g.rows() == 1 || g.cols() == 1) || !(g.size() == 1 || g.size() == r))
+      throw_shape_error("a step's ", name, " must be a number or a vector of length 1 or r = ",
+                        r, ", got ", shape_of(g));
+    // Validate every gate before writing any (the row is the state's scratch either way).
+    for (Index c = 0; c < g.size(); ++c)
+      checked_log_gate(static_cast<double>(g.rows() == 1 ? g(0, c) : g(c, 0)), what);
+    for (Index c = 0; c < g.size(); ++c)
+      gates(0, c) = std::exp(static_cast<Scalar>(g.rows() == 1 ? g(0, c) : g(c, 0)));
+    if (g.size() == 1) gates.setConstant(gates(0, 0));
+    return g.size() > 1;
+  }
+}
+
 /// Binds and validates one step's inputs for `rule`: gates into `gates` (1 x r; Decay: gamma),
 /// beta and alpha returned. Allocates nothing. Throws before anything changes.
 template <class Scalar, class Rule, class... In>
 StepInputs<Scalar> bind_step_inputs(const Rule& rule, RowMatrix<Scalar>& gates, const In&... in) {
   StepInputs<Scalar> out;
-  const Index r = gates.cols();
   if constexpr (Rule::kind == WriteKind::decay) {
     gates.setConstant(static_cast<Scalar>(rule.gamma()));
   } else if constexpr (Rule::kind == WriteKind::gated) {
-    const auto& g = std::get<0>(std::forward_as_tuple(in...));
-    using G = std::remove_cvref_t<decltype(g)>;
-    if constexpr (std::is_arithmetic_v<G>) {
-      gates.setConstant(static_cast<Scalar>(
-          std::exp(checked_log_gate(static_cast<double>(g), "a log-gate"))));
-    } else {
-      if (!(g.rows() == 1 || g.cols() == 1) || !(g.size() == 1 || g.size() == r))
-        throw_shape_error("a step's log-gates must be a number or a vector of length 1 or r = ",
-                          r, ", got ", shape_of(g));
-      // Validate every gate before writing any (the row is the state's scratch either way).
-      for (Index c = 0; c < g.size(); ++c)
-        checked_log_gate(static_cast<double>(g.rows() == 1 ? g(0, c) : g(c, 0)), "a log-gate");
-      for (Index c = 0; c < g.size(); ++c)
-        gates(0, c) = std::exp(static_cast<Scalar>(g.rows() == 1 ? g(0, c) : g(c, 0)));
-      if (g.size() == 1) gates.setConstant(gates(0, 0));
-      out.per_channel = g.size() > 1;
-    }
+    out.per_channel = bind_step_gates(std::get<0>(std::forward_as_tuple(in...)), "log-gates",
+                                      "a log-gate", gates);
   } else if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta) {
     const auto all = std::forward_as_tuple(in...);
     using B = std::remove_cvref_t<std::tuple_element_t<0, decltype(all)>>;
-    static_assert(std::is_arithmetic_v<B>, "a delta-rule step takes beta (and log_alpha) as numbers");
+    static_assert(std::is_arithmetic_v<B>,
+                  "a delta-rule step takes beta as a number (and log_alpha as a number or a "
+                  "length-r vector)");
     out.beta = static_cast<Scalar>(checked_beta(static_cast<double>(std::get<0>(all))));
     if constexpr (Rule::kind == WriteKind::gated_delta) {
-      using A = std::remove_cvref_t<std::tuple_element_t<1, decltype(all)>>;
-      static_assert(std::is_arithmetic_v<A>, "a delta-rule step takes beta (and log_alpha) as numbers");
-      out.alpha = static_cast<Scalar>(
-          std::exp(checked_log_gate(static_cast<double>(std::get<1>(all)), "log_alpha")));
+      out.per_channel = bind_step_gates(std::get<1>(all), "log_alpha", "log_alpha", gates);
+      if (!out.per_channel) out.alpha = gates(0, 0);
     }
   } else {
     static_cast<void>(rule);
-    static_cast<void>(r);
   }
   return out;
 }
