@@ -126,15 +126,20 @@ RuleReference naive_gated(const MQ& Q, const MK& K, const MV& V, const MG& log_g
 }
 
 /// (Gated) delta rule by its recurrence, literally: S_t = alpha_t (I - beta_t k k^T) S_{t-1} +
-/// beta_t k v_t^T with k = phi(k_t), y_t = S_t^T phi(q_t). `log_alpha` empty means alpha = 1.
+/// beta_t k v_t^T with k = phi(k_t), y_t = S_t^T phi(q_t). `log_alpha` empty means alpha = 1;
+/// with r columns it holds per-channel gates (Kimi Delta Attention): S_t = (I - beta_t k k^T)
+/// diag(alpha_t) S_{t-1} + beta_t k v_t^T.
 ///
 /// Error allowance: with |k| = 1, alpha in (0, 1] and beta in [0, 2] the map S -> alpha (I -
-/// beta k k^T) S has 2-norm <= 1, so rounding errors made at earlier steps are not amplified
-/// and add up. One step (recurrent: dot products over r features; chunked: the same plus sums
-/// over at most `chunk` earlier tokens of the chunk in the triangular solve and the read)
-/// perturbs S by at most about (r + chunk + 4) u max(1, beta_t) (|S_{t-1}|_F + |v_t|) in
-/// Frobenius norm (its terms beta k k^T S and beta k v^T grow with beta); we allow twice that,
-/// summed over the steps so far, times |phi(q_t)|.
+/// beta k k^T) S (or (I - beta k k^T) diag(alpha) S) has 2-norm <= 1, so rounding errors made
+/// at earlier steps are not amplified and add up. One step (recurrent: dot products over r
+/// features; chunked: the same plus sums over at most `chunk` earlier tokens of the chunk in
+/// the triangular solve and the read) perturbs S by at most about (r + chunk + 4) u
+/// max(1, beta_t) (|S_{t-1}|_F + |v_t|) in Frobenius norm (its terms beta k k^T S and beta k v^T
+/// grow with beta); we allow twice that, summed over the steps so far, times |phi(q_t)|.
+/// Per-channel gates add, per term of the chunk's products, a product of at most `chunk` gates
+/// per channel, each gate rounded by its exp and by a multiply: (2 chunk + 2) u relative,
+/// allowed twice as well.
 template <class MQ, class MK, class MV, class VB, class VA>
 RuleReference naive_delta(const MQ& Q, const MK& K, const MV& V, const VB& beta,
                           const VA& log_alpha, Phi phi, Index chunk) {
@@ -144,16 +149,24 @@ RuleReference naive_delta(const MQ& Q, const MK& K, const MV& V, const VB& beta,
   const Index r = features(K.row(0), phi).size();
   Eigen::MatrixXd S = Eigen::MatrixXd::Zero(r, dv);
   double budget = 0;
-  const double per_step = 2.0 * double(r + std::min(chunk, T) + 4);
+  const bool per_channel = log_alpha.size() > 0 && log_alpha.cols() > 1;
+  const Index c = std::min(chunk, T);
+  const double per_step = 2.0 * double(r + c + 4) + (per_channel ? 2.0 * double(2 * c + 2) : 0.0);
   for (Index t = 0; t < T; ++t) {
     const Eigen::VectorXd k = features(K.row(t), phi).transpose();
     const Eigen::VectorXd q = features(Q.row(t), phi).transpose();
     const Eigen::VectorXd v = V.row(t).template cast<double>().transpose();
     const double b = double(beta(t));
-    const double alpha = log_alpha.size() > 0 ? std::exp(double(log_alpha(t))) : 1.0;
     budget += per_step * std::max(1.0, b) * (S.norm() + v.norm());
     const Eigen::MatrixXd A = Eigen::MatrixXd::Identity(r, r) - b * k * k.transpose();
-    S = alpha * (A * S) + b * k * v.transpose();
+    if (per_channel) {
+      const Eigen::VectorXd alpha =
+          log_alpha.row(t).template cast<double>().transpose().array().exp().matrix();
+      S = A * (alpha.asDiagonal() * S) + b * k * v.transpose();
+    } else {
+      const double alpha = log_alpha.size() > 0 ? std::exp(double(log_alpha(t, 0))) : 1.0;
+      S = alpha * (A * S) + b * k * v.transpose();
+    }
     ref.y.row(t) = (S.transpose() * q).transpose();
     ref.allowed_units.row(t).setConstant(budget * q.norm());
   }

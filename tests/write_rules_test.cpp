@@ -11,6 +11,9 @@
 #include <limits>
 #include <linattn/attention.hpp>
 #include <linattn/feature_maps.hpp>
+#include <linattn/multihead.hpp>
+#include <linattn/rule_gradients.hpp>
+#include <linattn/rule_saved_forward.hpp>
 #include <linattn/write_rules.hpp>
 #include <string>
 #include <tuple>
@@ -307,6 +310,102 @@ TEMPLATE_TEST_CASE("Delta and GatedDelta: WY chunks, recurrent and step agree wi
   }
 }
 
+TEMPLATE_TEST_CASE(
+    "GatedDelta with per-channel log_alpha (Kimi Delta Attention): chunks, recurrent, steps and "
+    "grouped calls agree with the recurrence",
+    "[delta][kda][agree]", float, double) {
+  // Gates per channel in [lo, 0): mild, and strong enough that a chunk's products underflow in
+  // float (exp(-40 * 16) is 0), where nothing may overflow or turn NaN.
+  for (const double lo : {-0.5, -40.0}) {
+    for (const Shape& s : shapes) {
+      CAPTURE(lo, s.T, s.dk, s.dv);
+      const auto Q = random_matrix<TestType>(s.T, s.dk, 141 + s.T);
+      const auto Q2 = random_matrix<TestType>(s.T, s.dk, 146 + s.T);
+      const auto K = random_matrix<TestType>(s.T, s.dk, 142 + s.T);
+      const auto V = random_matrix<TestType>(s.T, s.dv, 143 + s.T);
+      const RowMatrix<TestType> la = log_gates<TestType>(s.T, s.dk, 145 + s.T, lo);
+      for (const double top : {1.0, 2.0}) {
+        ColVector<TestType> beta = betas<TestType>(s.T, 144 + s.T, top);
+        if (top > 1 && s.T > 1) beta(s.T / 2) = TestType(2);
+        for (Index chunk : chunks) {
+          CAPTURE(top, chunk);
+          const auto ref = naive_delta(Q, K, V, beta, la, PhiKind::l2_normalize, chunk);
+          const auto ref2 = naive_delta(Q2, K, V, beta, la, PhiKind::l2_normalize, chunk);
+          const RuleAttention<L2Normalize, GatedDelta, TestType> kda(L2Normalize{}, GatedDelta{},
+                                                                     raw(chunk));
+          const RowMatrix<TestType> y = kda.parallel(Q, K, V, beta, la, Mask::causal);
+          CHECK(y.allFinite());
+          CHECK(worst_ratio<TestType>(y, ref) <= 1);
+          // Two query heads over one state: head 0 has the single-head bits.
+          RowMatrix<TestType> y0(s.T, s.dv), y1(s.T, s.dv);
+          const std::vector<ConstRowsView<TestType>> heads{
+              ConstRowsView<TestType>(Q.data(), s.T, s.dk, Eigen::OuterStride<>(s.dk)),
+              ConstRowsView<TestType>(Q2.data(), s.T, s.dk, Eigen::OuterStride<>(s.dk))};
+          const std::vector<RowsView<TestType>> outs{
+              RowsView<TestType>(y0.data(), s.T, s.dv, Eigen::OuterStride<>(s.dv)),
+              RowsView<TestType>(y1.data(), s.T, s.dv, Eigen::OuterStride<>(s.dv))};
+          kda.parallel_into(heads, K, V, beta, la, Mask::causal, outs);
+          CHECK(y0 == y);
+          CHECK(worst_ratio<TestType>(y1, ref2) <= 1);
+          if (chunk != 1) continue;
+          // The paths that do not chunk, once per shape.
+          CHECK(worst_ratio<TestType>(kda.recurrent(Q, K, V, beta, la), ref) <= 1);
+          const auto ys = stepped(kda, Q, K, V, [&](auto& st, Index t) {
+            return kda.step(st, Q.row(t), K.row(t), V.row(t), beta(t), la.row(t));
+          });
+          CHECK(worst_ratio<TestType>(ys, ref) <= 1);
+          // The grouped step absorbs once, then reads each head.
+          auto st = kda.make_state(s.dk, s.dv);
+          RowMatrix<TestType> g0(s.T, s.dv), g1(s.T, s.dv);
+          for (Index t = 0; t < s.T; ++t) {
+            const std::vector<ConstRowsView<TestType>> q{
+                ConstRowsView<TestType>(Q.row(t).data(), 1, s.dk, Eigen::OuterStride<>(s.dk)),
+                ConstRowsView<TestType>(Q2.row(t).data(), 1, s.dk, Eigen::OuterStride<>(s.dk))};
+            const std::vector<RowsView<TestType>> o{
+                RowsView<TestType>(g0.row(t).data(), 1, s.dv, Eigen::OuterStride<>(s.dv)),
+                RowsView<TestType>(g1.row(t).data(), 1, s.dv, Eigen::OuterStride<>(s.dv))};
+            kda.step_into(st, q, K.row(t), V.row(t), beta(t), la.row(t), o);
+          }
+          CHECK(worst_ratio<TestType>(g0, ref) <= 1);
+          CHECK(worst_ratio<TestType>(g1, ref2) <= 1);
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("per-channel log_alpha: equal channels are one log_alpha per token, zeros are Delta",
+                   "[delta][kda][reduce]", float, double) {
+  // Different kernels (the per-channel chunk against the scalar-gated one and Delta's), so the
+  // results agree to rounding: each against the same reference within its allowance, and the
+  // two within the sum of both allowances.
+  const Index T = 97, dk = 8, dv = 6, chunk = 16;
+  const auto qkv = random_qkv<TestType>(T, dk, dv, 151);
+  const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
+  const auto beta = betas<TestType>(T, 152, 2.0);
+  const ColVector<TestType> one = log_gates<TestType>(T, 1, 153, -0.4).col(0);
+  const RowMatrix<TestType> spread = one.replicate(1, dk);
+  const RuleAttention<L2Normalize, GatedDelta, TestType> kda(L2Normalize{}, GatedDelta{},
+                                                             raw(chunk));
+  const RuleAttention<L2Normalize, Delta, TestType> delta(L2Normalize{}, Delta{}, raw(chunk));
+  const auto ref = naive_delta(Q, K, V, beta, one, PhiKind::l2_normalize, chunk);
+  const auto ref_channels = naive_delta(Q, K, V, beta, spread, PhiKind::l2_normalize, chunk);
+  const RowMatrix<TestType> y_one = kda.parallel(Q, K, V, beta, one, Mask::causal);
+  const RowMatrix<TestType> y_spread = kda.parallel(Q, K, V, beta, spread, Mask::causal);
+  CHECK(worst_ratio<TestType>(y_one, ref) <= 1);
+  CHECK(worst_ratio<TestType>(y_spread, ref_channels) <= 1);
+  const double u = linattn_test::unit_roundoff<TestType>();
+  const linattn_test::MatrixXdR allowed = (ref.allowed_units + ref_channels.allowed_units) * u;
+  CHECK(((y_one.template cast<double>() - y_spread.template cast<double>()).cwiseAbs().array() <=
+         allowed.array())
+            .all());
+  const RowMatrix<TestType> zeros = RowMatrix<TestType>::Zero(T, dk);
+  const auto ref_delta = naive_delta(Q, K, V, beta, zeros, PhiKind::l2_normalize, chunk);
+  CHECK(worst_ratio<TestType>(kda.parallel(Q, K, V, beta, zeros, Mask::causal), ref_delta) <= 1);
+  CHECK(worst_ratio<TestType>(delta.parallel(Q, K, V, beta, Mask::causal), ref_delta) <= 1);
+  CHECK(worst_ratio<TestType>(kda.recurrent(Q, K, V, beta, zeros), ref_delta) <= 1);
+}
+
 TEMPLATE_TEST_CASE("a sequence in pieces equals one call for every rule: prefill then decode",
                    "[state]", float, double) {
   const Index T = 203, dk = 16, dv = 8, chunk = 32;
@@ -383,6 +482,25 @@ TEMPLATE_TEST_CASE("a sequence in pieces equals one call for every rule: prefill
         },
         [&](auto& st, Index t) {
           return attn.step(st, Q.row(t), K.row(t), V.row(t), beta(t), la(t));
+        });
+    CHECK(worst_ratio<TestType>(y, ref) <= 1);
+  }
+  SECTION("GatedDelta per channel") {
+    const RuleAttention<L2Normalize, GatedDelta, TestType> attn(L2Normalize{}, GatedDelta{},
+                                                                raw(chunk));
+    const auto LA = log_gates<TestType>(T, dk, 57, -0.3);
+    const auto ref = naive_delta(Q, K, V, beta, LA, PhiKind::l2_normalize, chunk);
+    const auto y = pieces(
+        attn,
+        [&](auto& st, auto q, auto k, auto v, Index first, Index n, bool rec) {
+          auto b = beta.segment(first, n);
+          auto a = LA.middleRows(first, n);
+          return rec ? attn.recurrent(st, q, k, v, b, a) : attn.prefill(st, q, k, v, b, a);
+        },
+        [&](auto& st, Index t) {
+          // A step's per-channel gates as a column.
+          const ColVector<TestType> a = LA.row(t).transpose();
+          return attn.step(st, Q.row(t), K.row(t), V.row(t), beta(t), a);
         });
     CHECK(worst_ratio<TestType>(y, ref) <= 1);
   }
@@ -600,7 +718,27 @@ TEMPLATE_TEST_CASE("invalid rule parameters and input shapes are rejected before
                     Contains("log_alpha") && Contains("token 5"));
   CHECK_THROWS_AS(gdelta.step(dstate, Q.row(0), K.row(0), V.row(0), 0.5, 0.1),
                   std::invalid_argument);
+  // Per channel (T x r): a gate out of range names token and channel; a width other than 1 or
+  // r, and a step's vector of another length, are shape errors.
+  RowMatrix<TestType> LA = RowMatrix<TestType>::Constant(T, dk, -0.1);
+  LA(4, 2) = TestType(0.3);
+  CHECK_THROWS_WITH(gdelta.prefill(dstate, Q, K, V, ColVector<TestType>::Ones(T), LA),
+                    Contains("log_alpha") && Contains("token 4") && Contains("channel 2"));
+  LA(4, 2) = std::numeric_limits<TestType>::quiet_NaN();
+  CHECK_THROWS_AS(gdelta.recurrent(dstate, Q, K, V, ColVector<TestType>::Ones(T), LA),
+                  std::invalid_argument);
+  CHECK_THROWS_WITH(gdelta.prefill(dstate, Q, K, V, ColVector<TestType>::Ones(T),
+                                   RowMatrix<TestType>::Zero(T, 2)),
+                    Contains("log_alpha") && Contains("6x2"));
+  CHECK_THROWS_AS(gdelta.step(dstate, Q.row(0), K.row(0), V.row(0), 0.5,
+                              ColVector<TestType>::Zero(3)),
+                  ShapeError);
+  ColVector<TestType> step_gates = ColVector<TestType>::Constant(dk, -0.1);
+  step_gates(1) = TestType(0.5);
+  CHECK_THROWS_WITH(gdelta.step(dstate, Q.row(0), K.row(0), V.row(0), 0.5, step_gates),
+                    Contains("log_alpha") && Contains("channel 1"));
   CHECK(dstate.S().isZero());
+  CHECK(dstate.tokens() == 0);
 
   // Shapes: K/V rows, output, state.
   const RuleAttention<EluPlusOne, Decay, TestType> decay(EluPlusOne{}, Decay(0.9));
@@ -625,6 +763,42 @@ TEMPLATE_TEST_CASE("invalid rule parameters and input shapes are rejected before
   CHECK_THROWS_AS((RuleAttention<EluPlusOne, Decay, TestType>(EluPlusOne{}, Decay(0.9),
                                                                Options{{}, 0})),
                   std::invalid_argument);
+}
+
+TEST_CASE("per-channel log_alpha: the paths that do not take it yet refuse it, naming it",
+          "[delta][kda][errors]") {
+  // The gradients, the saving forwards (and so MPI's, which bind the same way) and the
+  // multi-head layer take one log_alpha per token so far; a T x r log_alpha must not reach
+  // their kernels, which would read its first channel only.
+  using Catch::Matchers::Contains;
+  const Index T = 5, dk = 4, dv = 3;
+  const auto qkv = random_qkv<double>(T, dk, dv, 161);
+  const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
+  const ColVector<double> beta = ColVector<double>::Constant(T, 0.5);
+  const RowMatrix<double> LA = RowMatrix<double>::Constant(T, dk, -0.2);
+  const RowMatrix<double> dY = RowMatrix<double>::Ones(T, dv);
+  const RuleAttention<L2Normalize, GatedDelta, double> kda(L2Normalize{}, GatedDelta{});
+  CHECK_THROWS_WITH(parallel_backward(kda, Q, K, V, beta, LA, Mask::causal, dY),
+                    Contains("per-channel log_alpha"));
+  auto state = kda.make_state(dk, dv);
+  CHECK_THROWS_AS(prefill_backward(kda, state, Q, K, V, beta, LA, dY), ShapeError);
+  RowMatrix<double> Y(T, dv);
+  SavedForward<double> saved;
+  CHECK_THROWS_WITH(parallel_saving_into(kda, Q, K, V, beta, LA, Mask::causal, Y, saved),
+                    Contains("per-channel log_alpha"));
+  CHECK_THROWS_AS(prefill_saving_into(kda, state, Q, K, V, beta, LA, Y, saved), ShapeError);
+  CHECK(state.tokens() == 0);
+  // The layer's per-token views are [B, T, H_v, 1] for the delta rules.
+  const MultiHeadAttention<RuleAttention<L2Normalize, GatedDelta, double>> layer({1, 1, dk, dv});
+  using View = TensorView<const double>;
+  RowMatrix<double> out(T, dv);
+  CHECK_THROWS_AS(layer.parallel_into(View::batch_first(Q.data(), 1, T, 1, dk),
+                                      View::batch_first(K.data(), 1, T, 1, dk),
+                                      View::batch_first(V.data(), 1, T, 1, dv),
+                                      View::batch_first(beta.data(), 1, T, 1, 1),
+                                      View::batch_first(LA.data(), 1, T, 1, dk), Mask::causal,
+                                      TensorView<double>::batch_first(out.data(), 1, T, 1, dv)),
+                  ShapeError);
 }
 
 TEMPLATE_TEST_CASE("Decay reads through the Normalization policy", "[decay][errors]", float,
@@ -912,6 +1086,34 @@ TEMPLATE_TEST_CASE("every rule and entry point takes its per-token inputs in any
     check_same_results(
         every_entry_point(attn, Q, Q2, K, V, std::forward_as_tuple(beta_s, alpha_o),
                           [&](Index t) { return std::make_tuple(beta_s(t), alpha_o(t)); }),
+        a);
+  }
+  SECTION("GatedDelta, log_alpha per channel") {
+    const RuleAttention<L2Normalize, GatedDelta, Scalar> attn(L2Normalize{}, GatedDelta{}, raw);
+    RowMatrix<float> base_r = linattn_test::uniform_matrix<float>(T, r, 2007, 0.0, 1.0);
+    base_r *= -0.25f;
+    const Mat A = base_r.cast<Scalar>();                                    // in place
+    const RowMatrix<Other> A_o = base_r.cast<Other>();                      // copied
+    const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> A_col = A;  // strided rows
+    Mat padded = Mat::Zero(T, r + 3);
+    padded.middleCols(2, r) = A;
+    const Eigen::Map<const Mat, Eigen::Unaligned, Eigen::OuterStride<>> A_s(
+        padded.data() + 2, T, r, Eigen::OuterStride<>(r + 3));  // strided
+    const auto a = every_entry_point(attn, Q, Q2, K, V, std::forward_as_tuple(beta, A),
+                                     [&](Index t) { return std::make_tuple(beta(t), A.row(t)); });
+    check_same_results(
+        every_entry_point(attn, Q, Q2, K, V, std::forward_as_tuple(beta_o, A_o),
+                          [&](Index t) { return std::make_tuple(beta_o(t), A_o.row(t)); }),
+        a);
+    check_same_results(
+        every_entry_point(attn, Q, Q2, K, V, std::forward_as_tuple(beta_s, A_col),
+                          [&](Index t) { return std::make_tuple(beta_s(t), A_col.row(t)); }),
+        a);
+    check_same_results(
+        every_entry_point(attn, Q, Q2, K, V, std::forward_as_tuple(beta, A_s),
+                          [&](Index t) {
+                            return std::make_tuple(beta(t), ColVector<Scalar>(A_s.row(t).transpose()));
+                          }),
         a);
   }
   SECTION("Decay and Additive (no per-token input)") {

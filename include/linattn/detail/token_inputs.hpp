@@ -231,8 +231,15 @@ bool bind_step_gates(const G& g, const char* name, const char* what, RowMatrix<S
       throw_shape_error("a step's ", name, " must be a number or a vector of length 1 or r = ",
                         r, ", got ", shape_of(g));
     // Validate every gate before writing any (the row is the state's scratch either way).
-    for (Index c = 0; c < g.size(); ++c)
-      checked_log_gate(static_cast<double>(g.rows() == 1 ? g(0, c) : g(c, 0)), what);
+    for (Index c = 0; c < g.size(); ++c) {
+      const double x = static_cast<double>(g.rows() == 1 ? g(0, c) : g(c, 0));
+      if (!(x <= 0.0) || !std::isfinite(x)) {
+        std::ostringstream os;
+        os << "linattn: " << what << " must be finite and <= 0 (a gate in (0, 1]), got " << x
+           << " at channel " << c << " of the step";
+        throw std::invalid_argument(os.str());
+      }
+    }
     for (Index c = 0; c < g.size(); ++c)
       gates(0, c) = std::exp(static_cast<Scalar>(g.rows() == 1 ? g(0, c) : g(c, 0)));
     if (g.size() == 1) gates.setConstant(gates(0, 0));
