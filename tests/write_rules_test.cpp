@@ -374,8 +374,9 @@ TEMPLATE_TEST_CASE(
   }
 }
 
-TEMPLATE_TEST_CASE("per-channel log_alpha: equal channels are one log_alpha per token, zeros are Delta",
-                   "[delta][kda][reduce]", float, double) {
+TEMPLATE_TEST_CASE(
+    "per-channel log_alpha: equal channels are one log_alpha per token, zeros are Delta",
+    "[delta][kda][reduce]", float, double) {
   // Different kernels (the per-channel chunk against the scalar-gated one and Delta's), so the
   // results agree to rounding: each against the same reference within its allowance, and the
   // two within the sum of both allowances.
@@ -1112,7 +1113,8 @@ TEMPLATE_TEST_CASE("every rule and entry point takes its per-token inputs in any
     check_same_results(
         every_entry_point(attn, Q, Q2, K, V, std::forward_as_tuple(beta, A_s),
                           [&](Index t) {
-                            return std::make_tuple(beta(t), ColVector<Scalar>(A_s.row(t).transpose()));
+                            return std::make_tuple(beta(t),
+                                                   ColVector<Scalar>(A_s.row(t).transpose()));
                           }),
         a);
   }

@@ -16,10 +16,11 @@
 /// Every entry point takes its arguments in one order:
 ///   [state,] Q, K, V, per-token inputs of the rule..., [mask,] [output]
 /// Per-token inputs: none (Additive, Decay), log-gates (Gated: T x 1 or T x r), beta (Delta:
-/// length T), beta then log_alpha (GatedDelta). They are read in place where they hold Scalar
-/// with direct access and validated before any state changes (std::invalid_argument naming
-/// the token). Inputs are any Eigen dense expressions, read in place; outputs are row-major
-/// Tq x dv (a block or strided Map of a larger buffer is fine). Shape errors throw ShapeError;
+/// length T), beta then log_alpha (GatedDelta: T x 1 or T x r). They are read in place where
+/// they hold Scalar with direct access and validated before any state changes
+/// (std::invalid_argument naming the token). Inputs are any Eigen dense expressions, read in
+/// place; outputs are row-major Tq x dv (a block or strided Map of a larger buffer is fine).
+/// Shape errors throw ShapeError;
 /// a state made by another attention throws StateMismatchError; denominators go through the
 /// Normalization policy (default: DenominatorError). All members are const and the object
 /// holds no scratch: one attention can serve many threads, each with its own states.

@@ -15,7 +15,9 @@
 ///                I - beta kf kf^T has eigenvalues 1 and 1 - beta in [-1, 1] and never
 ///                amplifies S; beta > 1 gives the negative eigenvalues of Grazzi et al. 2024)
 ///   GatedDelta   S_t = alpha_t (I - beta_t kf kf^T) S_{t-1} + beta_t kf v_t^T,
-///                alpha_t = exp(log_alpha_t) in (0, 1], beta_t in [0, 2] (Gated DeltaNet)
+///                alpha_t = exp(log_alpha_t) in (0, 1], beta_t in [0, 2] (Gated DeltaNet);
+///                or one alpha per feature channel (Kimi Delta Attention):
+///                S_t = (I - beta_t kf kf^T) diag(alpha_t) S_{t-1} + beta_t kf v_t^T
 ///
 /// Additive, Decay and Gated states are sums of kf v^T with positive weights, and z is decayed
 /// the same way, so the normalized read y = qf^T S / qf^T z (linear attention's weighted
@@ -116,7 +118,13 @@ struct Delta {
 };
 
 /// S = alpha_t (I - beta_t kf kf^T) S + beta_t kf v_t^T. Each call takes beta (length T, in
-/// [0, 2]) then log_alpha (length T, <= 0 and finite). Unnormalized read only.
+/// [0, 2]) then log_alpha (<= 0 and finite): T x 1 (or a length-T vector), one gate per token;
+/// or T x r, one gate per feature channel, S = (I - beta_t kf kf^T) diag(alpha_t) S +
+/// beta_t kf v_t^T (Kimi Delta Attention; the same rule when the channels are equal). A step
+/// takes log_alpha as a number or a length-r vector. Per-channel log_alpha is taken by
+/// RuleAttention's forward calls; the gradients, the saving forwards, MPI and the multi-head
+/// layer take one log_alpha per token so far and refuse T x r with a ShapeError. Unnormalized
+/// read only.
 struct GatedDelta {
   static constexpr WriteKind kind = WriteKind::gated_delta;
   static constexpr bool keeps_normalizer = false;
