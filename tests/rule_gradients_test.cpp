@@ -38,7 +38,8 @@ using VectorXd = Eigen::VectorXd;
 struct OracleIn {
   MatrixXdR qf, kf, V, dY;  // T x r, T x r, T x dv, T x dv
   MatrixXdR log_gate;       // T x 1 or T x r (Decay: T x 1 of log gamma); empty for delta rules
-  VectorXd beta, log_alpha; // delta rules (log_alpha empty for Delta)
+  VectorXd beta;            // delta rules
+  MatrixXdR log_alpha;      // GatedDelta: T x 1, or T x r per channel (empty for Delta)
   MatrixXdR S0, dS_T;       // r x dv
   VectorXd z0, dz_T;        // r (gated family)
   bool normalized = false;
@@ -47,7 +48,8 @@ struct OracleIn {
 
 struct OracleOut {
   MatrixXdR dqf, dkf, dV, d_log_gate, dS0;
-  VectorXd d_beta, d_log_alpha, dz0;
+  VectorXd d_beta, dz0;
+  MatrixXdR d_log_alpha;
   MatrixXdR S_T;  // the final state [S, z] (gated family) or S
   // Magnitude of the terms the gate gradient's cumulative sum adds (per token, per channel).
   MatrixXdR gate_terms;
@@ -126,34 +128,47 @@ OracleOut oracle(const OracleIn& in) {
         (St[T].array() * HT.array()).rowwise().sum().transpose().matrix();
     return out;
   }
+  // S' = diag(a_t) S_{t-1} (a_t: the token's gates, equal over the channels for one gate per
+  // token, 1 for Delta), e = v - S'^T k, S_t = S' + beta k e^T.
   std::vector<MatrixXdR> St(T + 1);
   St[0] = A(in.S0);
-  const auto alpha = [&](Index t) {
-    return in.log_alpha.size() == 0 ? 1.0 : std::exp(in.log_alpha(t));
+  const bool per_channel = in.log_alpha.cols() > 1;
+  const auto gates = [&](Index t) {
+    VectorXd a = VectorXd::Ones(r);
+    if (in.log_alpha.size() > 0)
+      for (Index m = 0; m < r; ++m) a(m) = std::exp(in.log_alpha(t, per_channel ? m : 0));
+    return a;
   };
   for (Index t = 0; t < T; ++t) {
-    const double a = alpha(t), b = std::abs(in.beta(t));
-    const Eigen::RowVectorXd p = kf.row(t) * St[t];
-    const Eigen::RowVectorXd e = V.row(t) + sign * a * p;
-    St[t + 1] = a * St[t] + b * kf.row(t).transpose() * e;
+    const double b = std::abs(in.beta(t));
+    const MatrixXdR Sp = gates(t).asDiagonal() * St[t];
+    const Eigen::RowVectorXd e = V.row(t) + sign * (kf.row(t) * Sp);
+    St[t + 1] = Sp + b * kf.row(t).transpose() * e;
   }
   out.S_T = St[T];
   MatrixXdR H = A(in.dS_T);
   out.d_beta.setZero(T);
-  out.d_log_alpha.setZero(T);
+  out.d_log_alpha.setZero(T, in.log_alpha.cols());
   for (Index t = T - 1; t >= 0; --t) {
-    const double a = alpha(t), b = in.beta(t);
+    const double b = in.beta(t);
+    const VectorXd a = gates(t);
     out.dqf.row(t) = (St[t + 1] * dY.row(t).transpose()).transpose();
     H += qf.row(t).transpose() * dY.row(t);
-    const Eigen::RowVectorXd p = kf.row(t) * St[t];
-    const Eigen::RowVectorXd e = V.row(t) + sign * a * p;
+    const MatrixXdR Sp = a.asDiagonal() * St[t];
+    const Eigen::RowVectorXd e = V.row(t) + sign * (kf.row(t) * Sp);
     const Eigen::RowVectorXd de = b * (kf.row(t) * H);
     out.dV.row(t) = de;
     out.d_beta(t) = kf.row(t).dot((H * e.transpose()).transpose());
-    out.d_log_alpha(t) = a * ((St[t].array() * H.array()).sum() + sign * p.dot(de));
-    const Eigen::RowVectorXd dp = sign * a * de;
-    out.dkf.row(t) = b * (H * e.transpose()).transpose() + (St[t] * dp.transpose()).transpose();
-    H = a * H + kf.row(t).transpose() * dp;
+    const Eigen::RowVectorXd dp = sign * de;  // the gradient of S'^T k
+    out.dkf.row(t) = b * (H * e.transpose()).transpose() + (Sp * dp.transpose()).transpose();
+    H += kf.row(t).transpose() * dp;  // now dLoss/dS'
+    // d log a_m = a_m dLoss/da_m = sum_c S'_mc (dLoss/dS')_mc.
+    const VectorXd d_log = (Sp.array() * H.array()).rowwise().sum();
+    if (per_channel)
+      out.d_log_alpha.row(t) = d_log.transpose();
+    else if (in.log_alpha.size() > 0)
+      out.d_log_alpha(t, 0) = d_log.sum();
+    H = a.asDiagonal() * H;
   }
   out.dS0 = H;
   return out;
@@ -172,7 +187,8 @@ struct Harness {
   using Vec = ColVector<Scalar>;
   Attn attn;
   M Q, K, V, WY, S0, WS, log_gate;
-  Vec z0, wz, beta, log_alpha;
+  Vec z0, wz, beta;
+  M log_alpha;  // T x 1, or T x r per channel
 
   typename Attn::State initial_state() const {
     auto st = attn.make_state(K.cols(), V.cols());
@@ -213,6 +229,7 @@ struct Harness {
 
 // Random inputs for a rule: Q, K, V ~ N(0, 1); log-gates uniform in [-2, 0) with the extremes
 // -30 (gate ~ 1e-13) and -1e-6 (gate ~ 1) planted; beta uniform in [0, 1] with 0 and 1 planted;
+// log_alpha in [-1, 0) with -30 and -1e-6 planted (per channel with `per_channel`: channel 0);
 // S0 ~ N(0, 1), z0 in [0.5, 1.5) (positive, so normalized reads stay defined).
 template <class Phi, class Rule, class Scalar>
 Harness<Phi, Rule, Scalar> make_harness(const Phi& phi, const Rule& rule, Normalization norm,
@@ -242,10 +259,10 @@ Harness<Phi, Rule, Scalar> make_harness(const Phi& phi, const Rule& rule, Normal
     h.beta(0) = 0;
     h.beta(T - 1) = 1;
   }
-  h.log_alpha = uniform_matrix<Scalar>(T, 1, seed + 10, -1.0, 0.0);
+  h.log_alpha = uniform_matrix<Scalar>(T, per_channel ? r : 1, seed + 10, -1.0, 0.0);
   if (T >= 3) {
-    h.log_alpha(1) = Scalar(-30);
-    h.log_alpha(2) = Scalar(-1e-6);
+    h.log_alpha(1, 0) = Scalar(-30);
+    h.log_alpha(2, 0) = Scalar(-1e-6);
   }
   return h;
 }
@@ -387,6 +404,33 @@ TEST_CASE("finite differences: every input of Delta and GatedDelta") {
   }
 }
 
+TEST_CASE("finite differences: every input of per-channel GatedDelta (Kimi Delta Attention)") {
+  for (const Shape s : kShapes) {
+    INFO("T = " << s.T << ", chunk " << s.chunk);
+    {
+      INFO("L2Normalize");
+      auto h = make_harness<L2Normalize, GatedDelta, double>(
+          L2Normalize{}, GatedDelta{}, Normalization::unnormalized(), s.T, 3, 2, s.chunk, true,
+          81);
+      check_all_inputs(h);
+    }
+    {
+      INFO("identity map");
+      auto h = make_harness<Identity, GatedDelta, double>(
+          Identity{}, GatedDelta{}, Normalization::unnormalized(), s.T, 3, 2, s.chunk, true, 82);
+      check_all_inputs(h);
+    }
+    {
+      INFO("L2Normalize, betas in [0, 2]");
+      auto h = make_harness<L2Normalize, GatedDelta, double>(
+          L2Normalize{}, GatedDelta{}, Normalization::unnormalized(), s.T, 3, 2, s.chunk, true,
+          83);
+      h.beta *= 2.0;
+      check_all_inputs(h);
+    }
+  }
+}
+
 namespace {
 
 // The oracle's inputs from a harness whose map is Identity (features = inputs) or EluPlusOne
@@ -505,6 +549,15 @@ void check_against_oracle(const Harness<Phi, Rule, double>& hd, bool elu, double
   }
   if constexpr (is_delta<Rule>) check_rounding("d beta", g.inputs.beta, ref.d_beta, mag.d_beta, units, u);
   if constexpr (Rule::kind == WriteKind::gated_delta) {
+    if (ref.d_log_alpha.cols() > 1) {
+      // Per channel the backward forms each d log_alpha_t,m = sum_c S'_mc H_mc from the
+      // token's own decayed state and state gradient, each within the bound relative to its
+      // magnitude (no sum over tokens): the entry's own magnitude bounds it (the two factors'
+      // relative errors add, within `units`, which counts every rounding twice).
+      check_rounding("d log_alpha", g.inputs.log_alpha, ref.d_log_alpha, mag.d_log_alpha, units,
+                     u);
+      return;
+    }
     // The chunked form splits d log_alpha_s into per-chunk terms (pairs of tokens of the chunk,
     // the state before it, the state after it) and sums them from the chunk's end: each such term
     // crosses at least one token of the chunk, so the chunk's total of the per-token magnitudes
@@ -512,7 +565,7 @@ void check_against_oracle(const Harness<Phi, Rule, double>& hd, bool elu, double
     VectorXd total(T);
     for (Index t = 0; t < T; ++t) {
       const Index first = t / C * C, n = std::min(C, T - first);
-      total(t) = mag.d_log_alpha.segment(first, n).sum();
+      total(t) = mag.d_log_alpha.col(0).segment(first, n).sum();
     }
     check_rounding("d log_alpha", g.inputs.log_alpha, ref.d_log_alpha, total, units, u);
   }
@@ -546,11 +599,15 @@ TEST_CASE("backward equals the reverse mode of the naive loop, double and float"
     delta.K /= 2.0;  // |k| about 1: I - beta k k^T about a contraction, the state stays O(1)
     check_against_oracle<double>(delta, false, unit_roundoff<double>());
     check_against_oracle<float>(delta, false, unit_roundoff<float>());
-    auto gated_delta = make_harness<Identity, GatedDelta, double>(
-        Identity{}, GatedDelta{}, Normalization::unnormalized(), T, dk, dv, chunk, false, 131);
-    gated_delta.K /= 2.0;
-    check_against_oracle<double>(gated_delta, false, unit_roundoff<double>());
-    check_against_oracle<float>(gated_delta, false, unit_roundoff<float>());
+    for (const bool per_channel : {false, true}) {
+      INFO((per_channel ? "gated delta per channel" : "gated delta"));
+      auto gated_delta = make_harness<Identity, GatedDelta, double>(
+          Identity{}, GatedDelta{}, Normalization::unnormalized(), T, dk, dv, chunk, per_channel,
+          131);
+      gated_delta.K /= 2.0;
+      check_against_oracle<double>(gated_delta, false, unit_roundoff<double>());
+      check_against_oracle<float>(gated_delta, false, unit_roundoff<float>());
+    }
   }
 }
 
@@ -647,8 +704,8 @@ TEST_CASE("segments: the state and its gradient carried between calls") {
     second.log_gate = h.log_gate.bottomRows(T - split);
     first.beta = h.beta.head(split);
     second.beta = h.beta.tail(T - split);
-    first.log_alpha = h.log_alpha.head(split);
-    second.log_alpha = h.log_alpha.tail(T - split);
+    first.log_alpha = h.log_alpha.topRows(split);
+    second.log_alpha = h.log_alpha.bottomRows(T - split);
     // The second segment starts from the state the first one leaves.
     auto st = first.initial_state();
     first.with_inputs([&](const auto&... in) {
@@ -682,8 +739,8 @@ TEST_CASE("segments: the state and its gradient carried between calls") {
       CHECK(near(g2.inputs.beta, whole.inputs.beta.tail(T - split)));
     }
     if (whole.inputs.log_alpha.size() > 0) {
-      CHECK(near(g1.inputs.log_alpha, whole.inputs.log_alpha.head(split)));
-      CHECK(near(g2.inputs.log_alpha, whole.inputs.log_alpha.tail(T - split)));
+      CHECK(near(g1.inputs.log_alpha, whole.inputs.log_alpha.topRows(split)));
+      CHECK(near(g2.inputs.log_alpha, whole.inputs.log_alpha.bottomRows(T - split)));
     }
   };
   run(make_harness<EluPlusOne, Gated, double>(EluPlusOne{}, Gated{}, Normalization::strict(), T,
@@ -696,6 +753,10 @@ TEST_CASE("segments: the state and its gradient carried between calls") {
                                                     Normalization::unnormalized(), T, dk, dv, 4,
                                                     false, 191),
       "gated delta");
+  run(make_harness<L2Normalize, GatedDelta, double>(L2Normalize{}, GatedDelta{},
+                                                    Normalization::unnormalized(), T, dk, dv, 4,
+                                                    true, 192),
+      "gated delta per channel");
 }
 
 TEST_CASE("rule backward: errors") {
@@ -756,6 +817,20 @@ TEST_CASE("parallel_backward equals prefill_backward from an empty state") {
   CHECK(pd.Q == qd.Q);
   CHECK(pd.inputs.beta == qd.inputs.beta);
   CHECK(pd.inputs.log_alpha == qd.inputs.log_alpha);
+  auto kd = make_harness<L2Normalize, GatedDelta, double>(
+      L2Normalize{}, GatedDelta{}, Normalization::unnormalized(), T, dk, dv, 4, true, 222);
+  const auto pk = parallel_backward(kd.attn, kd.Q, kd.K, kd.V, kd.beta, kd.log_alpha,
+                                    Mask::causal, kd.WY);
+  kd.S0.setZero();
+  kd.WS.setZero();
+  const auto qk = kd.gradients();
+  CHECK(pk.Q == qk.Q);
+  CHECK(pk.K == qk.K);
+  CHECK(pk.V == qk.V);
+  CHECK(pk.inputs.beta == qk.inputs.beta);
+  CHECK(pk.inputs.log_alpha == qk.inputs.log_alpha);
+  CHECK(pk.inputs.log_alpha.cols() == dk);  // L2Normalize: r = dk
+  CHECK(pk.initial.S == qk.initial.S);
   const RuleAttention<EluPlusOne, Decay, double> decay(EluPlusOne{}, Decay(0.5));
   const auto dd = parallel_backward(decay, h.Q, h.K, h.V, Mask::causal, h.WY);
   CHECK(dd.inputs.log_gate.size() == 0);

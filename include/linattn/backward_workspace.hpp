@@ -30,6 +30,7 @@
 /// Not shared between calls at once: two concurrent calls need two workspaces.
 
 #include <linattn/detail/backward_chunked.hpp>
+#include <linattn/detail/channel_delta_backward.hpp>
 #include <linattn/detail/delta_backward.hpp>
 #include <linattn/detail/gated_backward.hpp>
 #include <linattn/detail/saved_forward_data.hpp>
@@ -55,6 +56,7 @@ struct BackwardBuffers {
   DeltaSavedStates<Scalar> delta;                           // Delta, GatedDelta: rebuilt data
   DeltaForwardScratch<Scalar> delta_forward;                // their forward kernel (pass 1)
   std::optional<DeltaBackwardScratch<Scalar>> delta_sweep;  // their reverse sweep
+  ChannelDeltaBackwardScratch<Scalar> channel_delta;        // per-channel GatedDelta
   RowMatrix<Scalar> start_S;  // the state a call starts from where the caller's is not stored
   ColVector<Scalar> start_z;  // as such (stateless: zero; pending decode tokens: S() folded)
   RowMatrix<Scalar> head_Q, head_K, head_V;  // a head's gradients before the model's rows (layer)
@@ -101,7 +103,8 @@ struct BackwardBuffers {
                           static_cast<Index>(messages.size());
     std::size_t saved = 0;
     for (const auto& forward : crossing_saved) saved += forward.bytes();
-    return static_cast<std::size_t>(scalars) * sizeof(Scalar) + gated.bytes() + saved;
+    return static_cast<std::size_t>(scalars) * sizeof(Scalar) + gated.bytes() + saved +
+           channel_delta.bytes();
   }
 };
 

@@ -9,7 +9,8 @@
 ///
 /// Per-token gradients (RuleInputGradients):
 ///   Gated: log_gate, the shape of the log-gates given (T x 1, or T x r per channel; a 1 x T row
-///     of gates gets T x 1).  Delta: beta (length T).  GatedDelta: beta and log_alpha (length T).
+///     of gates gets T x 1).  Delta: beta (length T).  GatedDelta: beta (length T) and log_alpha,
+///     the shape given (T x 1, or T x r per channel: Kimi Delta Attention).
 ///   Decay: none. gamma is a fixed constant of the rule, not an input; its gradient is not
 ///     offered (the rule has no per-call parameter to differentiate).
 /// State gradient (StateGradient): S (r x dv) and, for Decay and Gated, z (length r); delta
@@ -24,6 +25,8 @@
 ///   channels for one gate per token).
 ///   Delta / GatedDelta: S_t = alpha_t S_{t-1} + beta_t k_t (v_t - alpha_t S_{t-1}^T k_t)^T,
 ///   y_t = S_t^T q_t (alpha = 1 for Delta), differentiated through its chunked WY / UT form.
+///   Per-channel GatedDelta: S' = diag(alpha_t) S_{t-1}, S_t = S' + beta_t k_t (v_t - S'^T k_t)^T,
+///   differentiated token by token (detail/channel_delta_backward.hpp).
 ///
 /// Cost and memory: every rule runs chunk by chunk (no T x T, no per-token pass over S): a
 /// forward sweep rebuilds the chunk-boundary states, a reverse sweep carries the state gradient.
@@ -33,7 +36,9 @@
 /// (linattn/rule_saved_forward.hpp) skips the rebuild: 8 r dv. Delta / GatedDelta (the WY / UT
 /// form): O(T (r dv + C (r + dv))) time plus a C x C triangular solve per chunk, the boundary
 /// states and each token's corrected values stored: r dv / C + 2 dv scalars per token plus
-/// O(C (C + r + dv) + r dv). Exact figures: rule_backward_bytes().
+/// O(C (C + r + dv) + r dv). Per-channel GatedDelta: a token-by-token reverse sweep from the
+/// states kept at chunk starts, about 28 r dv flops per token (the forward: 7), r dv / C
+/// scalars per token plus (C + 3) r dv. Exact figures: rule_backward_bytes().
 ///
 /// The feature map must be a DifferentiableFeatureMap: gradients flow to Q and K through its
 /// backward(). Errors: ShapeError for shapes that do not fit (naming them), std::invalid_argument
@@ -50,6 +55,7 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <cstddef>
 #include <tuple>
 #include <type_traits>
@@ -63,7 +69,7 @@ template <class Scalar>
 struct RuleInputGradients {
   RowMatrix<Scalar> log_gate;   // Gated: T x 1 or T x r
   ColVector<Scalar> beta;       // Delta, GatedDelta: T
-  ColVector<Scalar> log_alpha;  // GatedDelta: T
+  RowMatrix<Scalar> log_alpha;  // GatedDelta: T x 1 or T x r
 };
 
 /// Everything a rule's backward returns: dQ, dK, dV, the per-token inputs' gradients and the
@@ -81,7 +87,7 @@ template <class Rule>
 concept GradientRule = Rule::kind != WriteKind::additive;
 
 /// Where a backward writes the per-token inputs' gradients: contiguous rows, T x gate columns
-/// for Gated's log-gates, T each for beta and log_alpha (null where the rule has none). The
+/// for Gated's log-gates and GatedDelta's log_alpha, T for beta (null where the rule has none). The
 /// multi-head layer passes rows of its workspace (sized by the caller) in place of a
 /// RuleInputGradients, which the backward resizes.
 template <class Scalar>
@@ -91,7 +97,8 @@ struct InputGradientRows {
   Scalar* log_alpha = nullptr;
 };
 
-/// `d` resized for T tokens of `Rule` with `gate_columns` log-gate columns (Gated), as rows.
+/// `d` resized for T tokens of `Rule` with `gate_columns` log-gate columns (Gated's log-gates,
+/// GatedDelta's log_alpha), as rows.
 template <class Rule, class Scalar>
 InputGradientRows<Scalar> input_gradient_rows(RuleInputGradients<Scalar>& d, Index T,
                                               Index gate_columns) {
@@ -103,7 +110,7 @@ InputGradientRows<Scalar> input_gradient_rows(RuleInputGradients<Scalar>& d, Ind
     d.beta.resize(T);
     rows.beta = d.beta.data();
     if constexpr (Rule::kind == WriteKind::gated_delta) {
-      d.log_alpha.resize(T);
+      d.log_alpha.resize(T, gate_columns);
       rows.log_alpha = d.log_alpha.data();
     }
   }
@@ -137,6 +144,15 @@ void rule_backward_bound(const RuleAttention<Phi, Rule, Scalar>& attn,
   const Index r = S0.rows(), dv = S0.cols();
   const Index C = attn.chunk_size(r, dv);
   const RowMatrix<Scalar>* dS_T = final_gradient != nullptr ? &final_gradient->S : nullptr;
+  if constexpr (Rule::kind == WriteKind::gated_delta) {
+    if (in.log_alpha.cols > 1) {
+      channel_delta_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, dS_T, C, out.Q,
+                                     out.K, out.V, d_in.beta, d_in.log_alpha, initial.S,
+                                     buffers.channel_delta);
+      initial.z.resize(0);
+      return;
+    }
+  }
   if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta) {
     delta_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, dS_T, C, out.Q, out.K,
                            out.V, d_in.beta, d_in.log_alpha, initial.S, buffers.delta,
@@ -170,7 +186,8 @@ void rule_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   const Index T = Q.rows(), dk = K.cols(), dv = V.cols(), r = attn.feature_map().feature_dim(dk);
   check_gradient_outputs(out, T, T, dk, dv);
   TokenInputs<Scalar> bound;
-  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
+  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound,
+                            ChannelAlpha::taken);
   const auto& Qm = materialize(Q);
   const auto& Km = materialize(K);
   const auto& Vm = materialize(V);
@@ -182,7 +199,8 @@ void rule_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
     state->check_identity(attn.state_identity());
   }
   check_final_gradient(final_gradient, r, dv, Rule::keeps_normalizer);
-  const InputGradientRows<Scalar> d_rows = input_gradient_rows<Rule>(d_in, T, bound.log_gate.cols);
+  const InputGradientRows<Scalar> d_rows = input_gradient_rows<Rule>(
+      d_in, T, std::max(bound.log_gate.cols, bound.log_alpha.cols));
   if (state != nullptr) {
     const ColVector<Scalar> no_z;  // the delta rules keep no z and do not read this one
     const ColVector<Scalar>* z0 = &no_z;
@@ -372,7 +390,7 @@ template <class Phi, detail::GradientRule Rule, class Scalar, class DQ, class DK
 }
 
 /// Bytes a rule's backward allocates for itself for T tokens of key dim dk, value dim dv (one
-/// gate per token, or `per_channel_gates`), beyond the inputs and the returned gradients. For
+/// gate per token, or `per_channel_gates`: Gated's log-gates, GatedDelta's log_alpha), beyond the inputs and the returned gradients. For
 /// Delta and GatedDelta most of it is the rebuilt forward data, which a BackwardWorkspace holds
 /// instead when one is passed (its bytes() after the call).
 template <class Phi, detail::GradientRule Rule, class Scalar>
@@ -380,6 +398,10 @@ template <class Phi, detail::GradientRule Rule, class Scalar>
                                               Index T, Index dk, Index dv,
                                               bool per_channel_gates = false) {
   const Index r = attn.feature_map().feature_dim(dk), C = attn.chunk_size(r, dv);
+  if constexpr (Rule::kind == WriteKind::gated_delta)
+    if (per_channel_gates)
+      return detail::ChannelDeltaBackwardScratch<Scalar>::bytes_for(
+          T, std::max<Index>(std::min(C, T), 1), r, dv);
   if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta)
     return detail::DeltaBackwardScratch<Scalar>::bytes_for(T, C, r, dv);
   else

@@ -45,8 +45,8 @@ Eigen::Map<const RowMatrix<Scalar>> input_gradient(const RuleInputGradients<Scal
     static_cast<void>(i);
     return {d.log_gate.data(), d.log_gate.rows(), d.log_gate.cols()};
   } else {
-    const ColVector<Scalar>& x = i == 0 ? d.beta : d.log_alpha;
-    return {x.data(), x.size(), 1};
+    if (i == 0) return {d.beta.data(), d.beta.size(), 1};
+    return {d.log_alpha.data(), d.log_alpha.rows(), d.log_alpha.cols()};
   }
 }
 

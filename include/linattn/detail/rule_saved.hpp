@@ -119,7 +119,8 @@ void rule_saved_backward(const RuleAttention<Phi, Rule, Scalar>& attn,
   TokenInputs<Scalar> bound;
   bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
   const RowMatrix<Scalar>* dS_T = final_gradient != nullptr ? &final_gradient->S : nullptr;
-  const InputGradientRows<Scalar> d_rows = input_gradient_rows<Rule>(d_in, T, bound.log_gate.cols);
+  const InputGradientRows<Scalar> d_rows = input_gradient_rows<Rule>(
+      d_in, T, std::max(bound.log_gate.cols, bound.log_alpha.cols));
   if constexpr (is_delta_rule<Rule>) {
     delta_backward_saved<Scalar>(attn.feature_map(), materialize(Q), materialize(K),
                                  materialize(V), materialize(dY), bound,
