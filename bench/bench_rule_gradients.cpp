@@ -3,9 +3,10 @@
 //
 // float, one head, d = dk = dv, Options' default chunk. Maps: ELU + 1 with strict normalization
 // for Additive, Decay (gamma 0.95) and Gated (log-gates in [-0.1, 0]); L2Normalize (unnormalized)
-// for Delta and GatedDelta (beta in [0, 1], log-alpha in [-0.1, 0]). Row
+// for Delta and GatedDelta (beta in [0, 1], log-alpha in [-0.1, 0], one per token or per
+// channel). Row
 //   rule_bwd/rule:R/d:D/T:T  (R: 0 additive, 1 decay, 2 gated, 3 gated per channel, 4 delta,
-//                              5 gated delta)
+//                              5 gated delta, 6 gated delta per channel: Kimi Delta Attention)
 // runs, in every iteration, the rule's forward (parallel_into, Mask::causal), its backward
 // (parallel_backward_into, with a BackwardWorkspace kept across iterations as a training loop
 // keeps one) and Additive's backward on the same Q, K, V, dY, each timed in thread CPU time;
@@ -42,12 +43,13 @@ using Vector = linattn::ColVector<float>;
 using bench::random;
 
 struct Inputs {
-  Matrix Q, K, V, dY, out, dQ, dK, dV, scalar_gates, channel_gates;
+  Matrix Q, K, V, dY, out, dQ, dK, dV, scalar_gates, channel_gates, channel_alpha;
   Vector beta, log_alpha;
   Inputs(Index T, Index d)
       : Q(random(T, d, 1)), K(random(T, d, 2)), V(random(T, d, 3)), dY(random(T, d, 4)),
         out(T, d), dQ(T, d), dK(T, d), dV(T, d), scalar_gates(random(T, 1, 5, -0.1f, 0.0f)),
-        channel_gates(random(T, d, 6, -0.1f, 0.0f)), beta(random(T, 1, 7, 0.0f, 1.0f)),
+        channel_gates(random(T, d, 6, -0.1f, 0.0f)), channel_alpha(random(T, d, 9, -0.1f, 0.0f)),
+        beta(random(T, 1, 7, 0.0f, 1.0f)),
         log_alpha(random(T, 1, 8, -0.1f, 0.0f)) {}
 };
 
@@ -107,7 +109,8 @@ void BM_rule_bwd(benchmark::State& state) {
       case 2: time_rule(gated, x, workspace, t, x.scalar_gates); break;
       case 3: time_rule(gated, x, workspace, t, x.channel_gates); break;
       case 4: time_rule(delta, x, workspace, t, x.beta); break;
-      default: time_rule(gated_delta, x, workspace, t, x.beta, x.log_alpha); break;
+      case 5: time_rule(gated_delta, x, workspace, t, x.beta, x.log_alpha); break;
+      default: time_rule(gated_delta, x, workspace, t, x.beta, x.channel_alpha); break;
     }
     time_rule(additive, x, workspace, at);
   };
@@ -125,7 +128,8 @@ void BM_rule_bwd(benchmark::State& state) {
     case 2: scratch = linattn::rule_backward_bytes(gated, T, d, d); break;
     case 3: scratch = linattn::rule_backward_bytes(gated, T, d, d, true); break;
     case 4: scratch = linattn::rule_backward_bytes(delta, T, d, d); break;
-    default: scratch = linattn::rule_backward_bytes(gated_delta, T, d, d); break;
+    case 5: scratch = linattn::rule_backward_bytes(gated_delta, T, d, d); break;
+    default: scratch = linattn::rule_backward_bytes(gated_delta, T, d, d, true); break;
   }
   const double iters = static_cast<double>(state.iterations());
   state.counters["fwd_ms"] = 1e3 * fwd / iters;
@@ -144,7 +148,7 @@ void BM_rule_bwd(benchmark::State& state) {
 }
 
 void rule_args(benchmark::internal::Benchmark* b) {
-  for (int rule = 0; rule <= 5; ++rule)
+  for (int rule = 0; rule <= 6; ++rule)
     for (const Index d : {64, 128})
       for (const Index T : {2048, 8192}) b->Args({rule, d, T});
   b->ArgNames({"rule", "d", "T"});

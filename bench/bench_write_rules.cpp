@@ -4,7 +4,8 @@
 // One call runs H heads (1 or 8) of T = 4096 tokens in float, d = dk = dv (64 or 128), chunk 64,
 // each head from an empty state. Every head reads its own columns of [T, H d] Q, K, V buffers
 // and writes its columns of a [T, H d] output, and its per-token inputs in place from [T, H]
-// (scalar gates, beta, log_alpha) or [T, H d] (per-channel gates) buffers: a model's layout,
+// (scalar gates, beta, log_alpha) or [T, H d] (per-channel gates, GatedDelta's per-channel
+// log_alpha: the `gated_delta_channel` rows, Kimi Delta Attention) buffers: a model's layout,
 // distinct data per head.
 //
 // Each iteration times, one after the other in thread CPU time: the reference GEMM (per head,
@@ -56,10 +57,21 @@ constexpr Index kGemmRows = 64;
 
 // additive_l2: the Additive rule with the delta rules' feature map and read (L2Normalize,
 // unnormalized), their baseline; additive (EluPlusOne, strict) is the baseline of the others.
-enum class Rule { additive, additive_l2, decay, gated_scalar, gated_channel, delta, gated_delta };
+enum class Rule {
+  additive,
+  additive_l2,
+  decay,
+  gated_scalar,
+  gated_channel,
+  delta,
+  gated_delta,
+  gated_delta_channel
+};
 
 Rule baseline(Rule rule) {
-  return rule == Rule::delta || rule == Rule::gated_delta ? Rule::additive_l2 : Rule::additive;
+  return rule == Rule::delta || rule == Rule::gated_delta || rule == Rule::gated_delta_channel
+             ? Rule::additive_l2
+             : Rule::additive;
 }
 
 // H heads' inputs and output in a model's layout.
@@ -131,6 +143,10 @@ void call(Rule rule, Problem& p) {
     case Rule::gated_delta:
       go(RuleAttention<L2Normalize, GatedDelta>(L2Normalize{}, GatedDelta{}, raw),
          [&](Index h, auto&& f) { f(p.token(p.beta, h), p.token(p.log_alpha, h)); });
+      break;
+    case Rule::gated_delta_channel:
+      go(RuleAttention<L2Normalize, GatedDelta>(L2Normalize{}, GatedDelta{}, raw),
+         [&](Index h, auto&& f) { f(p.token(p.beta, h), p.head(p.G_channel, h)); });
       break;
   }
   benchmark::DoNotOptimize(p.out.data());
@@ -219,4 +235,5 @@ LINATTN_RULE_BENCH(gated_scalar);
 LINATTN_RULE_BENCH(gated_channel);
 LINATTN_RULE_BENCH(delta);
 LINATTN_RULE_BENCH(gated_delta);
+LINATTN_RULE_BENCH(gated_delta_channel);
 BENCHMARK_MAIN();

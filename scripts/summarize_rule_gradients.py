@@ -20,7 +20,7 @@ from collections import defaultdict
 
 TARGET = 3.0
 RULES = {0: "additive", 1: "decay", 2: "gated", 3: "gated_channel", 4: "delta",
-         5: "gated_delta"}
+         5: "gated_delta", 6: "gated_delta_channel"}
 
 
 def main():

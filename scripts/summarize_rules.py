@@ -16,7 +16,7 @@ import statistics
 from collections import defaultdict
 
 RULES = ["additive", "additive_l2", "decay", "gated_scalar", "gated_channel", "delta",
-         "gated_delta"]
+         "gated_delta", "gated_delta_channel"]
 LABELS = {
     "additive": "Additive (EluPlusOne, strict)",
     "additive_l2": "Additive (L2Normalize, raw)",
@@ -25,6 +25,7 @@ LABELS = {
     "gated_channel": "Gated, per-channel gates",
     "delta": "Delta",
     "gated_delta": "GatedDelta",
+    "gated_delta_channel": "GatedDelta, per channel (KDA)",
 }
 PATHS = ["parallel", "recurrent"]
 # (rule, path): minimum of the rate as a fraction of Additive's on the same shapes.

@@ -122,9 +122,9 @@ struct Delta {
 /// or T x r, one gate per feature channel, S = (I - beta_t kf kf^T) diag(alpha_t) S +
 /// beta_t kf v_t^T (Kimi Delta Attention; the same rule when the channels are equal). A step
 /// takes log_alpha as a number or a length-r vector. Per-channel log_alpha is taken by
-/// RuleAttention's forward calls; the gradients, the saving forwards, MPI and the multi-head
-/// layer take one log_alpha per token so far and refuse T x r with a ShapeError. Unnormalized
-/// read only.
+/// RuleAttention's forward calls and by the gradients (rule_gradients.hpp); the saving
+/// forwards, MPI and the multi-head layer take one log_alpha per token so far and refuse T x r
+/// with a ShapeError. Unnormalized read only.
 struct GatedDelta {
   static constexpr WriteKind kind = WriteKind::gated_delta;
   static constexpr bool keeps_normalizer = false;

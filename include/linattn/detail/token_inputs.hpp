@@ -174,8 +174,8 @@ void bind_token_inputs(const Rule& rule, const Tuple& inputs, Index T, Index r,
       if (out.log_alpha.cols > 1 && channel_alpha == ChannelAlpha::refused)
         throw_shape_error(
             "per-channel log_alpha (T x r, Kimi Delta Attention) is taken by RuleAttention's "
-            "forward calls only so far (parallel, prefill, recurrent, step); this call needs "
-            "one log_alpha per token (T x 1), got ",
+            "forward calls and the gradients only so far (not by the saving forwards, MPI or "
+            "the multi-head layer); this call needs one log_alpha per token (T x 1), got ",
             T, "x", out.log_alpha.cols);
       check_log_gates(out.log_alpha, "log_alpha");
     }
