@@ -11,9 +11,10 @@
 // A token-by-token reverse sweep: pass 1 runs the recurrence and keeps the state at every
 // chunk's start; pass 2 takes the chunks in reverse, recomputes the chunk's states from the
 // kept one (the chunk's C + 1 states, its p and u), then walks its tokens backwards.
-// Per token about 6 r dv flops in pass 1, 6 r dv to recompute and 16 r dv in the reverse walk,
-// each a matrix-vector product on S (Eigen's); memory: ceil(T / C) r dv scalars kept, plus
-// (C + 2) r dv + O(C (r + dv)) scratch. (Not the chunked WY form of the scalar-gated backward,
+// Per token about 5 r dv flops in pass 1, 5 r dv to recompute and 15 r dv in the reverse walk,
+// in matrix-vector products and row-wise passes over r x dv matrices (Eigen's; fusing the walk
+// into two sweeps over the rows of H measured no faster on a Zen 5 VM); memory: ceil(T / C) r dv
+// scalars kept, plus (C + 3) r dv + O(C (r + dv)) scratch. (Not the chunked WY form of the scalar-gated backward,
 // delta_backward.hpp: the in-chunk products would need the per-channel decays inside every
 // pairwise term, as the forward's ChannelDeltaChunk builds them.)
 
@@ -38,8 +39,9 @@ struct ChannelDeltaBackwardScratch {
   RowMatrix<Scalar> qf, kf, gates;    // C x r
   RowMatrix<Scalar> dqf, dkf;         // C x r
   RowMatrix<Scalar> p, u, v, dy;      // C x dv
-  RowMatrix<Scalar> H, decayed;       // r x dv
+  RowMatrix<Scalar> H, running;       // r x dv: the state gradient; pass 1's running state
   RowVector<Scalar> du, dp;           // dv
+  RowVector<Scalar> scaled_key;       // r: kf .* a
 
   /// Sized for T tokens in chunks of C, r features and dv values.
   void fit(Index T, Index C, Index r, Index dv) {
@@ -54,16 +56,17 @@ struct ChannelDeltaBackwardScratch {
     grow(states, (C + 1) * r, dv);
     for (auto* m : {&qf, &kf, &gates, &dqf, &dkf}) grow(*m, C, r);
     for (auto* m : {&p, &u, &v, &dy}) grow(*m, C, dv);
-    for (auto* m : {&H, &decayed}) grow(*m, r, dv);
+    for (auto* m : {&H, &running}) grow(*m, r, dv);
     du.resize(dv);
     dp.resize(dv);
+    scaled_key.resize(r);
   }
 
   /// Bytes held.
   [[nodiscard]] std::size_t bytes() const noexcept {
-    std::size_t n = static_cast<std::size_t>(du.size() + dp.size());
+    std::size_t n = static_cast<std::size_t>(du.size() + dp.size() + scaled_key.size());
     for (const auto* m : {&kept, &states, &qf, &kf, &gates, &dqf, &dkf, &p, &u, &v, &dy, &H,
-                          &decayed})
+                          &running})
       n += static_cast<std::size_t>(m->size());
     return n * sizeof(Scalar);
   }
@@ -72,7 +75,7 @@ struct ChannelDeltaBackwardScratch {
   [[nodiscard]] static std::size_t bytes_for(Index T, Index C, Index r, Index dv) {
     const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
     return static_cast<std::size_t>(chunks * r * dv + (C + 3) * r * dv + 5 * C * r +
-                                    4 * C * dv + 2 * dv) *
+                                    4 * C * dv + 2 * dv + r) *
            sizeof(Scalar);
   }
 };
@@ -96,9 +99,6 @@ void channel_delta_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& 
   using State = Eigen::Map<RowMatrix<Scalar>>;
   const auto state = [&](Index i) { return State(w.states.data() + i * r * dv, r, dv); };
   const auto kept = [&](Index c) { return State(w.kept.data() + c * r * dv, r, dv); };
-  const auto column = [](const RowMatrix<Scalar>& m, Index i) {
-    return ConstRow(m.data() + i * m.cols(), m.cols());
-  };
   // One chunk's keys, gates and values; then the recurrence over it from `S`, which it leaves
   // at the chunk's end, keeping each token's p and u (and, with `keep`, every state).
   const auto key_side = [&](Index first, Index n) {
@@ -109,25 +109,36 @@ void channel_delta_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& 
       w.v.row(i) = V.row(first + i).template cast<Scalar>();
     }
   };
-  const auto run = [&](Index first, Index n, State S, bool keep) {
+  // Token i from state `from` into `to` (the same matrix in pass 1): p = (kf .* a) from,
+  // u = beta (v - p), to = diag(a) from + kf^T u, row by row (one read sweep, one write sweep).
+  const auto token = [&](Index t, Index i, const Scalar* from, Scalar* to) {
+    w.scaled_key = w.kf.row(i).cwiseProduct(w.gates.row(i));
+    Row p(w.p.row(i).data(), dv), u(w.u.row(i).data(), dv);
+    p.noalias() = w.scaled_key * Eigen::Map<const RowMatrix<Scalar>>(from, r, dv);
+    u = in.beta(t) * (w.v.row(i) - p);
+    const Scalar* a = w.gates.row(i).data();
+    const Scalar* kf = w.kf.row(i).data();
+    for (Index m = 0; m < r; ++m)
+      Row(to + m * dv, dv) = a[m] * ConstRow(from + m * dv, dv) + kf[m] * u;
+  };
+  // The chunk's tokens from S (pass 1: in place) or from state(0) into state(1..n) (pass 2).
+  const auto run = [&](Index first, Index n, Scalar* S, bool keep) {
     for (Index i = 0; i < n; ++i) {
-      S.array().colwise() *= w.gates.row(i).transpose().array();
-      Row p(w.p.row(i).data(), dv), u(w.u.row(i).data(), dv);
-      p.noalias() = w.kf.row(i) * S;
-      u = in.beta(first + i) * (w.v.row(i) - p);
-      S.noalias() += w.kf.row(i).transpose() * u;
-      if (keep) state(i + 1) = S;
+      if (keep)
+        token(first + i, i, w.states.data() + i * r * dv, w.states.data() + (i + 1) * r * dv);
+      else
+        token(first + i, i, S, S);
     }
   };
 
   // Pass 1: the state at each chunk's start.
   const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
-  w.decayed = S0;
+  w.running = S0;
   for (Index c = 0; c < chunks; ++c) {
     const Index first = c * C, n = std::min(C, T - first);
-    kept(c) = w.decayed;
+    kept(c) = w.running;
     key_side(first, n);
-    run(first, n, State(w.decayed.data(), r, dv), false);
+    run(first, n, w.running.data(), false);
   }
 
   // Pass 2: the chunks in reverse, each token backwards.
@@ -139,32 +150,34 @@ void channel_delta_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& 
     const Index first = c * C, n = std::min(C, T - first);
     key_side(first, n);
     state(0) = kept(c);
-    w.decayed = kept(c);
-    run(first, n, State(w.decayed.data(), r, dv), true);
+    run(first, n, nullptr, true);
     map_rows<Scalar>(phi, Q, first, n, w.qf);
     for (Index i = 0; i < n; ++i) w.dy.row(i) = dY.row(first + i).template cast<Scalar>();
     for (Index i = n - 1; i >= 0; --i) {
       const Index t = first + i;
-      const auto qf = w.qf.row(i);
-      const auto kf = w.kf.row(i);
-      const auto dy = w.dy.row(i);
-      const auto a = column(w.gates, i);
+      // S_t and S_{t-1}, the token's features, gates, dy and u.
+      const Eigen::Map<const RowMatrix<Scalar>> St(w.states.data() + (i + 1) * r * dv, r, dv),
+          Sb(w.states.data() + i * r * dv, r, dv);
+      const auto q = w.qf.row(i), k = w.kf.row(i), ga = w.gates.row(i);
+      const ConstRow dy(w.dy.row(i).data(), dv), u(w.u.row(i).data(), dv);
+      auto dq = w.dqf.row(i);
+      auto dk = w.dkf.row(i);
       const Scalar beta = in.beta(t);
-      w.dqf.row(i).noalias() = dy * state(i + 1).transpose();
-      w.H.noalias() += qf.transpose() * dy;
-      w.dkf.row(i).noalias() = w.u.row(i) * w.H.transpose();
-      w.du.noalias() = kf * w.H;
+      dq.noalias() = dy * St.transpose();
+      w.H.noalias() += q.transpose() * dy;
+      dk.noalias() = u * w.H.transpose();
+      w.du.noalias() = k * w.H;
       d_beta[t] = w.du.dot(w.v.row(i) - w.p.row(i));
       dV.row(t) = beta * w.du;
       w.dp = -beta * w.du;
-      // S' = diag(a) S_{t-1}, recomputed from the kept state before the token.
-      w.decayed = state(i);
-      w.decayed.array().colwise() *= a.transpose().array();
-      w.dkf.row(i).noalias() += w.dp * w.decayed.transpose();
-      w.H.noalias() += kf.transpose() * w.dp;
+      // S' = diag(a) S_{t-1}: dkf += S' dp, H += kf dp^T (the gradient of S'),
+      // d log a_m = S'_m . H_m, H <- diag(a) H.
+      w.scaled_key.noalias() = w.dp * Sb.transpose();
+      dk += w.scaled_key.cwiseProduct(ga);
+      w.H.noalias() += k.transpose() * w.dp;
       Row(d_log_alpha + t * r, r) =
-          (w.decayed.array() * w.H.array()).rowwise().sum().transpose();
-      w.H.array().colwise() *= a.transpose().array();
+          ((Sb.array() * w.H.array()).rowwise().sum().transpose() * ga.array()).matrix();
+      w.H.array().colwise() *= ga.transpose().array();
     }
     Eigen::Ref<RowMatrix<Scalar>> dq_rows(dQ.middleRows(first, n));
     phi.backward(Q.middleRows(first, n), w.qf.topRows(n), w.dqf.topRows(n), dq_rows);
