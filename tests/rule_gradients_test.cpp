@@ -837,6 +837,27 @@ TEST_CASE("parallel_backward equals prefill_backward from an empty state") {
   CHECK(dd.initial.z.size() == dk);
 }
 
+TEST_CASE("per-channel GatedDelta: rule_backward_bytes is what its backward keeps") {
+  // A stateless call with a workspace holds the backward's buffers (rule_backward_bytes with
+  // per-channel gates) and the zero initial state it starts from (r dv + r scalars).
+  for (const Index T : {Index{1}, Index{9}, Index{16}}) {
+    INFO("T = " << T);
+    constexpr Index dk = 3, dv = 2, r = dk;  // L2Normalize: r = dk
+    const auto h = make_harness<L2Normalize, GatedDelta, double>(
+        L2Normalize{}, GatedDelta{}, Normalization::unnormalized(), T, dk, dv, 4, true, 231);
+    BackwardWorkspace<double> workspace;
+    MatrixXdR dQ(T, dk), dK(T, dk), dV(T, dv);
+    RuleInputGradients<double> d_in;
+    StateGradient<double> initial;
+    parallel_backward_into(h.attn, h.Q, h.K, h.V, h.beta, h.log_alpha, Mask::causal, h.WY,
+                           GradientsRef<double>{dQ, dK, dV}, d_in, &initial, &workspace);
+    CHECK(workspace.bytes() == rule_backward_bytes(h.attn, T, dk, dv, true) +
+                                   static_cast<std::size_t>(r * dv + r) * sizeof(double));
+    CHECK(rule_backward_bytes(h.attn, T, dk, dv, true) !=
+          rule_backward_bytes(h.attn, T, dk, dv, false));
+  }
+}
+
 TEST_CASE("parallel_backward_into writes strided views with parallel_backward's bits") {
   constexpr Index T = 10, dk = 3, dv = 2, heads = 2;
   const auto h = make_harness<EluPlusOne, Gated, double>(EluPlusOne{}, Gated{},
@@ -919,8 +940,9 @@ TEMPLATE_TEST_CASE("a BackwardWorkspace kept across calls and lengths gives the 
                                    std::end(linattn_test::kWorkspaceLengths))},
       {16, 16, 40, {100, 130, 100, 37, 13, 10, 9, 100}}};
   // run(make): every shape through make(T, seed, shape), a harness (the shapes loop inside each
-  // SECTION: Catch runs one section per pass through the test case).
-  const auto run = [&](const auto& make) {
+  // SECTION: Catch runs one section per pass through the test case); `saved_design` false skips
+  // the backward from a saved forward (per-channel GatedDelta has none yet).
+  const auto run = [&](const auto& make, bool saved_design = true) {
     for (const Shape& shape : shapes) {
       const Index dk = shape.dk, dv = shape.dv;
       INFO("dk " << dk << ", dv " << dv << ", chunk " << shape.chunk);
@@ -974,6 +996,7 @@ TEMPLATE_TEST_CASE("a BackwardWorkspace kept across calls and lengths gives the 
           prefill_backward_into(h.attn, st, h.Q, h.K, h.V, in..., h.WY, &final_gradient,
                                 GradientsRef<Scalar>{dQ, dK, dV}, d_in, initial, &workspace);
           same(carried);
+          if (!saved_design) return;
 
           SavedForward<Scalar> saved;
           parallel_saving_into(h.attn, h.Q, h.K, h.V, in..., Mask::causal, Y, saved);
@@ -1017,6 +1040,15 @@ TEMPLATE_TEST_CASE("a BackwardWorkspace kept across calls and lengths gives the 
       return make_harness<L2Normalize, GatedDelta, Scalar>(L2Normalize{}, GatedDelta{}, none, T,
                                                            sh.dk, sh.dv, sh.chunk, false, seed);
     });
+  }
+  SECTION("GatedDelta with per-channel log_alpha") {
+    run(
+        [&](Index T, std::uint64_t seed, const Shape& sh) {
+          return make_harness<L2Normalize, GatedDelta, Scalar>(L2Normalize{}, GatedDelta{}, none,
+                                                               T, sh.dk, sh.dv, sh.chunk, true,
+                                                               seed);
+        },
+        false);
   }
 }
 
