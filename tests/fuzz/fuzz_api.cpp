@@ -4,7 +4,8 @@
 // docs/input_contract.md): an exception from the documented set or outputs; with a strictly
 // positive map, the strict normalization and finite inputs of moderate size, outputs are
 // finite; and the chunked, recurrent and step-by-step paths accept and reject the same inputs,
-// at the same row.
+// at the same row. Rules: Additive (ELU + 1, identity, random features, TaylorExp), Decay,
+// Gated, Delta, and GatedDelta with per-channel log_alpha.
 
 #include "fuzz_support.hpp"
 
@@ -29,6 +30,20 @@ bool moderate(const RowMatrix<Scalar>& m) {
   return m.allFinite() && (m.size() == 0 || m.cwiseAbs().maxCoeff() <= Scalar(1e4));
 }
 
+// A per-token input given per channel (T x r): a step takes its row, not its first value.
+template <class Scalar>
+struct PerChannel {
+  RowMatrix<Scalar> values;
+};
+template <class Scalar>
+const RowMatrix<Scalar>& whole(const RowMatrix<Scalar>& x) { return x; }
+template <class Scalar>
+const RowMatrix<Scalar>& whole(const PerChannel<Scalar>& x) { return x.values; }
+template <class Scalar>
+Scalar at(const RowMatrix<Scalar>& x, Index t) { return x(t, 0); }
+template <class Scalar>
+auto at(const PerChannel<Scalar>& x, Index t) { return x.values.row(t); }
+
 // The three causal paths on the same inputs; per-token inputs given to each.
 template <class Attention, class... In>
 void check_paths(const Attention& attn, const RowMatrix<typename Attention::scalar_type>& Q,
@@ -38,16 +53,16 @@ void check_paths(const Attention& attn, const RowMatrix<typename Attention::scal
   using Scalar = typename Attention::scalar_type;
   RowMatrix<Scalar> chunked, recurrent;
   Index chunked_row = -1, recurrent_row = -1;
-  const int a = outcome([&] { chunked = attn.parallel(Q, K, V, in..., Mask::causal); });
-  const int b = outcome([&] { recurrent = attn.recurrent(Q, K, V, in...); });
+  const int a = outcome([&] { chunked = attn.parallel(Q, K, V, whole(in)..., Mask::causal); });
+  const int b = outcome([&] { recurrent = attn.recurrent(Q, K, V, whole(in)...); });
   try {
-    static_cast<void>(attn.parallel(Q, K, V, in..., Mask::causal));
+    static_cast<void>(attn.parallel(Q, K, V, whole(in)..., Mask::causal));
   } catch (const DenominatorError& e) {
     chunked_row = e.row();
   } catch (...) {
   }
   try {
-    static_cast<void>(attn.recurrent(Q, K, V, in...));
+    static_cast<void>(attn.recurrent(Q, K, V, whole(in)...));
   } catch (const DenominatorError& e) {
     recurrent_row = e.row();
   } catch (...) {
@@ -59,7 +74,7 @@ void check_paths(const Attention& attn, const RowMatrix<typename Attention::scal
       auto state = attn.make_state(Q.cols(), V.cols());
       for (Index t = 0; t < Q.rows(); ++t) {
         if constexpr (sizeof...(In) == 0) static_cast<void>(attn.step(state, Q.row(t), K.row(t), V.row(t)));
-        else static_cast<void>(attn.step(state, Q.row(t), K.row(t), V.row(t), in(t, 0)...));
+        else static_cast<void>(attn.step(state, Q.row(t), K.row(t), V.row(t), at(in, t)...));
       }
     });
   }
@@ -81,7 +96,7 @@ void run(Bytes& in) {
   Options options;
   options.chunk_size = 1 + in.u8() % 9;
   const bool moderate_inputs = moderate(Q) && moderate(K) && moderate(V);
-  switch (choice % 7) {
+  switch (choice % 8) {
     case 0: {
       const LinearAttention<EluPlusOne, Scalar> attn(EluPlusOne{}, options);
       check_paths(attn, Q, K, V, moderate_inputs);
@@ -114,6 +129,15 @@ void run(Bytes& in) {
       if (dk == 0) break;
       const PositiveRandomFeatures<Scalar> phi(dk, 4, 7);
       check_paths(LinearAttention<PositiveRandomFeatures<Scalar>, Scalar>(phi, options), Q, K, V, false);
+      break;
+    }
+    case 7: {
+      // GatedDelta with per-channel log_alpha (Kimi Delta Attention; L2Normalize: r = dk).
+      RowMatrix<Scalar> beta = matrix<Scalar>(in, T, 1);
+      const PerChannel<Scalar> log_alpha{matrix<Scalar>(in, T, dk)};
+      options.normalization = Normalization::unnormalized();
+      check_paths(RuleAttention<L2Normalize, GatedDelta, Scalar>(L2Normalize{}, options), Q, K,
+                  V, false, beta, log_alpha);
       break;
     }
     default: {

@@ -51,7 +51,7 @@ int main(int argc, char** argv) {
   const MultiHeadAttention<LinearAttention<EluPlusOne>> layer({2, 1, 3, 2});
   write(blobs + "/batch", save_state(layer, layer.make_state(2)));
   // API seeds: scalar type, T, dk, dv, rule choice, then values of every kind.
-  for (int rule = 0; rule < 7; ++rule) {
+  for (int rule = 0; rule < 8; ++rule) {
     std::vector<std::byte> seed{std::byte(rule % 2), std::byte(9), std::byte(3), std::byte(4), std::byte(rule)};
     for (int i = 0; i < 400; ++i) seed.push_back(static_cast<std::byte>((i * 37 + rule * 11) % 256));
     write(api + "/rule" + std::to_string(rule), seed);
