@@ -226,6 +226,7 @@ RuleGradients<Scalar> mpi_rule_backward(MPI_Comm comm, const RuleAttention<Phi, 
     grads.V.resize(0, dv);
     grads.initial = after;
     if constexpr (Rule::kind == WriteKind::gated) grads.inputs.log_gate.resize(0, bound.log_gate.cols);
+    if constexpr (Rule::kind == WriteKind::gated_delta) grads.inputs.log_alpha.resize(0, 1);
   } else {
     try {
       if ((H_S.array() != Scalar(0)).any() || (H_z.array() != Scalar(0)).any())
