@@ -229,7 +229,7 @@ struct DeltaSingleFinish {
 template <class Scalar>
 class DeltaRecurrence {
  public:
-  DeltaRecurrence(Index r, Index dv) : keys_(2, r), values_(2, dv), scaled_(2, r), row_scale_(r) {}
+  DeltaRecurrence(Index r, Index dv) : keys_(2, r), values_(2, dv) {}
 
   /// Tokens t, t+1 (features qf, kf of length r, values v of length dv, outputs y of length
   /// dv, contiguous; y must not overlap the inputs). `reverse` sets the sweep's direction.
@@ -273,32 +273,6 @@ class DeltaRecurrence {
     pending_ = 1;
   }
 
-  /// One token with per-channel gates a (length r; Kimi Delta Attention): S' = diag(a) S_{t-1},
-  /// u = beta (v - kf S'), y = qf S' + (qf . kf) u, pending S_t = S' + kf^T u. One sweep reads
-  /// (kf .* a) and (qf .* a) from the rows as the pending update leaves them (DeltaSingleFinish
-  /// with alpha 1), and the token's update, scaling each row by its gate, waits for the next
-  /// sweep. 7 r dv flops per token, S loaded and stored once per token (not per pair: a pair's
-  /// carried update would need the two tokens' gates per row).
-  void channel_single(RowMatrix<Scalar>& S, const Scalar* qf, const Scalar* kf,
-                      const Scalar* gates, const Scalar* v, Scalar beta, Scalar* y,
-                      bool reverse) {
-    const Index r = S.rows(), dv = S.cols();
-    using ConstVec = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
-    scaled_.row(0).array() = ConstVec(kf, r) * ConstVec(gates, r);
-    scaled_.row(1).array() = ConstVec(qf, r) * ConstVec(gates, r);
-    RankSweep<Scalar> sweep = pending_sweep();
-    sweep.x[0] = scaled_.row(0).data();
-    sweep.x[1] = scaled_.row(1).data();
-    const DeltaSingleFinish<Scalar> finish{beta, Scalar(1), ordered_dot(qf, kf, r), v, y,
-                                           values_.row(0).data()};
-    rank_sweep_with<2>(pending_, pending_scale(), S.data(), dv, r, dv, sweep, reverse, finish);
-    std::copy_n(kf, r, keys_.row(0).data());
-    std::copy_n(gates, r, row_scale_.data());
-    row_scaled_ = true;
-    scale_ = 1;
-    pending_ = 1;
-  }
-
   /// Applies the pending update, so that S holds every token seen. One sweep if any is pending.
   void finish(RowMatrix<Scalar>& S, bool reverse) noexcept {
     if (pending_ == 0) return;
@@ -306,18 +280,15 @@ class DeltaRecurrence {
     rank_sweep_with<0>(pending_, pending_scale(), S.data(), dv, r, dv, pending_sweep(), reverse);
     pending_ = 0;
     scale_ = 1;
-    row_scaled_ = false;
   }
 
  private:
   RowScale pending_scale() const noexcept {
-    if (row_scaled_) return RowScale::per_row;
     return scale_ != Scalar(1) ? RowScale::uniform : RowScale::none;
   }
   RankSweep<Scalar> pending_sweep() const noexcept {
     RankSweep<Scalar> sweep;
     sweep.scale = scale_;
-    sweep.row_scale = row_scale_.data();
     for (int u = 0; u < 2; ++u) {
       sweep.k[u] = keys_.row(u).data();
       sweep.w[u] = values_.row(u).data();
@@ -325,11 +296,66 @@ class DeltaRecurrence {
     return sweep;
   }
 
-  RowMatrix<Scalar> keys_, values_, scaled_;
-  RowVector<Scalar> row_scale_;  // the pending token's per-channel gates (row_scaled_)
+  RowMatrix<Scalar> keys_, values_;
   int pending_ = 0;
   Scalar scale_ = 1;
-  bool row_scaled_ = false;
+};
+
+/// The recurrent GatedDelta with per-channel gates a_t (Kimi Delta Attention), one token per
+/// sweep of S with the update carried: for token t, after S' = diag(a_t) S_{t-1},
+///   u_t = beta_t (v_t - kf_t S'),   y_t = qf_t S' + (qf_t . kf_t) u_t,   S_t = S' + kf_t^T u_t.
+/// A sweep applies the previous token's update to each row as it loads it (scaling the row by
+/// that token's gate, then the rank-one update) and reads (kf_t .* a_t) S and (qf_t .* a_t) S
+/// from the updated row (DeltaSingleFinish with alpha 1). Pairing two tokens, as DeltaRecurrence
+/// does, would need both tokens' gates per row in the carried update. 7 r dv flops per token,
+/// S loaded and stored once per token. Allocates at construction only.
+template <class Scalar>
+class ChannelDeltaRecurrence {
+ public:
+  ChannelDeltaRecurrence(Index r, Index dv) : key_(r), value_(dv), gates_(r), scaled_(2, r) {}
+
+  /// One token: features qf, kf and gates a (length r), value v and output y (length dv),
+  /// contiguous; y must not overlap the inputs. `reverse` sets the sweep's direction.
+  void token(RowMatrix<Scalar>& S, const Scalar* qf, const Scalar* kf, const Scalar* a,
+             const Scalar* v, Scalar beta, Scalar* y, bool reverse) {
+    const Index r = S.rows(), dv = S.cols();
+    using ConstVec = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
+    scaled_.row(0).array() = ConstVec(kf, r) * ConstVec(a, r);
+    scaled_.row(1).array() = ConstVec(qf, r) * ConstVec(a, r);
+    RankSweep<Scalar> sweep = pending_sweep();
+    sweep.x[0] = scaled_.row(0).data();
+    sweep.x[1] = scaled_.row(1).data();
+    // The new pending value overwrites the old column by column: each column pass loads its
+    // part of the old one before it stores anything.
+    const DeltaSingleFinish<Scalar> finish{beta, Scalar(1), ordered_dot(qf, kf, r), v, y,
+                                           value_.data()};
+    rank_sweep_with<2>(pending_ ? 1 : 0, pending_ ? RowScale::per_row : RowScale::none,
+                       S.data(), dv, r, dv, sweep, reverse, finish);
+    std::copy_n(kf, r, key_.data());
+    std::copy_n(a, r, gates_.data());
+    pending_ = true;
+  }
+
+  /// Applies the pending update, so that S holds every token seen. One sweep if one is pending.
+  void finish(RowMatrix<Scalar>& S, bool reverse) noexcept {
+    if (!pending_) return;
+    const Index r = S.rows(), dv = S.cols();
+    rank_sweep_with<0>(1, RowScale::per_row, S.data(), dv, r, dv, pending_sweep(), reverse);
+    pending_ = false;
+  }
+
+ private:
+  RankSweep<Scalar> pending_sweep() const noexcept {
+    RankSweep<Scalar> sweep;
+    sweep.row_scale = gates_.data();
+    sweep.k[0] = key_.data();
+    sweep.w[0] = value_.data();
+    return sweep;
+  }
+
+  RowVector<Scalar> key_, value_, gates_;  // the pending token's kf, u and gates
+  RowMatrix<Scalar> scaled_;               // kf .* a and qf .* a of the current token
+  bool pending_ = false;
 };
 
 // ---- chunked ---------------------------------------------------------------------------------

@@ -142,6 +142,43 @@ void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, I
   }
 }
 
+/// rule_recurrent for GatedDelta with per-channel gates (Kimi Delta Attention): one token per
+/// sweep (ChannelDeltaRecurrence), the gates row by row as the per-channel chunk forms them (the
+/// same bits whatever the buffer's layout), features in blocks of `block` rows; S exact when
+/// the call ends however it ends. A function of its own, so that rule_recurrent's pair loop of
+/// the scalar rules compiles as it did without it. No allocation per token.
+template <class Scalar, class Phi, class DQ, class DK, class DV, class Tokens, class Out,
+          class Prefetch>
+void channel_delta_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                             const TokenInputs<Scalar>& in, RowMatrix<Scalar>& S, Tokens& tokens,
+                             Out& out, Index block, const Prefetch& prefetch_next) {
+  const Index T = Q.rows(), r = S.rows(), dv = S.cols();
+  RowMatrix<Scalar> qf(block, r), kf(block, r), gates(block, r),
+      v_buffer(has_row_major_storage<DV>() ? 0 : block, dv);
+  ChannelDeltaRecurrence<Scalar> recurrence(r, dv);
+  struct Finish {  // applies the update still pending in the recurrence however the loop ends
+    ChannelDeltaRecurrence<Scalar>& recurrence;
+    RowMatrix<Scalar>& S;
+    ~Finish() { recurrence.finish(S, false); }
+  } finish{recurrence, S};
+  for (Index first = 0; first < T; first += block) {
+    const Index n = std::min(block, T - first);
+    map_rows<Scalar>(phi, Q, first, n, qf);
+    map_rows<Scalar>(phi, K, first, n, kf);
+    const auto [v, ld_v] = row_major_rows(V, first, n, v_buffer);
+    for (Index i = 0; i < n; ++i)
+      gates_from_logs(&in.log_alpha.data[(first + i) * in.log_alpha.row_stride], 1,
+                      gates.row(i).data(), r);
+    for (Index i = 0; i < n; ++i) {
+      const Index t = first + i;
+      if (i % 2 == 0) prefetch_next(t);
+      recurrence.token(S, qf.row(i).data(), kf.row(i).data(), gates.row(i).data(), v + i * ld_v,
+                       in.beta(t), out.row(t).data(), t % 2 != 0);
+      ++tokens;
+    }
+  }
+}
+
 /// The recurrent pass over T tokens of a decayed, gated or delta rule continuing `state`: two
 /// tokens per sweep of S (GatedRecurrence, DeltaRecurrence), features in blocks of 32 rows, the
 /// state exact when the call ends however it ends. After a DenominatorError the state holds the
@@ -185,6 +222,10 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
     }
   };
   if constexpr (is_delta_rule<Rule>) {
+    if (in.log_alpha.cols > 1) {
+      channel_delta_recurrent(phi, Q, K, V, in, S, tokens, out, block, prefetch_next);
+      return;
+    }
     DeltaRecurrence<Scalar> recurrence(r, dv);
     struct Finish {  // applies the update still pending in the recurrence however the loop ends
       DeltaRecurrence<Scalar>& recurrence;
@@ -194,28 +235,11 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
     const auto alpha = [&](Index t) {
       return in.log_alpha.empty() ? Scalar(1) : std::exp(in.log_alpha(t));
     };
-    const bool per_channel = in.log_alpha.cols > 1;
-    RowMatrix<Scalar> gates(per_channel ? block : 0, r);
     for (Index first = 0; first < T; first += block) {
       const Index n = std::min(block, T - first);
       map_rows<Scalar>(phi, Q, first, n, qf);
       map_rows<Scalar>(phi, K, first, n, kf);
       const auto [v, ld_v] = row_major_rows(V, first, n, v_buffer);
-      if (per_channel) {
-        // One token per sweep (DeltaRecurrence::channel_single), gates row by row as the
-        // per-channel gated chunk forms them (the same bits whatever the buffer's layout).
-        for (Index i = 0; i < n; ++i)
-          gates_from_logs(&in.log_alpha.data[(first + i) * in.log_alpha.row_stride], 1,
-                          gates.row(i).data(), r);
-        for (Index i = 0; i < n; ++i) {
-          const Index t = first + i;
-          if (i % 2 == 0) prefetch_next(t);
-          recurrence.channel_single(S, qf.row(i).data(), kf.row(i).data(), gates.row(i).data(),
-                                    v + i * ld_v, in.beta(t), out.row(t).data(), t % 2 != 0);
-          ++tokens;
-        }
-        continue;
-      }
       Index i = 0;
       for (; i + 1 < n; i += 2) {
         const Index t = first + i;
