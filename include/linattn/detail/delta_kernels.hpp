@@ -13,6 +13,11 @@
 // dot products. delta_token (decode) reads kf S and qf S in one read-only sweep, then updates in
 // one read-modify-write sweep; delta_absorb does the same without qf for grouped decode, whose
 // heads read with the additive read-only sweep (recurrent_sweep.hpp).
+// GatedDelta with one gate per feature channel (Kimi Delta Attention), S_t = diag(a_t) S_{t-1}
+// + kf_t^T u_t with u_t = beta_t (v_t - kf_t diag(a_t) S_{t-1}): ChannelDeltaChunk (the
+// per-channel gated chunk's decayed products with DeltaChunk's substitution),
+// ChannelDeltaRecurrence (one token per sweep) and channel_delta_token / channel_delta_absorb
+// (decode); costs in docs/write_rules.md.
 //
 // Cost per token next to Additive's (r features, dv values, chunk C, float; flops, and bytes
 // of S moved between cache and registers; besides, each reads the token's q, k, v rows, beta
@@ -106,6 +111,20 @@ void delta_absorb(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar* kf, co
   delta_write(S, kf, prediction, alpha, !reverse);
 }
 
+/// The write of one token of GatedDelta with per-channel gates a once its corrected value u
+/// (length dv) is known: one read-modify-write sweep S = diag(a) S + kf^T u. 3 r dv flops. No
+/// allocation.
+template <class Scalar>
+void channel_delta_write(RowMatrix<Scalar>& S, const Scalar* kf, const Scalar* gates,
+                         const Scalar* u, bool reverse) noexcept {
+  const Index r = S.rows(), dv = S.cols();
+  RankSweep<Scalar> write;
+  write.row_scale = gates;
+  write.k[0] = kf;
+  write.w[0] = u;
+  rank_sweep_with<0>(1, RowScale::per_row, S.data(), dv, r, dv, write, reverse);
+}
+
 /// One decode token of GatedDelta with per-channel gates a (Kimi Delta Attention): with
 /// S' = diag(a) S, one read-only sweep gives p = (kf .* a) S = kf S' and w = (qf .* a) S =
 /// qf S', then u = beta (v - p), y = w + (qf . kf) u, and one read-modify-write sweep
@@ -130,11 +149,7 @@ void channel_delta_token(RowMatrix<Scalar>& S, Scalar* prediction, Scalar* qf, c
   Vec u(prediction, dv), out(y, dv);
   u = beta * (ConstVec(v, dv) - u);
   out += qk * u;
-  RankSweep<Scalar> write;
-  write.row_scale = gates;
-  write.k[0] = kf;
-  write.w[0] = prediction;
-  rank_sweep_with<0>(1, RowScale::per_row, S.data(), dv, r, dv, write, !reverse);
+  channel_delta_write(S, kf, gates, prediction, !reverse);
 }
 
 /// channel_delta_token without a read (grouped decode): p = (kf .* a) S, u = beta (v - p),
@@ -153,11 +168,7 @@ void channel_delta_absorb(RowMatrix<Scalar>& S, Scalar* prediction, const Scalar
   rank_sweep<0, 1, RowScale::none>(S.data(), dv, r, dv, read, reverse);
   Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> u(prediction, dv);
   u = beta * (ConstVec(v, dv) - u);
-  RankSweep<Scalar> write;
-  write.row_scale = gates;
-  write.k[0] = kf;
-  write.w[0] = prediction;
-  rank_sweep_with<0>(1, RowScale::per_row, S.data(), dv, r, dv, write, !reverse);
+  channel_delta_write(S, kf, gates, prediction, !reverse);
 }
 
 /// The end of the delta recurrence's pair sweep (a RankPass Finish): from the four reads of a
