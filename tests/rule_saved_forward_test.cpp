@@ -3,7 +3,9 @@
 // recomputing backward (bit for bit: both run the same chunk code on the forward's states),
 // central differences in double through the saved backward with chunks of several per-channel
 // sub-chunks, segments, errors and the memory figures. Decay, Gated with one gate per token and
-// per channel; float and double. Delta and GatedDelta (L2-normalized keys) in the bitwise test.
+// per channel; float and double. Delta and GatedDelta (L2-normalized keys, GatedDelta with one
+// log_alpha per token and per channel) in the bitwise test; per-channel GatedDelta also through
+// central differences, and in the errors and memory figures.
 
 #include <linattn/rule_gradients.hpp>
 #include <linattn/rule_saved_forward.hpp>
@@ -26,7 +28,7 @@ using linattn_test::uniform_matrix;
 
 namespace {
 
-enum class Gates { decay, scalar, channel, delta, gated_delta };
+enum class Gates { decay, scalar, channel, delta, gated_delta, channel_delta };
 
 const char* name_of(Gates g) {
   switch (g) {
@@ -35,6 +37,7 @@ const char* name_of(Gates g) {
     case Gates::channel: return "gated per channel";
     case Gates::delta: return "delta";
     case Gates::gated_delta: return "gated delta";
+    case Gates::channel_delta: return "gated delta, per-channel log_alpha";
   }
   return "?";
 }
@@ -48,12 +51,15 @@ Options options_for(Index chunk, Normalization norm) {
 }
 
 // One call's inputs: Q, K, V, dY ~ N(0, 1); log-gates uniform in [-2, 0) with -30 and -1e-6
-// planted; betas in [0, 1] with 0 and 1 planted, log-alphas in [-1, 0); an initial state
+// planted; betas in [0, 1] with 0 and 1 planted, log-alphas in [-1, 0) (T x r when
+// `channel_alpha`: per-channel GatedDelta takes those); an initial state
 // S0 ~ N(0, 0.25), z0 in [0.5, 1.5) (positive: strict reads defined); a final-state gradient.
 template <class Scalar>
 struct Case {
   RowMatrix<Scalar> Q, K, V, dY, log_gate, S0, WS;
   ColVector<Scalar> z0, wz, beta, log_alpha;
+  RowMatrix<Scalar> alpha_rows;  // T x r
+  bool channel_alpha = false;
 };
 
 template <class Scalar>
@@ -75,6 +81,7 @@ Case<Scalar> make_case(Index T, Index dk, Index dv, Index r, bool per_channel,
   c.wz = random_matrix<Scalar>(r, 1, seed + 8);
   c.beta = uniform_matrix<Scalar>(T, 1, seed + 9, 0.0, 1.0);
   c.log_alpha = uniform_matrix<Scalar>(T, 1, seed + 10, -1.0, 0.0);
+  c.alpha_rows = uniform_matrix<Scalar>(T, r, seed + 11, -1.0, 0.0);
   if (T >= 3) {
     c.beta(0) = 0;
     c.beta(T - 1) = 1;
@@ -91,7 +98,7 @@ decltype(auto) with_inputs(const Attn&, const Case<Scalar>& c, F&& f) {
   else if constexpr (kind == WriteKind::delta)
     return f(c.beta);
   else if constexpr (kind == WriteKind::gated_delta)
-    return f(c.beta, c.log_alpha);
+    return c.channel_alpha ? f(c.beta, c.alpha_rows) : f(c.beta, c.log_alpha);
   else
     return f();
 }
@@ -133,7 +140,7 @@ void check_bitwise(const Attn& attn, const Case<typename Attn::scalar_type>& c,
   if constexpr (keeps_z) CHECK(saving_state.z() == plain_state.z());
   CHECK(saving_state.tokens() == plain_state.tokens());
   CHECK(saved.tokens() == T);
-  CHECK(saved.bytes() == saved_forward_bytes(attn, T, dk, dv));
+  CHECK(saved.bytes() == saved_forward_bytes(attn, T, dk, dv, c.channel_alpha));
 
   const StateGradient<Scalar> final_gradient{c.WS, keeps_z ? c.wz : ColVector<Scalar>()};
   for (const StateGradient<Scalar>* fg : {&final_gradient, static_cast<const StateGradient<Scalar>*>(nullptr)}) {
@@ -197,7 +204,8 @@ void run_bitwise(Gates gates, Index T, Index dk, Index dv, Index chunk, Normaliz
   const Options options = options_for<Scalar>(chunk, norm);
   const EluPlusOne phi;
   const Index r = phi.feature_dim(dk);
-  const auto c = make_case<Scalar>(T, dk, dv, r, gates == Gates::channel, 301 + T);
+  auto c = make_case<Scalar>(T, dk, dv, r, gates == Gates::channel, 301 + T);
+  c.channel_alpha = gates == Gates::channel_delta;
   for (const bool with_state : {false, true}) {
     if (gates == Gates::decay)
       check_bitwise(RuleAttention<EluPlusOne, Decay, Scalar>(phi, Decay(0.9), options), c,
@@ -205,7 +213,7 @@ void run_bitwise(Gates gates, Index T, Index dk, Index dv, Index chunk, Normaliz
     else if (gates == Gates::delta)
       check_bitwise(RuleAttention<L2Normalize, Delta, Scalar>(L2Normalize{}, Delta{}, options), c,
                     with_state);
-    else if (gates == Gates::gated_delta)
+    else if (gates == Gates::gated_delta || gates == Gates::channel_delta)
       check_bitwise(
           RuleAttention<L2Normalize, GatedDelta, Scalar>(L2Normalize{}, GatedDelta{}, options), c,
           with_state);
@@ -231,9 +239,10 @@ TEST_CASE("saving forward: the forward's bits; backward from it: the recomputing
                               {70, 128, 128, kAuto}};
   for (const Shape s : shapes)
     for (const Gates g : {Gates::decay, Gates::scalar, Gates::channel, Gates::delta,
-                          Gates::gated_delta})
+                          Gates::gated_delta, Gates::channel_delta})
       for (const bool strict : {true, false}) {
-        if ((g == Gates::delta || g == Gates::gated_delta) && strict) continue;  // they never divide
+        if ((g == Gates::delta || g == Gates::gated_delta || g == Gates::channel_delta) && strict)
+          continue;  // they never divide
         const Normalization norm = strict ? Normalization::strict() : Normalization::unnormalized();
         INFO("T " << s.T << ", dk " << s.dk << ", dv " << s.dv << (strict ? ", strict" : ", unnormalized"));
         run_bitwise<float>(g, s.T, s.dk, s.dv, s.chunk, norm);
@@ -250,24 +259,32 @@ namespace {
 // as in rule_gradients_test.
 template <class Attn>
 void check_fd_saved(const Attn& attn, Case<double> c) {
+  constexpr bool keeps_z = Attn::rule_type::keeps_normalizer;
   const Index T = c.Q.rows(), dk = c.Q.cols(), dv = c.V.cols();
   auto initial = attn.make_state(dk, dv);
+  const auto start = [&](auto& st) {
+    if constexpr (keeps_z)
+      st.assign(c.S0, c.z0);
+    else
+      st.assign(c.S0);
+  };
   const auto loss = [&] {
     auto st = attn.make_state(dk, dv);
-    st.assign(c.S0, c.z0);
+    start(st);
     const RowMatrix<double> Y = with_inputs(attn, c, [&](const auto&... in) {
       return attn.prefill(st, c.Q, c.K, c.V, in...);
     });
-    return (c.dY.array() * Y.array()).sum() + (c.WS.array() * st.S().array()).sum() +
-           (c.wz.array() * st.z().array()).sum();
+    double l = (c.dY.array() * Y.array()).sum() + (c.WS.array() * st.S().array()).sum();
+    if constexpr (keeps_z) l += (c.wz.array() * st.z().array()).sum();
+    return l;
   };
-  initial.assign(c.S0, c.z0);
+  start(initial);
   RowMatrix<double> Y(T, dv);
   SavedForward<double> saved;
   with_inputs(attn, c, [&](const auto&... in) {
     prefill_saving_into(attn, initial, c.Q, c.K, c.V, in..., Y, saved);
   });
-  const StateGradient<double> fg{c.WS, c.wz};
+  const StateGradient<double> fg{c.WS, keeps_z ? c.wz : ColVector<double>()};
   const auto g = with_inputs(attn, c, [&](const auto&... in) {
     return prefill_backward(attn, saved, c.Q, c.K, c.V, in..., c.dY, &fg);
   });
@@ -303,9 +320,16 @@ void check_fd_saved(const Attn& attn, Case<double> c) {
   check("K", c.K, g.K, inf);
   check("V", c.V, g.V, inf);
   check("S0", c.S0, g.initial.S, inf);
-  check("z0", c.z0, g.initial.z, inf);
+  if constexpr (keeps_z) check("z0", c.z0, g.initial.z, inf);
   if constexpr (Attn::rule_type::kind == WriteKind::gated)
     check("log_gate", c.log_gate, g.inputs.log_gate, 0.0);
+  if constexpr (Attn::rule_type::kind == WriteKind::gated_delta) {
+    check("beta", c.beta, g.inputs.beta, inf);
+    if (c.channel_alpha)
+      check("log_alpha (per channel)", c.alpha_rows, g.inputs.log_alpha, 0.0);
+    else
+      check("log_alpha", c.log_alpha, g.inputs.log_alpha, 0.0);
+  }
 }
 
 }  // namespace
@@ -325,6 +349,17 @@ TEST_CASE("finite differences through the saved backward, chunks of several sub-
     }
     check_fd_saved(RuleAttention<EluPlusOne, Decay, double>(EluPlusOne{}, Decay(0.8), options),
                    make_case<double>(T, dk, dv, dk, false, 411));
+  }
+  // Per-channel GatedDelta (L2-normalized keys, r = dk), the same shape in chunks of 40 and 8.
+  for (const Index chunk : {40, 8}) {
+    INFO("per-channel GatedDelta, chunk " << chunk);
+    auto c = make_case<double>(T, dk, dv, dk, false, 421);
+    c.channel_alpha = true;
+    c.beta(0) = 0.25;  // off the planted 0: the central difference stays inside [0, 2]
+    check_fd_saved(RuleAttention<L2Normalize, GatedDelta, double>(
+                       L2Normalize{}, GatedDelta{},
+                       options_for<double>(chunk, Normalization::unnormalized())),
+                   c);
   }
 }
 
@@ -434,6 +469,41 @@ TEST_CASE("rule saved forward: errors") {
   CHECK(failed.tokens() == 0);
 }
 
+TEST_CASE("rule saved forward: GatedDelta's saved data is for its kind of log_alpha") {
+  // A forward saved with per-channel log_alpha keeps the chunk states only, one saved with one
+  // log_alpha per token also each token's rows: a backward given the other kind is refused
+  // (ShapeError naming both), not read out of bounds.
+  constexpr Index T = 20, d = 4;
+  const RuleAttention<L2Normalize, GatedDelta, double> attn(
+      L2Normalize{}, GatedDelta{}, options_for<double>(8, Normalization::unnormalized()));
+  auto c = make_case<double>(T, d, d, d, false, 611);
+  RowMatrix<double> Y(T, d);
+  SavedForward<double> by_channel, by_token;
+  parallel_saving_into(attn, c.Q, c.K, c.V, c.beta, c.alpha_rows, Mask::causal, Y, by_channel);
+  parallel_saving_into(attn, c.Q, c.K, c.V, c.beta, c.log_alpha, Mask::causal, Y, by_token);
+  try {
+    static_cast<void>(
+        parallel_backward(attn, by_channel, c.Q, c.K, c.V, c.beta, c.log_alpha, Mask::causal, c.dY));
+    FAIL("no ShapeError");
+  } catch (const ShapeError& e) {
+    CHECK(std::string(e.what()).find("per-channel log_alpha (T x r)") != std::string::npos);
+    CHECK(std::string(e.what()).find("20x1") != std::string::npos);
+  }
+  try {
+    static_cast<void>(
+        parallel_backward(attn, by_token, c.Q, c.K, c.V, c.beta, c.alpha_rows, Mask::causal, c.dY));
+    FAIL("no ShapeError");
+  } catch (const ShapeError& e) {
+    CHECK(std::string(e.what()).find("one log_alpha per token") != std::string::npos);
+    CHECK(std::string(e.what()).find("20x4") != std::string::npos);
+  }
+  // A saved forward reused for the other kind is refilled for it.
+  parallel_saving_into(attn, c.Q, c.K, c.V, c.beta, c.log_alpha, Mask::causal, Y, by_channel);
+  CHECK(by_channel.bytes() == saved_forward_bytes(attn, T, d, d, false));
+  CHECK_NOTHROW(
+      parallel_backward(attn, by_channel, c.Q, c.K, c.V, c.beta, c.log_alpha, Mask::causal, c.dY));
+}
+
 TEST_CASE("rule saved forward: memory figures") {
   const RuleAttention<EluPlusOne, Gated, float> attn;
   // r = dv = 128 in float: the forward's automatic chunk is 16, the backward's 32, so the saved
@@ -461,6 +531,16 @@ TEST_CASE("rule saved forward: memory figures") {
   CHECK(saved_forward_bytes(delta, 8192, 128, 128) ==
         static_cast<std::size_t>((8192 + C - 1) / C * 128 * 128 + 2 * 8192 * 128) * sizeof(float));
   CHECK(saved_backward_bytes(delta, 8192, 64, 64) == saved_backward_bytes(delta, 65536, 64, 64));
+  // Per-channel GatedDelta keeps the states only; its backward from them nothing per token.
+  const RuleAttention<L2Normalize, GatedDelta, float> gated_delta;
+  CHECK(saved_forward_bytes(gated_delta, 8192, 128, 128, true) ==
+        static_cast<std::size_t>((8192 + C - 1) / C * 128 * 128) * sizeof(float));
+  CHECK(saved_backward_bytes(gated_delta, 8192, 64, 64, true) ==
+        saved_backward_bytes(gated_delta, 65536, 64, 64, true));
+  const RowMatrix<float> beta = uniform_matrix<float>(100, 1, 5, 0.0, 1.0);
+  SavedForward<float> channel_saved;
+  parallel_saving_into(gated_delta, Q, K, V, beta, gates, Mask::causal, Y, channel_saved);
+  CHECK(channel_saved.bytes() == saved_forward_bytes(gated_delta, 100, 64, 64, true));
 }
 
 }  // namespace rule_saved_forward_test

@@ -768,30 +768,15 @@ TEMPLATE_TEST_CASE("invalid rule parameters and input shapes are rejected before
 
 TEST_CASE("per-channel log_alpha: the paths that do not take it yet refuse it, naming it",
           "[delta][kda][errors]") {
-  // The saving forwards (and so MPI's, which bind the same way) and the multi-head layer take
-  // one log_alpha per token so far; a T x r log_alpha must not reach their kernels, which
-  // would read its first channel only. (The gradients take it: rule_gradients_test.)
+  // The multi-head layer (and MPI: mpi_test) take one log_alpha per token so far; a T x r
+  // log_alpha must not reach their kernels, which would read its first channel only. (The
+  // gradients and the saving forwards take it: rule_gradients_test, rule_saved_forward_test.)
   using Catch::Matchers::Contains;
   const Index T = 5, dk = 4, dv = 3;
   const auto qkv = random_qkv<double>(T, dk, dv, 161);
   const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
   const ColVector<double> beta = ColVector<double>::Constant(T, 0.5);
   const RowMatrix<double> LA = RowMatrix<double>::Constant(T, dk, -0.2);
-  const RowMatrix<double> dY = RowMatrix<double>::Ones(T, dv);
-  const RuleAttention<L2Normalize, GatedDelta, double> kda(L2Normalize{}, GatedDelta{});
-  auto state = kda.make_state(dk, dv);
-  RowMatrix<double> Y(T, dv);
-  SavedForward<double> saved;
-  CHECK_THROWS_WITH(parallel_saving_into(kda, Q, K, V, beta, LA, Mask::causal, Y, saved),
-                    Contains("per-channel log_alpha"));
-  CHECK_THROWS_AS(prefill_saving_into(kda, state, Q, K, V, beta, LA, Y, saved), ShapeError);
-  CHECK(state.tokens() == 0);
-  // So is a backward from a saved forward (its data is the scalar kernel's).
-  SavedForward<double> scalar_saved;
-  parallel_saving_into(kda, Q, K, V, beta, ColVector<double>::Constant(T, -0.2), Mask::causal, Y,
-                       scalar_saved);
-  CHECK_THROWS_WITH(parallel_backward(kda, scalar_saved, Q, K, V, beta, LA, Mask::causal, dY),
-                    Contains("per-channel log_alpha"));
   // The layer's per-token views are [B, T, H_v, 1] for the delta rules.
   const MultiHeadAttention<RuleAttention<L2Normalize, GatedDelta, double>> layer({1, 1, dk, dv});
   using View = TensorView<const double>;

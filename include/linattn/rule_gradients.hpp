@@ -36,9 +36,10 @@
 /// (linattn/rule_saved_forward.hpp) skips the rebuild: 8 r dv. Delta / GatedDelta (the WY / UT
 /// form): O(T (r dv + C (r + dv))) time plus a C x C triangular solve per chunk, the boundary
 /// states and each token's corrected values stored: r dv / C + 2 dv scalars per token plus
-/// O(C (C + r + dv) + r dv). Per-channel GatedDelta: a token-by-token reverse sweep from the
-/// states kept at chunk starts, about 28 r dv flops per token (the forward: 7), r dv / C
-/// scalars per token plus (C + 3) r dv. Exact figures: rule_backward_bytes().
+/// O(C (C + r + dv) + r dv). Per-channel GatedDelta: the forward's chunk kernel keeps the
+/// states at chunk starts, then a token-by-token reverse sweep from them, about 20 r dv flops
+/// per token beyond that forward's key side; r dv / C scalars per token plus (C + 2) r dv and
+/// the chunk kernel's buffers. Exact figures: rule_backward_bytes().
 ///
 /// The feature map must be a DifferentiableFeatureMap: gradients flow to Q and K through its
 /// backward(). Errors: ShapeError for shapes that do not fit (naming them), std::invalid_argument
@@ -148,7 +149,7 @@ void rule_backward_bound(const RuleAttention<Phi, Rule, Scalar>& attn,
     if (in.log_alpha.cols > 1) {
       channel_delta_backward<Scalar>(attn.feature_map(), Q, K, V, dY, in, S0, dS_T, C, out.Q,
                                      out.K, out.V, d_in.beta, d_in.log_alpha, initial.S,
-                                     buffers.channel_delta);
+                                     buffers.delta, buffers.channel_delta);
       initial.z.resize(0);
       return;
     }
@@ -200,7 +201,7 @@ void rule_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   }
   check_final_gradient(final_gradient, r, dv, Rule::keeps_normalizer);
   const InputGradientRows<Scalar> d_rows = input_gradient_rows<Rule>(
-      d_in, T, std::max(bound.log_gate.cols, bound.log_alpha.cols));
+      d_in, T, bound.gate_columns());
   if (state != nullptr) {
     const ColVector<Scalar> no_z;  // the delta rules keep no z and do not read this one
     const ColVector<Scalar>* z0 = &no_z;
@@ -399,9 +400,12 @@ template <class Phi, detail::GradientRule Rule, class Scalar>
                                               bool per_channel_gates = false) {
   const Index r = attn.feature_map().feature_dim(dk), C = attn.chunk_size(r, dv);
   if constexpr (Rule::kind == WriteKind::gated_delta)
-    if (per_channel_gates)
-      return detail::ChannelDeltaBackwardScratch<Scalar>::bytes_for(
-          T, std::max<Index>(std::min(C, T), 1), r, dv);
+    if (per_channel_gates) {
+      // The kept chunk states (no per-token rows), pass 2's buffers, pass 1's kernel.
+      const Index rows = std::max<Index>(std::min(C, T), 1);
+      return detail::DeltaSavedStates<Scalar>::bytes_for(T, rows, r, dv, false) +
+             detail::ChannelDeltaBackwardScratch<Scalar>::bytes_for(rows, r, dv, T > 0, C);
+    }
   if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta)
     return detail::DeltaBackwardScratch<Scalar>::bytes_for(T, C, r, dv);
   else

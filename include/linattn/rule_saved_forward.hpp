@@ -28,6 +28,10 @@
 /// token, no triangular solve), where the recomputing backward first runs that forward again.
 /// Memory: ceil(T / C) r dv + 2 T dv scalars: 1 KiB per token at r = dv = 64 (C = 32) and
 /// 5 KiB at r = dv = 128 (C = 16) in float (T = 8,192 at d = 128: 40 MiB).
+/// GatedDelta with per-channel log_alpha (T x r) keeps the states only, ceil(T / C) r dv
+/// scalars (4 KiB per token at r = dv = 128, C = 16); its backward recomputes each chunk's
+/// tokens from the state before it and walks them backwards
+/// (detail::channel_delta_backward_saved), skipping the recomputing backward's forward pass.
 ///
 /// Every rule: the saving forward's outputs and final state are the plain forward's bits (the
 /// copies are non-temporal stores from an observer that does nothing in the plain forward),
@@ -228,27 +232,33 @@ template <class Phi, detail::SavedRule Rule, class Scalar, class DQ, class DK, c
 /// attention. Decay, Gated: ceil(T / B) (r dv + r) scalars, B the backward chunk (32 under
 /// kAuto); r = dv = 128, float, T = 8,192: 16,908,288 (16.1 MiB). Delta, GatedDelta:
 /// ceil(T / C) r dv + 2 T dv scalars, C the forward's chunk (16 at r = dv = 128 under kAuto):
-/// 41,943,040 (40 MiB) there.
+/// 41,943,040 (40 MiB) there; GatedDelta with `per_channel_gates` (log_alpha T x r):
+/// ceil(T / C) r dv, 33,554,432 (32 MiB) there.
 template <class Phi, detail::SavedRule Rule, class Scalar>
 [[nodiscard]] std::size_t saved_forward_bytes(const RuleAttention<Phi, Rule, Scalar>& attn,
-                                              Index T, Index dk, Index dv) {
+                                              Index T, Index dk, Index dv,
+                                              bool per_channel_gates = false) {
   const Index r = attn.feature_map().feature_dim(dk);
   const Index C = detail::saved_chunk_size(attn, T, r, dv);
   if constexpr (detail::is_delta_rule<Rule>)
-    return detail::DeltaSavedStates<Scalar>::bytes_for(T, C, r, dv);
+    return detail::DeltaSavedStates<Scalar>::bytes_for(
+        T, C, r, dv, !(Rule::kind == WriteKind::gated_delta && per_channel_gates));
   else
     return detail::ChunkStates<Scalar>::bytes_for(T, C, r, dv, false);
 }
 
 /// Bytes the backward from a saved forward allocates for itself (one chunk's scratch, with
-/// row-major contiguous V and dY; Gated: one gate per token, or `per_channel_gates`): nothing
-/// per token.
+/// row-major contiguous V and dY; Gated and GatedDelta: one gate per token, or
+/// `per_channel_gates`): nothing per token.
 template <class Phi, detail::SavedRule Rule, class Scalar>
 [[nodiscard]] std::size_t saved_backward_bytes(const RuleAttention<Phi, Rule, Scalar>& attn,
                                                Index T, Index dk, Index dv,
                                                bool per_channel_gates = false) {
   const Index r = attn.feature_map().feature_dim(dk);
   const Index C = detail::saved_chunk_size(attn, T, r, dv);
+  if constexpr (Rule::kind == WriteKind::gated_delta)
+    if (per_channel_gates)
+      return detail::ChannelDeltaBackwardScratch<Scalar>::bytes_for(C, r, dv, false, 0);
   if constexpr (detail::is_delta_rule<Rule>)
     return detail::DeltaBackwardScratch<Scalar>::scalars_for(C, r, dv) * sizeof(Scalar);
   else

@@ -8,16 +8,22 @@
 //   dkf = H u,     du = H^T kf,     d beta = du . (v - p),  dv = beta du,  dp = -beta du,
 //   dkf += S' dp,  H += kf dp^T     (now dLoss/dS'),
 //   d log_alpha_m = sum_c S'_mc H_mc  (a_m dLoss/da_m),   H <- diag(a) H  (dLoss/dS).
-// A token-by-token reverse sweep: pass 1 runs the recurrence and keeps the state at every
-// chunk's start; pass 2 takes the chunks in reverse, recomputes the chunk's states from the
-// kept one (the chunk's C + 1 states, its p and u), then walks its tokens backwards.
-// Per token about 5 r dv flops in pass 1, 5 r dv to recompute and 15 r dv in the reverse walk,
-// in matrix-vector products and row-wise passes over r x dv matrices (Eigen's; fusing the walk
-// into two sweeps over the rows of H measured no faster on a Zen 5 VM); memory: ceil(T / C) r dv
-// scalars kept, plus (C + 3) r dv + O(C (r + dv)) scratch. (Not the chunked WY form of the scalar-gated backward,
-// delta_backward.hpp: the in-chunk products would need the per-channel decays inside every
-// pairwise term, as the forward's ChannelDeltaChunk builds them.)
+// Pass 1 runs the forward's chunk kernel (ChannelDeltaChunk, the same arithmetic as the
+// chunked forward, so a saving forward keeps the same bits) and keeps the state at every
+// chunk's start; pass 2 takes the chunks in reverse, recomputes the chunk's states token by
+// token from the kept one (the chunk's C + 1 states, its p and u), then walks its tokens
+// backwards. A backward from a saved forward (linattn/rule_saved_forward.hpp) is pass 2 alone.
+// Per token about 5 r dv flops to recompute and 15 r dv in the reverse walk, in matrix-vector
+// products and row-wise passes over r x dv matrices (Eigen's; fusing the walk into two sweeps
+// over the rows of H measured no faster on a Zen 5 VM), plus the forward's for pass 1; memory:
+// ceil(T / C) r dv scalars kept, plus (C + 2) r dv + O(C (r + dv)) scratch and pass 1's
+// kernel. (Not the chunked WY form of the scalar-gated backward, delta_backward.hpp: the
+// in-chunk products would need the per-channel decays inside every pairwise term, as the
+// forward's ChannelDeltaChunk builds them.)
 
+#include <linattn/detail/backward_chunked.hpp>
+#include <linattn/detail/delta_backward.hpp>
+#include <linattn/detail/delta_kernels.hpp>
 #include <linattn/detail/chunked.hpp>
 #include <linattn/detail/rule_common.hpp>
 #include <linattn/detail/token_inputs.hpp>
@@ -27,6 +33,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <optional>
 
 namespace linattn::detail {
 
@@ -34,25 +41,21 @@ namespace linattn::detail {
 /// BackwardWorkspace keeps them between calls).
 template <class Scalar>
 struct ChannelDeltaBackwardScratch {
-  RowMatrix<Scalar> kept;             // the state at each chunk's start (chunks r x dv)
+  std::optional<ChannelDeltaChunk<Scalar>> kernel;  // pass 1: the forward's chunk kernel
   RowMatrix<Scalar> states;           // a chunk's states: (C + 1) r x dv
   RowMatrix<Scalar> qf, kf, gates;    // C x r
   RowMatrix<Scalar> dqf, dkf;         // C x r
-  RowMatrix<Scalar> p, u, v, dy;      // C x dv
+  RowMatrix<Scalar> p, u, v, dy;      // C x dv (v, dy: copies where V, dY rows are strided)
   RowMatrix<Scalar> H, running;       // r x dv: the state gradient; pass 1's running state
   RowVector<Scalar> du, dp;           // dv
   RowVector<Scalar> scaled_key;       // r: kf .* a
 
-  /// Sized for T tokens in chunks of C, r features and dv values.
-  void fit(Index T, Index C, Index r, Index dv) {
+  /// Sized for chunks of C tokens, r features and dv values (pass 2's buffers and pass 1's
+  /// running state; pass 1 makes its kernel).
+  void fit(Index C, Index r, Index dv) {
     const auto grow = [](RowMatrix<Scalar>& m, Index rows, Index cols) {
-      if (m.cols() != cols)
-        m.resize(rows, cols);
-      else if (m.rows() < rows)
-        m.resize(rows, cols);
+      if (m.cols() != cols || m.rows() < rows) m.resize(rows, cols);
     };
-    const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
-    grow(kept, chunks * r, dv);
     grow(states, (C + 1) * r, dv);
     for (auto* m : {&qf, &kf, &gates, &dqf, &dkf}) grow(*m, C, r);
     for (auto* m : {&p, &u, &v, &dy}) grow(*m, C, dv);
@@ -64,102 +67,117 @@ struct ChannelDeltaBackwardScratch {
 
   /// Bytes held.
   [[nodiscard]] std::size_t bytes() const noexcept {
-    std::size_t n = static_cast<std::size_t>(du.size() + dp.size() + scaled_key.size());
-    for (const auto* m : {&kept, &states, &qf, &kf, &gates, &dqf, &dkf, &p, &u, &v, &dy, &H,
-                          &running})
-      n += static_cast<std::size_t>(m->size());
-    return n * sizeof(Scalar);
+    Index n = du.size() + dp.size() + scaled_key.size() + (kernel ? kernel->scalars() : 0);
+    for (const auto* m : {&states, &qf, &kf, &gates, &dqf, &dkf, &p, &u, &v, &dy, &H, &running})
+      n += m->size();
+    return static_cast<std::size_t>(n) * sizeof(Scalar);
   }
 
-  /// Bytes channel_delta_backward needs for T tokens in chunks of C.
-  [[nodiscard]] static std::size_t bytes_for(Index T, Index C, Index r, Index dv) {
-    const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
-    return static_cast<std::size_t>(chunks * r * dv + (C + 3) * r * dv + 5 * C * r +
-                                    4 * C * dv + 2 * dv + r) *
-           sizeof(Scalar);
+  /// Bytes a call in chunks of C tokens holds here: pass 2's buffers, and with `pass1` the
+  /// running state and the kernel made for chunks of `kernel_rows` (the forward's chunk).
+  [[nodiscard]] static std::size_t bytes_for(Index C, Index r, Index dv, bool pass1,
+                                             Index kernel_rows) {
+    const Index pass2 = (C + 2) * r * dv + 5 * C * r + 4 * C * dv + 2 * dv + r;
+    const Index first =
+        pass1 ? r * dv + ChannelDeltaChunk<Scalar>::scalars_for(kernel_rows, r, dv) : 0;
+    // The saved backward makes no kernel, but its running state is sized with the rest.
+    return static_cast<std::size_t>(pass2 + (pass1 ? first : r * dv)) * sizeof(Scalar);
   }
 };
 
-/// The backward of per-channel GatedDelta from the state S0 (see the file comment), in chunks
-/// of `chunk` tokens. `in`: bound beta (T x 1) and log_alpha (T x r). Writes dQ, dK, dV,
-/// d_beta (length T), d_log_alpha (T x r, row-major, contiguous) and dS0 (resized); dS_T null:
-/// 0. No allocation once `w` fits the call.
-template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
-void channel_delta_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
-                            const TokenInputs<Scalar>& in, const RowMatrix<Scalar>& S0,
-                            const RowMatrix<Scalar>* dS_T, Index chunk,
-                            Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
-                            Eigen::Ref<RowMatrix<Scalar>> dV, Scalar* d_beta, Scalar* d_log_alpha,
-                            RowMatrix<Scalar>& dS0, ChannelDeltaBackwardScratch<Scalar>& w) {
-  const Index T = Q.rows(), r = S0.rows(), dv = S0.cols();
+/// Pass 1: the chunked forward's key side and state update (ChannelDeltaChunk made for chunks of
+/// `chunk` rows, as the forward's) over K, V from S0, keeping the state before each chunk in
+/// `saved` (fitted, no per-token rows): the saving forward's bits. No allocation once `w` and
+/// `saved` fit the call.
+template <class Scalar, class Phi, class DK, class DV>
+void channel_delta_save_chunks(const Phi& phi, const DK& K, const DV& V,
+                               const TokenInputs<Scalar>& in, const RowMatrix<Scalar>& S0,
+                               Index chunk, DeltaSavedStates<Scalar>& saved,
+                               ChannelDeltaBackwardScratch<Scalar>& w) {
+  const Index T = K.rows(), r = S0.rows(), dv = S0.cols();
   const Index C = std::max<Index>(std::min(chunk, T), 1);
-  w.fit(T, C, r, dv);
+  saved.fit(T, C, r, dv, false);
+  w.fit(C, r, dv);
+  if (T == 0) return;
+  ChannelDeltaChunk<Scalar>& kernel = chunk_scratch_in(w.kernel, false, chunk, r, dv);
+  const SaveDeltaChunks<Scalar> save{saved};
+  SpreadPrefetch next_rows;  // the next chunk's K, V rows behind this chunk's products
+  kernel.prefetch = &next_rows;
+  w.running = S0;
+  for (Index first = 0; first < T; first += C) {
+    const Index n = std::min(C, T - first);
+    next_rows.add(K, first + C, C);
+    next_rows.add(V, first + C, C);
+    map_rows<Scalar>(phi, K, first, n, w.kf);
+    const auto [v, ld_v] = row_major_rows(V, first, n, w.v);
+    kernel.prepare(n, w.kf.data(), r, v, ld_v, values_from(in.beta, first),
+                   TokenRows<Scalar>{in.log_alpha.data + first * in.log_alpha.row_stride,
+                                     in.log_alpha.row_stride},
+                   w.running);
+    save(first, w.running, kernel);
+    kernel.absorb(w.running);
+    next_rows.finish();
+  }
+  stream_fence();
+}
+
+/// Pass 2, the reverse sweep, from the states kept before each chunk of saved.chunk_size rows
+/// (per-channel GatedDelta's saved forward, or pass 1). `in`: bound beta (T x 1) and log_alpha
+/// (T x r). Writes dQ, dK, dV, d_beta (length T), d_log_alpha (T x r, row-major, contiguous)
+/// and dS0 (resized); dS_T null: 0. No allocation once `w` fits the call.
+template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
+void channel_delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                                  const DY& dY, const TokenInputs<Scalar>& in,
+                                  const DeltaSavedStates<Scalar>& saved,
+                                  const RowMatrix<Scalar>* dS_T, Eigen::Ref<RowMatrix<Scalar>> dQ,
+                                  Eigen::Ref<RowMatrix<Scalar>> dK,
+                                  Eigen::Ref<RowMatrix<Scalar>> dV, Scalar* d_beta,
+                                  Scalar* d_log_alpha, RowMatrix<Scalar>& dS0,
+                                  ChannelDeltaBackwardScratch<Scalar>& w) {
+  const Index T = Q.rows(), r = phi.feature_dim(K.cols()), dv = V.cols();
+  const Index C = std::max<Index>(saved.chunk_size, 1);
+  w.fit(std::min(C, std::max<Index>(T, 1)), r, dv);
   using Row = Eigen::Map<RowVector<Scalar>>;
   using ConstRow = Eigen::Map<const RowVector<Scalar>>;
   using State = Eigen::Map<RowMatrix<Scalar>>;
-  const auto state = [&](Index i) { return State(w.states.data() + i * r * dv, r, dv); };
-  const auto kept = [&](Index c) { return State(w.kept.data() + c * r * dv, r, dv); };
-  // One chunk's keys, gates and values; then the recurrence over it from `S`, which it leaves
-  // at the chunk's end, keeping each token's p and u (and, with `keep`, every state).
-  const auto key_side = [&](Index first, Index n) {
-    map_rows<Scalar>(phi, K, first, n, w.kf);
-    for (Index i = 0; i < n; ++i) {
-      gates_from_logs(&in.log_alpha.data[(first + i) * in.log_alpha.row_stride], 1,
-                      w.gates.row(i).data(), r);
-      w.v.row(i) = V.row(first + i).template cast<Scalar>();
-    }
-  };
-  // Token i from state `from` into `to` (the same matrix in pass 1): p = (kf .* a) from,
-  // u = beta (v - p), to = diag(a) from + kf^T u, row by row (one read sweep, one write sweep).
-  const auto token = [&](Index t, Index i, const Scalar* from, Scalar* to) {
-    w.scaled_key = w.kf.row(i).cwiseProduct(w.gates.row(i));
-    Row p(w.p.row(i).data(), dv), u(w.u.row(i).data(), dv);
-    p.noalias() = w.scaled_key * Eigen::Map<const RowMatrix<Scalar>>(from, r, dv);
-    u = in.beta(t) * (w.v.row(i) - p);
-    const Scalar* a = w.gates.row(i).data();
-    const Scalar* kf = w.kf.row(i).data();
-    for (Index m = 0; m < r; ++m)
-      Row(to + m * dv, dv) = a[m] * ConstRow(from + m * dv, dv) + kf[m] * u;
-  };
-  // The chunk's tokens from S (pass 1: in place) or from state(0) into state(1..n) (pass 2).
-  const auto run = [&](Index first, Index n, Scalar* S, bool keep) {
-    for (Index i = 0; i < n; ++i) {
-      if (keep)
-        token(first + i, i, w.states.data() + i * r * dv, w.states.data() + (i + 1) * r * dv);
-      else
-        token(first + i, i, S, S);
-    }
-  };
-
-  // Pass 1: the state at each chunk's start.
+  using ConstState = Eigen::Map<const RowMatrix<Scalar>>;
   const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
-  w.running = S0;
-  for (Index c = 0; c < chunks; ++c) {
-    const Index first = c * C, n = std::min(C, T - first);
-    kept(c) = w.running;
-    key_side(first, n);
-    run(first, n, w.running.data(), false);
-  }
-
-  // Pass 2: the chunks in reverse, each token backwards.
   if (dS_T != nullptr)
     w.H = *dS_T;
   else
     w.H.setZero(r, dv);
   for (Index c = chunks - 1; c >= 0; --c) {
     const Index first = c * C, n = std::min(C, T - first);
-    key_side(first, n);
-    state(0) = kept(c);
-    run(first, n, nullptr, true);
+    // The chunk's keys, gates and values, its queries and dy.
+    map_rows<Scalar>(phi, K, first, n, w.kf);
+    for (Index i = 0; i < n; ++i)
+      gates_from_logs(&in.log_alpha.data[(first + i) * in.log_alpha.row_stride], 1,
+                      w.gates.row(i).data(), r);
+    const auto [v, ld_v] = row_major_rows(V, first, n, w.v);
     map_rows<Scalar>(phi, Q, first, n, w.qf);
-    for (Index i = 0; i < n; ++i) w.dy.row(i) = dY.row(first + i).template cast<Scalar>();
+    const auto [dy_rows, ld_dy] = row_major_rows(dY, first, n, w.dy);
+    // The chunk's states from the kept one: token i takes state i to state i + 1 with
+    // p = (kf .* a) S, u = beta (v - p), S' = diag(a) S + kf u^T (row by row).
+    State(w.states.data(), r, dv) = ConstState(saved.states.data() + c * r * dv, r, dv);
+    for (Index i = 0; i < n; ++i) {
+      const Scalar* from = w.states.data() + i * r * dv;
+      Scalar* to = w.states.data() + (i + 1) * r * dv;
+      w.scaled_key = w.kf.row(i).cwiseProduct(w.gates.row(i));
+      Row p(w.p.row(i).data(), dv), u(w.u.row(i).data(), dv);
+      p.noalias() = w.scaled_key * ConstState(from, r, dv);
+      u = in.beta(first + i) * (ConstRow(v + i * ld_v, dv) - p);
+      const Scalar* a = w.gates.row(i).data();
+      const Scalar* kf = w.kf.row(i).data();
+      for (Index m = 0; m < r; ++m)
+        Row(to + m * dv, dv) = a[m] * ConstRow(from + m * dv, dv) + kf[m] * u;
+    }
     for (Index i = n - 1; i >= 0; --i) {
       const Index t = first + i;
       // S_t and S_{t-1}, the token's features, gates, dy and u.
-      const Eigen::Map<const RowMatrix<Scalar>> St(w.states.data() + (i + 1) * r * dv, r, dv),
+      const ConstState St(w.states.data() + (i + 1) * r * dv, r, dv),
           Sb(w.states.data() + i * r * dv, r, dv);
       const auto q = w.qf.row(i), k = w.kf.row(i), ga = w.gates.row(i);
-      const ConstRow dy(w.dy.row(i).data(), dv), u(w.u.row(i).data(), dv);
+      const ConstRow dy(dy_rows + i * ld_dy, dv), u(w.u.row(i).data(), dv);
       auto dq = w.dqf.row(i);
       auto dk = w.dkf.row(i);
       const Scalar beta = in.beta(t);
@@ -167,7 +185,7 @@ void channel_delta_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& 
       w.H.noalias() += q.transpose() * dy;
       dk.noalias() = u * w.H.transpose();
       w.du.noalias() = k * w.H;
-      d_beta[t] = w.du.dot(w.v.row(i) - w.p.row(i));
+      d_beta[t] = w.du.dot(ConstRow(v + i * ld_v, dv) - w.p.row(i));
       dV.row(t) = beta * w.du;
       w.dp = -beta * w.du;
       // S' = diag(a) S_{t-1}: dkf += S' dp, H += kf dp^T (the gradient of S'),
@@ -185,6 +203,22 @@ void channel_delta_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& 
     phi.backward(K.middleRows(first, n), w.kf.topRows(n), w.dkf.topRows(n), dk_rows);
   }
   dS0 = w.H;
+}
+
+/// The backward of per-channel GatedDelta from the state S0 (see the file comment): pass 1 into
+/// `saved` (the forward's chunks of `chunk` rows), then pass 2. Outputs as
+/// channel_delta_backward_saved. No allocation once `w` and `saved` fit the call.
+template <class Scalar, class Phi, class DQ, class DK, class DV, class DY>
+void channel_delta_backward(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DY& dY,
+                            const TokenInputs<Scalar>& in, const RowMatrix<Scalar>& S0,
+                            const RowMatrix<Scalar>* dS_T, Index chunk,
+                            Eigen::Ref<RowMatrix<Scalar>> dQ, Eigen::Ref<RowMatrix<Scalar>> dK,
+                            Eigen::Ref<RowMatrix<Scalar>> dV, Scalar* d_beta, Scalar* d_log_alpha,
+                            RowMatrix<Scalar>& dS0, DeltaSavedStates<Scalar>& saved,
+                            ChannelDeltaBackwardScratch<Scalar>& w) {
+  channel_delta_save_chunks(phi, K, V, in, S0, chunk, saved, w);
+  channel_delta_backward_saved(phi, Q, K, V, dY, in, saved, dS_T, dQ, dK, dV, d_beta,
+                               d_log_alpha, dS0, w);
 }
 
 }  // namespace linattn::detail

@@ -62,46 +62,59 @@ namespace linattn::detail {
 /// The chunked forward's data the delta backward reads, chunk c of
 /// `chunk_size` rows: the state before it (rows [c r, (c + 1) r) of `states`, r x dv each) and,
 /// per token, the corrected values u_t and the decayed state reads g_t = D(t, -1) kf_t S of
-/// DeltaChunk (rows of `corrected` and `reads`, T x dv). Filled by SaveDeltaChunks (then
+/// DeltaChunk (rows of `corrected` and `reads`, T x dv). Per-channel GatedDelta keeps the
+/// states only (`per_token` false: its backward recomputes each chunk's tokens from the state
+/// before it, detail/channel_delta_backward.hpp). Filled by SaveDeltaChunks (then
 /// stream_fence() before another thread reads it).
 template <class Scalar>
 struct DeltaSavedStates {
   RowMatrix<Scalar> states, corrected, reads;
   Index chunk_size = 0;
+  bool per_token = true;  // whether the rows of corrected and reads belong to the data
 
-  /// Sized for T tokens in chunks of C, r features and dv values (allocates when the size
-  /// changes, asking for huge pages on a new block: detail/huge_pages.hpp).
-  void resize(Index T, Index C, Index r, Index dv) {
+  /// Sized for T tokens in chunks of C, r features and dv values, with the per-token rows or
+  /// without (allocates when the size changes, asking for huge pages on a new block:
+  /// detail/huge_pages.hpp).
+  void resize(Index T, Index C, Index r, Index dv, bool with_tokens = true) {
     const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
     resize_with_huge_pages(states, chunks * r, dv);
-    resize_with_huge_pages(corrected, T, dv);
-    resize_with_huge_pages(reads, T, dv);
+    resize_with_huge_pages(corrected, with_tokens ? T : 0, dv);
+    resize_with_huge_pages(reads, with_tokens ? T : 0, dv);
     chunk_size = C;
+    per_token = with_tokens;
   }
 
   /// Sized for at least T tokens (resize, but kept where it already holds as many or more rows
   /// for the same C, r and dv): a workspace over documents of many lengths allocates the
   /// longest's once. The readers use only the first T tokens' rows. A call of one chunk (T <=
-  /// C) also keeps data of a longer chunk: its one state lies first either way.
-  void fit(Index T, Index C, Index r, Index dv) {
+  /// C) also keeps data of a longer chunk: its one state lies first either way. Without
+  /// `with_tokens`, per-token rows already held are kept (unused).
+  void fit(Index T, Index C, Index r, Index dv, bool with_tokens = true) {
     const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
+    const Index token_rows = with_tokens ? T : 0;
     if ((chunk_size == C || (T <= C && T <= chunk_size)) && states.cols() == dv &&
-        corrected.cols() == dv &&
-        states.rows() >= chunks * r && corrected.rows() >= T && reads.rows() >= T)
+        corrected.cols() == dv && states.rows() >= chunks * r &&
+        corrected.rows() >= token_rows && reads.rows() >= token_rows) {
+      per_token = with_tokens;
       return;
-    resize(T, C, r, dv);
+    }
+    resize(T, C, r, dv, with_tokens);
   }
 
-  /// Scalars kept for T tokens: ceil(T / C) r dv + 2 T dv.
-  [[nodiscard]] static std::size_t bytes_for(Index T, Index C, Index r, Index dv) {
+  /// Scalars kept for T tokens: ceil(T / C) r dv + 2 T dv (without the per-token rows:
+  /// ceil(T / C) r dv).
+  [[nodiscard]] static std::size_t bytes_for(Index T, Index C, Index r, Index dv,
+                                             bool with_tokens = true) {
     const Index chunks = T == 0 ? 0 : (T + C - 1) / C;
-    return static_cast<std::size_t>(chunks * r * dv + 2 * T * dv) * sizeof(Scalar);
+    return static_cast<std::size_t>(chunks * r * dv + (with_tokens ? 2 * T * dv : 0)) *
+           sizeof(Scalar);
   }
 };
 
 /// The chunked delta forward's observer (rule_chunked) that copies each chunk's state, corrected
 /// values and state reads into a DeltaSavedStates sized for the call (chunk_size the forward's
-/// chunk). Called as (first, S, chunk) after chunk.prepare(), before the state absorbs it.
+/// chunk); of per-channel GatedDelta's chunk (ChannelDeltaChunk), the state only. Called as
+/// (first, S, chunk) after chunk.prepare(), before the state absorbs it.
 /// Non-temporal stores (stream_copy): the data is read back only by
 /// the backward, after the whole forward, and should not evict the forward's working set.
 template <class Scalar>
@@ -113,6 +126,11 @@ struct SaveDeltaChunks {
     stream_copy(S.data(), r * dv, out.states.data() + first / out.chunk_size * r * dv);
     stream_copy(chunk.corrected(), n * dv, out.corrected.data() + first * dv);
     stream_copy(chunk.state_reads(), n * dv, out.reads.data() + first * dv);
+  }
+  void operator()(Index first, const RowMatrix<Scalar>& S,
+                  const ChannelDeltaChunk<Scalar>&) const {
+    const Index r = S.rows(), dv = S.cols();
+    stream_copy(S.data(), r * dv, out.states.data() + first / out.chunk_size * r * dv);
   }
 };
 
@@ -459,16 +477,14 @@ void delta_save_chunks(const Phi& phi, const DK& K, const DV& V, const TokenInpu
   const SaveDeltaChunks<Scalar> save{saved};
   SpreadPrefetch next_rows;  // the next chunk's K, V rows behind this chunk's products
   kernel.prefetch = &next_rows;
-  const auto values = [](const TokenArray<Scalar>& a, Index first) {
-    return a.empty() ? TokenValues<Scalar>{} : TokenValues<Scalar>{a.data + first * a.row_stride, a.row_stride};
-  };
   for (Index first = 0; first < T; first += C) {
     const Index n = std::min(C, T - first);
     next_rows.add(K, first + C, C);
     next_rows.add(V, first + C, C);
     map_rows<Scalar>(phi, K, first, n, kf);
     const auto [v, ld_v] = row_major_rows(V, first, n, v_copy);
-    kernel.prepare(n, kf.data(), r, v, ld_v, values(in.beta, first), values(in.log_alpha, first), S);
+    kernel.prepare(n, kf.data(), r, v, ld_v, values_from(in.beta, first),
+                   values_from(in.log_alpha, first), S);
     save(first, S, kernel);
     kernel.absorb(S);
   }

@@ -541,10 +541,25 @@ class ChannelDeltaChunk {
 
   ChannelDeltaChunk(Index C, Index r, Index dv)
       : gated_(C, r, dv), r_(r), dv_(dv), ld_(padded_columns<Scalar>(C)),
-        system_(RowMatrix<Scalar>::Zero(C, ld_)), corrected_(C, dv), reads_(C, dv) {}
+        system_(RowMatrix<Scalar>::Zero(C, ld_)), corrected_(C, dv) {}
 
+  /// As DeltaChunk::reuse.
+  [[nodiscard]] bool reuse(Index C, Index r, Index dv, bool one_chunk) {
+    if (!gated_.reuse(C, r, dv, one_chunk)) return false;
+    system_.setZero();
+    return true;
+  }
   /// The rows of a chunk this kernel takes.
   [[nodiscard]] Index chunk_rows() const noexcept { return corrected_.rows(); }
+  /// Scalars held by its buffers.
+  [[nodiscard]] Index scalars() const noexcept {
+    return gated_.scalars() + system_.size() + corrected_.size();
+  }
+  /// Scalars the constructor allocates for chunks of C rows.
+  [[nodiscard]] static Index scalars_for(Index C, Index r, Index dv) noexcept {
+    return ChannelGatedChunk<Scalar>::scalars_for(C, r, dv) + C * padded_columns<Scalar>(C) +
+           C * dv;
+  }
 
   /// The key side of n tokens from state S: kf (n x r, row stride ld_kf), v (n x dv, row stride
   /// ld_v), beta[t] and the log-gates, r per token (log_alpha[t], t < n).
@@ -562,11 +577,11 @@ class ChannelDeltaChunk {
     using Row = Eigen::Map<const Eigen::Array<Scalar, 1, Eigen::Dynamic>>;
     for (Index i = 1; i < n; ++i)
       system_.row(i).head(i).array() = -beta[i] * Row(scores + i * ld_s, i);
-    // Right-hand side beta_i (v_i - (kf_i .* D(i, -1)) S).
-    rule_gemm<Scalar, false>(n, dv_, r_, gated_.state_rows(), r_, S.data(), dv_, reads_.data(),
-                             dv_, Triangle::none, nullptr, prefetch);
+    // Right-hand side beta_i (v_i - (kf_i .* D(i, -1)) S), the state reads formed in place.
+    rule_gemm<Scalar, false>(n, dv_, r_, gated_.state_rows(), r_, S.data(), dv_,
+                             corrected_.data(), dv_, Triangle::none, nullptr, prefetch);
     for (Index i = 0; i < n; ++i)
-      corrected_.row(i).array() = beta[i] * (Row(v + i * ld_v, dv_) - reads_.row(i).array());
+      corrected_.row(i).array() = beta[i] * (Row(v + i * ld_v, dv_) - corrected_.row(i).array());
     substitute_corrected(n, dv_, system_.data(), ld_, corrected_.data(), prefetch);
   }
 
@@ -583,7 +598,7 @@ class ChannelDeltaChunk {
  private:
   ChannelGatedChunk<Scalar> gated_;
   Index r_, dv_, ld_;
-  RowMatrix<Scalar> system_, corrected_, reads_;
+  RowMatrix<Scalar> system_, corrected_;
   ColVector<Scalar> no_normalizer_;  // empty: the delta rules keep no z
   Index n_ = 0;
 };

@@ -636,6 +636,22 @@ class ChannelGatedChunk {
   }
   /// The rows of a chunk this kernel takes.
   [[nodiscard]] Index chunk_rows() const noexcept { return gates_.rows(); }
+  /// Scalars the constructor allocates for chunks of C rows: 6 C r + (blocks - 1) r L + r L
+  /// + C L + 2 blocks r + 3 r + 2 C (blocks = ceil(C / c), L the padded max(C, c)).
+  [[nodiscard]] static Index scalars_for(Index C, Index r, Index) noexcept {
+    const Index c = gate_subchunk<Scalar>, L = padded_columns<Scalar>(std::max<Index>(C, c));
+    const Index blocks = (C + c - 1) / c;
+    return 6 * C * r + std::max<Index>(blocks - 1, 0) * r * L + r * L + C * L + 2 * blocks * r +
+           3 * r + 2 * C;
+  }
+  /// Scalars held by its buffers.
+  [[nodiscard]] Index scalars() const noexcept {
+    Index n = chunk_total_.size() + inverse_.size() + late_.size() + z_run_.size() + qdec_.size();
+    for (const auto* m : {&gates_, &prefix_, &state_decay_, &kend_, &qs_, &qt_, &w_, &kw_t_,
+                          &scores_, &totals_, &pre_})
+      n += m->size();
+    return n;
+  }
 
   /// The key side of n tokens: kf (n x r, row stride ld_kf), v (n x dv, row stride ld_v) and
   /// the chunk's log-gates, r per token (log_gate[t], t < n).

@@ -30,13 +30,6 @@ namespace linattn::detail {
 template <class Rule>
 inline constexpr bool is_delta_rule = Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta;
 
-/// Token values from `first` on of a bound one-column input (beta, log-alpha, scalar gates).
-template <class Scalar>
-TokenValues<Scalar> values_from(const TokenArray<Scalar>& a, Index first) {
-  if (a.empty()) return {};
-  return {a.data + first * a.row_stride, a.row_stride};
-}
-
 /// The chunked causal pass of a decayed, gated or delta rule for `group` query heads over one
 /// K, V with bound per-token inputs `in`, continuing `state`, which absorbs K, V once. Per chunk
 /// the kernel prepares the key side once (features, decays, the delta rule's corrected values),
@@ -44,7 +37,8 @@ TokenValues<Scalar> values_from(const TokenArray<Scalar>& a, Index first) {
 /// rows are normalized before the state absorbs their chunk, so after a DenominatorError the
 /// state holds exactly the chunks before the failing one. `observe` sees the state before each
 /// chunk: observe(first, S, z) for Decay and Gated, observe(first, S, kernel) for the delta
-/// rules, with the prepared DeltaChunk (NoChunkObserver: nothing; the saving forwards keep them:
+/// rules, with the prepared DeltaChunk or ChannelDeltaChunk (NoChunkObserver: nothing; the
+/// saving forwards keep them:
 /// SaveChunkStates, SaveDeltaChunks). Scratch allocated once per call.
 template <class Scalar, class Rule, class Phi, class QueryAt, class DK, class DV, class OutputAt,
           class Observer = NoChunkObserver>
@@ -102,20 +96,16 @@ void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, I
   };
   if constexpr (is_delta_rule<Rule>) {
     if (in.log_alpha.cols > 1) {
-      // Per-channel log_alpha: only the plain forwards bind it (ChannelAlpha::taken); the
-      // saving forwards' observers keep DeltaChunks, and their binding refuses it.
-      if constexpr (std::is_same_v<Observer, NoChunkObserver>) {
-        ChannelDeltaChunk<Scalar> kernel(C, r, dv);
-        chunks(kernel, [&](auto& k, Index n, const Scalar* v, Index ld_v, Index first) {
-          k.prepare(n, kf.data(), r, v, ld_v, values_from(in.beta, first),
-                    TokenRows<Scalar>{in.log_alpha.data + first * in.log_alpha.row_stride,
-                                      in.log_alpha.row_stride},
-                    S);
-        });
-        return;
-      } else {
-        throw std::logic_error("linattn: a saving forward was given per-channel log_alpha");
-      }
+      // Per-channel log_alpha (the saving forwards keep the state before each chunk).
+      ChannelDeltaChunk<Scalar> kernel(C, r, dv);
+      chunks(kernel, [&](auto& k, Index n, const Scalar* v, Index ld_v, Index first) {
+        k.prepare(n, kf.data(), r, v, ld_v, values_from(in.beta, first),
+                  TokenRows<Scalar>{in.log_alpha.data + first * in.log_alpha.row_stride,
+                                    in.log_alpha.row_stride},
+                  S);
+        observe(first, S, static_cast<const ChannelDeltaChunk<Scalar>&>(k));
+      });
+      return;
     }
     DeltaChunk<Scalar> kernel(C, r, dv);
     chunks(kernel, [&](auto& k, Index n, const Scalar* v, Index ld_v, Index first) {

@@ -7,6 +7,7 @@
 // backward: delta_backward_saved).
 
 #include <linattn/attention.hpp>
+#include <linattn/detail/channel_delta_backward.hpp>
 #include <linattn/detail/delta_backward.hpp>
 #include <linattn/detail/gated_backward.hpp>
 #include <linattn/detail/rule_paths.hpp>
@@ -76,7 +77,8 @@ void rule_saving_forward(const RuleAttention<Phi, Rule, Scalar>& attn,
   state.check_identity(attn.state_identity());
   state.check_room(T);
   TokenInputs<Scalar> bound;
-  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
+  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound,
+                            ChannelAlpha::taken);
   const Index C = attn.chunk_size(r, dv), B = saved_chunk_size(attn, T, r, dv);
   const auto& Qm = materialize(Q);
   const auto& Km = materialize(K);
@@ -88,7 +90,9 @@ void rule_saving_forward(const RuleAttention<Phi, Rule, Scalar>& attn,
                  state, output, save);
   };
   if constexpr (is_delta_rule<Rule>) {
-    SavedForwardAccess::prepare_delta(saved, T, B, r, dk, dv, attn.state_identity());
+    // Per-channel log_alpha: the chunk states only (its backward recomputes the tokens).
+    SavedForwardAccess::prepare_delta(saved, T, B, r, dk, dv, attn.state_identity(),
+                                      bound.log_alpha.cols <= 1);
     forward(SaveDeltaChunks<Scalar>{SavedForwardAccess::delta(saved)});
   } else {
     SavedForwardAccess::prepare(saved, T, B, r, dk, dv, false, attn.state_identity());
@@ -117,11 +121,28 @@ void rule_saved_backward(const RuleAttention<Phi, Rule, Scalar>& attn,
   check_rule_saved(attn, saved, Q, K, V);
   check_final_gradient(final_gradient, r, dv, Rule::keeps_normalizer);
   TokenInputs<Scalar> bound;
-  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
+  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound,
+                            ChannelAlpha::taken);
   const RowMatrix<Scalar>* dS_T = final_gradient != nullptr ? &final_gradient->S : nullptr;
-  const InputGradientRows<Scalar> d_rows = input_gradient_rows<Rule>(
-      d_in, T, std::max(bound.log_gate.cols, bound.log_alpha.cols));
+  const InputGradientRows<Scalar> d_rows =
+      input_gradient_rows<Rule>(d_in, T, bound.gate_columns());
   if constexpr (is_delta_rule<Rule>) {
+    const DeltaSavedStates<Scalar>& data = SavedForwardAccess::delta(saved);
+    const bool per_channel = bound.log_alpha.cols > 1;
+    if (T > 0 && per_channel == data.per_token)
+      throw_shape_error("the saved forward was made with ",
+                        data.per_token ? "one log_alpha per token (T x 1)"
+                                       : "per-channel log_alpha (T x r)",
+                        ", this backward has log_alpha ", T, "x", bound.log_alpha.cols,
+                        " (pass the saved forward of these inputs)");
+    if (per_channel) {
+      channel_delta_backward_saved<Scalar>(attn.feature_map(), materialize(Q), materialize(K),
+                                           materialize(V), materialize(dY), bound, data, dS_T,
+                                           out.Q, out.K, out.V, d_rows.beta, d_rows.log_alpha,
+                                           initial.S, buffers.channel_delta);
+      initial.z.resize(0);
+      return;
+    }
     delta_backward_saved<Scalar>(attn.feature_map(), materialize(Q), materialize(K),
                                  materialize(V), materialize(dY), bound,
                                  SavedForwardAccess::delta(saved), dS_T, out.Q, out.K, out.V,

@@ -89,16 +89,17 @@ struct SavedForwardAccess {
   static const detail::DeltaSavedStates<Scalar>& delta(const SavedForward<Scalar>& s) noexcept {
     return s.delta_;
   }
-  /// As prepare, for the delta rules' data (chunks of C rows, per-token rows); the chunk-state
+  /// As prepare, for the delta rules' data (chunks of C rows, per-token rows unless not
+  /// `per_token`: per-channel GatedDelta); the chunk-state
   /// matrices keep only their widths (feature_dim(), value_dim()).
   /// The delta data is resized in place (not emptied first): a saved forward reused for inputs
   /// of the same size allocates nothing.
   template <class Scalar>
   static void prepare_delta(SavedForward<Scalar>& s, Index T, Index C, Index r, Index dk, Index dv,
-                            const StateIdentity& identity) {
+                            const StateIdentity& identity, bool per_token = true) {
     mark_empty(s, C, dk, identity);
     size_chunk_states(s, 0, r, dv, false);
-    s.delta_.resize(T, C, r, dv);
+    s.delta_.resize(T, C, r, dv, per_token);
   }
   template <class Scalar>
   static void finish(SavedForward<Scalar>& s, Index T) noexcept {

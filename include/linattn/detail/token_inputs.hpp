@@ -7,12 +7,14 @@
 // once per call.
 
 #include <linattn/detail/eigen_utils.hpp>
+#include <linattn/detail/rule_common.hpp>
 #include <linattn/errors.hpp>
 #include <linattn/types.hpp>
 #include <linattn/write_rules.hpp>
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <tuple>
@@ -116,6 +118,12 @@ struct TokenInputs {
   Scalar constant_log_gate = 0;  // Decay: log(gamma)
   RowMatrix<Scalar> copies[2];   // owned copies of inputs that could not be read in place
 
+  /// The columns of the gates' gradient: r for per-channel gates (Gated's log-gates or
+  /// GatedDelta's log_alpha), else 1 (0 without gates: no such gradient).
+  [[nodiscard]] Index gate_columns() const noexcept {
+    return std::max(log_gate.cols, log_alpha.cols);
+  }
+
   TokenInputs() = default;
   TokenInputs(const TokenInputs&) = delete;  // the arrays may point into `copies`
   TokenInputs& operator=(const TokenInputs&) = delete;
@@ -149,6 +157,13 @@ void bind_gates(const Eigen::MatrixBase<D>& g, Index T, Index r, const char* wha
   }
 }
 
+/// Token values from `first` on of a bound one-column input (beta, log-alpha, scalar gates).
+template <class Scalar>
+TokenValues<Scalar> values_from(const TokenArray<Scalar>& a, Index first) {
+  if (a.empty()) return {};
+  return {a.data + first * a.row_stride, a.row_stride};
+}
+
 /// Whether a path takes GatedDelta's log_alpha per feature channel (T x r).
 enum class ChannelAlpha { refused, taken };
 
@@ -174,8 +189,8 @@ void bind_token_inputs(const Rule& rule, const Tuple& inputs, Index T, Index r,
       if (out.log_alpha.cols > 1 && channel_alpha == ChannelAlpha::refused)
         throw_shape_error(
             "per-channel log_alpha (T x r, Kimi Delta Attention) is taken by RuleAttention's "
-            "forward calls and the gradients only so far (not by the saving forwards, MPI or "
-            "the multi-head layer); this call needs one log_alpha per token (T x 1), got ",
+            "calls, the saving forwards and the gradients only so far (not by MPI or the "
+            "multi-head layer); this call needs one log_alpha per token (T x 1), got ",
             T, "x", out.log_alpha.cols);
       check_log_gates(out.log_alpha, "log_alpha");
     }
