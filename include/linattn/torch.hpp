@@ -22,6 +22,8 @@
 ///   gla               S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T           (g [B, T, H, K])
 ///   delta_rule        S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T  (beta [B, T, H])
 ///   gated_delta_rule  S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+///   kda               S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T
+///                     (g [B, T, H, K]: Kimi Delta Attention, fla's chunk_kda)
 /// (o_t = scale S_t^T q_t for all but normalized linear_attn.) The delta rules may L2-normalize
 /// q and k first as fla's use_qk_l2norm_in_kernel does: x / sqrt(|x|^2 + 1e-6). States are
 /// [N, H, K, V] (S, key-major as fla's), N = B, or the number of sequences with cu_seqlens
@@ -69,6 +71,7 @@ auto dispatch(fla::Op op, bool compute_double, F&& f) {
     case fla::Op::gla: return typed.template operator()<fla::Op::gla>();
     case fla::Op::delta_rule: return typed.template operator()<fla::Op::delta_rule>();
     case fla::Op::gated_delta_rule: return typed.template operator()<fla::Op::gated_delta_rule>();
+    case fla::Op::kda: return typed.template operator()<fla::Op::kda>();
   }
   TORCH_CHECK(false, "linattn: unknown op");
 }
@@ -202,6 +205,13 @@ template <class Element>
                                                    const at::Tensor& beta, Settings settings = {}) {
   settings.chunked = true;
   return run(Op::gated_delta_rule, Inputs{q, k, v, g, beta, {}, {}, {}}, settings);
+}
+/// fla's chunk_kda with g (log alpha per key channel) [B, T, H, K] and beta [B, T, H].
+[[nodiscard]] inline Result chunk_kda(const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, const at::Tensor& g,
+                                      const at::Tensor& beta, Settings settings = {}) {
+  settings.chunked = true;
+  return run(Op::kda, Inputs{q, k, v, g, beta, {}, {}, {}}, settings);
 }
 
 }  // namespace linattn::fla

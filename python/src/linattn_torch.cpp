@@ -24,6 +24,7 @@ Op op_from_name(const std::string& name) {
   if (name == "gla") return Op::gla;
   if (name == "delta_rule") return Op::delta_rule;
   if (name == "gated_delta_rule") return Op::gated_delta_rule;
+  if (name == "kda") return Op::kda;
   TORCH_CHECK_VALUE(false, "linattn: unknown op '", name, "'");
 }
 

@@ -6,15 +6,16 @@ import torch.nn.functional as F
 
 import linattn.torch as lt
 
-DELTA = {"delta_rule", "gated_delta_rule"}
-RULES = ["linear_attn", "simple_gla", "gla", "delta_rule", "gated_delta_rule"]
+DELTA = {"delta_rule", "gated_delta_rule", "kda"}
+RULES = ["linear_attn", "simple_gla", "gla", "delta_rule", "gated_delta_rule", "kda"]
 CHUNK = {"linear_attn": lt.chunk_linear_attn, "simple_gla": lt.chunk_simple_gla,
          "gla": lt.chunk_gla, "delta_rule": lt.chunk_delta_rule,
-         "gated_delta_rule": lt.chunk_gated_delta_rule}
+         "gated_delta_rule": lt.chunk_gated_delta_rule, "kda": lt.chunk_kda}
 RECURRENT = {"linear_attn": lt.fused_recurrent_linear_attn,
              "simple_gla": lt.fused_recurrent_simple_gla, "gla": lt.fused_recurrent_gla,
              "delta_rule": lt.fused_recurrent_delta_rule,
-             "gated_delta_rule": lt.fused_recurrent_gated_delta_rule}
+             "gated_delta_rule": lt.fused_recurrent_gated_delta_rule,
+             "kda": lt.fused_recurrent_kda}
 OPS = [(r, kind) for r in RULES for kind in ("chunk", "recurrent")]
 
 
@@ -52,7 +53,7 @@ def random_inputs(rule, Bn, Tn, H, K, V, seed, dtype=torch.float64, l2norm=False
     g = beta = None
     if rule in ("simple_gla", "gated_delta_rule"):
         g = F.logsigmoid(rnd(Bn, Tn, H) + 2)
-    elif rule == "gla":
+    elif rule in ("gla", "kda"):
         g = F.logsigmoid(rnd(Bn, Tn, H, K) + 2)
     if rule in DELTA:
         beta = torch.sigmoid(rnd(Bn, Tn, H))

@@ -67,6 +67,8 @@ def reference(rule, q, k, v, g, beta, h0, scale, l2norm=False, cu_seqlens=None, 
                 else:
                     if rule == "gated_delta_rule":
                         S = torch.exp(g[b, t, h]) * S
+                    elif rule == "kda":
+                        S = torch.exp(g[b, t, h])[:, None] * S
                     S = S + beta[b, t, h] * torch.outer(kt, vt + sign * (S.t() @ kt))
                 rows[(b, t, h)] = scale * (S.t() @ qt)
                 if states is not None:
@@ -129,8 +131,8 @@ def majorants(rule, q, k, v, g, beta, h0, scale, w_o, w_s, cu_seqlens=None):
                                                   cu_seqlens)
         Mq, Mk, Mv, Mbeta, Mh0 = (torch.minimum(a, b) for a, b in
                                   zip((Mq, Mk, Mv, Mbeta, Mh0), (nq, nk, nv, ntok, nh0)))
-        if g is not None:
-            Mg = torch.minimum(Mg, ntok)
+        if g is not None:  # per-channel gates (kda): each channel's share is within the total
+            Mg = torch.minimum(Mg, ntok[..., None] if g.dim() == 4 else ntok)
     return Mq, Mk, Mv, Mg, Mbeta, Mh0
 
 
@@ -291,7 +293,7 @@ def test_gradients_at_extreme_gates_and_betas(rule, kind):
         pattern = torch.tensor([-30.0, -1e-6, -0.5], dtype=torch.float64)
         edge = pattern[torch.arange(Tn) % 3].view(1, Tn, 1, *([1] * (g.dim() - 3)))
         g = edge.expand_as(g).clone()
-        if rule == "gla":  # channels differ too
+        if rule in ("gla", "kda"):  # channels differ too
             g[..., 1] = g[..., 1].flip(1)
     if beta is not None:
         edge = torch.tensor([0.0, 1.0, 0.3], dtype=torch.float64)[(torch.arange(Tn) + 1) % 3]

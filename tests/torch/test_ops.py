@@ -18,7 +18,7 @@ torch.set_num_threads(2)
 B, T, H, K, V = 2, 37, 3, 8, 5  # K != V; T not a multiple of the chunk size
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24}
 
-GATED = {"simple_gla", "gla", "gated_delta_rule"}
+GATED = {"simple_gla", "gla", "gated_delta_rule", "kda"}
 
 
 # ---- the reference: one loop over tokens per sequence and head, float64 ---------------------
@@ -66,6 +66,8 @@ def reference(rule, q, k, v, g=None, beta=None, scale=None, h0=None, z0=None, no
                 else:
                     if rule == "gated_delta_rule":
                         S = torch.exp(g[b, t, h].double()) * S
+                    elif rule == "kda":
+                        S = torch.exp(g[b, t, h].double())[:, None] * S
                     bt = beta[b, t, h].double()
                     S = S + bt * torch.outer(kt, vt - S.t() @ kt)
                     growth = growth + vt.norm()
@@ -493,6 +495,15 @@ def test_bad_inputs_raise_with_a_message():
     bad(lt.chunk_gated_delta_rule, q, k, v, g[..., :1], beta, match="g")
     bad(lt.chunk_gated_delta_rule, q, k, v, g, beta[:, :5], match="beta")
     bad(lt.chunk_gla, q, k, v, g, match=r"\[B, T, HV, K\]")
+    bad(lt.chunk_kda, q, k, v, g, beta, match=r"\[B, T, HV, K\]")  # one gate per token
+    g4 = g[..., None].expand(B, T, H, K)
+    bad(lt.chunk_kda, q, k, v, g4.abs() + 0.1, beta, match="log_alpha")  # a gate above 1
+    bad(lt.chunk_kda, q, k, v, g4, beta + 2.5, match="beta")
+    bad(lt.chunk_kda, q, k, v, g4, beta, use_gate_in_kernel=True, match="use_gate_in_kernel")
+    bad(lt.chunk_kda, q, k, v, g4, beta, A_log=torch.zeros(H), match="A_log")
+    bad(lt.fused_recurrent_kda, q, k, v, g4, beta, use_beta_sigmoid_in_kernel=True,
+        match="use_beta_sigmoid_in_kernel")
+    bad(lt.chunk_kda, q, k, v, g4, beta, no_such_option=1, match="no_such_option")
     bad(lt.chunk_simple_gla, q, k, v, g.abs() + 0.1, match="log")  # a gate above 1
     bad(lt.chunk_delta_rule, q, k, v, beta + 2.5, match="beta")
     bad(lt.chunk_simple_gla, q, k, v, g_gamma=torch.zeros(H + 1), match="g_gamma")

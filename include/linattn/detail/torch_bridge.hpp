@@ -45,15 +45,16 @@ namespace linattn::fla {
 
 /// The fla operation families linattn runs (write rule in parentheses): linear_attn
 /// (Additive), simple_gla (Gated, one log-gate per head), gla (Gated, one per key channel),
-/// delta_rule (Delta), gated_delta_rule (GatedDelta).
-enum class Op { linear_attn, simple_gla, gla, delta_rule, gated_delta_rule };
+/// delta_rule (Delta), gated_delta_rule (GatedDelta), kda (GatedDelta with one log-gate per key
+/// channel: Kimi Delta Attention).
+enum class Op { linear_attn, simple_gla, gla, delta_rule, gated_delta_rule, kda };
 
 /// Tensors of one call, in fla's shapes (head_first swaps T and H of q, k, v, g, beta). HV,
 /// v's heads, is H or a multiple of it (grouped value heads: value head h reads query/key head
 /// h / (HV / H)).
 struct Inputs {
   at::Tensor q, k, v;                       // [B, T, H, K], [B, T, H, K], [B, T, HV, V]
-  std::optional<at::Tensor> g;              // [B, T, HV] (simple_gla, gated_delta_rule) or [B, T, HV, K] (gla)
+  std::optional<at::Tensor> g;              // [B, T, HV] (simple_gla, gated_delta_rule) or [B, T, HV, K] (gla, kda)
   std::optional<at::Tensor> beta;           // [B, T, HV] (delta rules)
   std::optional<at::Tensor> initial_state;  // [N, HV, K, V]
   std::optional<at::Tensor> initial_z;      // [N, 1, HV, K] (linear_attn with normalize only)
@@ -105,7 +106,7 @@ struct Gradients {
 /// these sizes (not the values: the backward must get the forward's inputs). Memory per
 /// sequence, head and token: (K V + K) / 32 scalars for linear_attn and the gated ops (2,064 B
 /// at K = V = 128 in float32, beside the 1,536 B of that token's q, k and v), K V / C + 2 V
-/// for the delta rules (C their chunk: 5 KiB at K = V = 128).
+/// for the delta rules (C their chunk: 5 KiB at K = V = 128), K V / C for kda (4 KiB there).
 class SavedForwards {
  public:
   /// True until a chunked forward fills it, and after clear().
@@ -143,6 +144,7 @@ class SavedForwards {
     case Op::gla: return "gla";
     case Op::delta_rule: return "delta_rule";
     case Op::gated_delta_rule: return "gated_delta_rule";
+    case Op::kda: return "kda";
   }
   return "?";
 }
@@ -269,8 +271,9 @@ inline Prepared prepare(Op op, const Inputs& in, const Settings& s) {
                     p.K, " V=", p.V);
   p.compute_double = in.q.scalar_type() == at::kDouble;
 
-  const bool wants_g = op == Op::simple_gla || op == Op::gla || op == Op::gated_delta_rule;
-  const bool wants_beta = op == Op::delta_rule || op == Op::gated_delta_rule;
+  const bool wants_g =
+      op == Op::simple_gla || op == Op::gla || op == Op::gated_delta_rule || op == Op::kda;
+  const bool wants_beta = op == Op::delta_rule || op == Op::gated_delta_rule || op == Op::kda;
   TORCH_CHECK_VALUE(wants_g == in.g.has_value(), "linattn: ", fla::op_name(op),
                     wants_g ? " needs the log-gates g" : " takes no gates g");
   TORCH_CHECK_VALUE(wants_beta == in.beta.has_value(), "linattn: ", fla::op_name(op),
@@ -278,7 +281,7 @@ inline Prepared prepare(Op op, const Inputs& in, const Settings& s) {
   if (wants_g) {
     check_tensor(*in.g, "g");
     const at::Tensor g = logical(*in.g, s.head_first);
-    if (op == Op::gla) {
+    if (op == Op::gla || op == Op::kda) {
       check_dims(g, "g (logical)", {p.B, p.T, p.H, p.K}, "(per-channel log-gates [B, T, HV, K], HV = v's heads)");
       p.g = g;
     } else {
@@ -329,8 +332,9 @@ inline Prepared prepare(Op op, const Inputs& in, const Settings& s) {
   }
   if (s.inplace_final_state) check_inplace_states(p, s);
   TORCH_CHECK_VALUE(!s.normalize || op == Op::linear_attn, "linattn: normalize is for linear_attn only");
-  TORCH_CHECK_VALUE(!s.qk_l2norm || op == Op::delta_rule || op == Op::gated_delta_rule,
-                    "linattn: use_qk_l2norm_in_kernel is for the delta rules only");
+  TORCH_CHECK_VALUE(
+      !s.qk_l2norm || op == Op::delta_rule || op == Op::gated_delta_rule || op == Op::kda,
+      "linattn: use_qk_l2norm_in_kernel is for the delta rules only");
   p.scale = s.scale.has_value() ? *s.scale : 1.0 / std::sqrt(static_cast<double>(p.K));
   TORCH_CHECK_VALUE(std::isfinite(p.scale), "linattn: scale must be finite, got ", p.scale);
   TORCH_CHECK_VALUE(!s.normalize || p.scale > 0,
@@ -540,6 +544,8 @@ template <>
 struct RuleOf<Op::delta_rule> { using type = Delta; };
 template <>
 struct RuleOf<Op::gated_delta_rule> { using type = GatedDelta; };
+template <>
+struct RuleOf<Op::kda> { using type = GatedDelta; };  // log_alpha per key channel
 
 inline Options options_for(bool normalize, double scale) {
   Options options;
@@ -824,7 +830,8 @@ fla::Gradients backward(const Prepared& p, const Settings& s, const at::Tensor& 
   grads.dv = dv_pair.first;
   at::Tensor dg, dbeta;  // logical [B, T, H, c]
   if (p.g.defined()) {
-    const auto pair = make_token_gradient<Scalar>(p, p.g.size(3), op == Op::gla, s.head_first);
+    const auto pair =
+        make_token_gradient<Scalar>(p, p.g.size(3), op == Op::gla || op == Op::kda, s.head_first);
     grads.dg = pair.first;
     dg = pair.second;
   }

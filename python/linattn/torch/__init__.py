@@ -39,6 +39,7 @@ __all__ = [
     "chunk_gla", "fused_recurrent_gla",
     "chunk_delta_rule", "fused_recurrent_delta_rule",
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
+    "chunk_kda", "fused_recurrent_kda",
 ]
 
 _Tensor = torch.Tensor
@@ -396,3 +397,60 @@ def fused_recurrent_gated_delta_rule(q: _Tensor, k: _Tensor, v: _Tensor,
                 initial_state=initial_state, output_final_state=output_final_state,
                 qk_l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
                 head_first=head_first, chunked=False, inplace_final_state=inplace_final_state)
+
+
+# fla's chunk_kda options that linattn does not take, with the value that means "off".
+_KDA_OFF = {"use_gate_in_kernel": False, "use_beta_sigmoid_in_kernel": False, "A_log": None,
+            "dt_bias": None, "lower_bound": None, "safe_gate": False, "allow_neg_eigval": False,
+            "transpose_state_layout": False, "state_v_first": False,
+            "return_intermediate_states": False, "cu_seqlens_cpu": None, "cp_context": None}
+
+
+def _check_kda_options(options):
+    """Refuses fla's in-kernel gate and beta transforms (pass the log-gates and betas they
+    would compute), other state layouts and unknown keywords; chunk_size, disable_recompute
+    only tune fla's kernels and are ignored."""
+    for name, value in options.items():
+        if name in ("chunk_size", "disable_recompute"):
+            continue
+        if name not in _KDA_OFF:
+            raise TypeError(f"linattn.torch: unexpected keyword argument {name!r}")
+        off = _KDA_OFF[name]
+        if (value is not None) if off is None else bool(value):
+            raise NotImplementedError(
+                f"linattn.torch: {name}={value!r} is not supported: pass g as the log-gates "
+                "(<= 0, [B, T, H, K]) and beta as the write strengths ([0, 2], [B, T, H]) that "
+                "fla's kernel would compute, with the state as [N, H, K, V]")
+
+
+def chunk_kda(q: _Tensor, k: _Tensor, v: _Tensor, g: _Tensor, beta: _Tensor,
+              scale: Optional[float] = None, initial_state: Optional[_Tensor] = None,
+              output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+              cu_seqlens: Optional[_Tensor] = None, head_first: bool = False, **options):
+    """Kimi Delta Attention: S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t
+    v_t^T, o_t = scale q_t^T S_t; g [B, T, H, K] per-key-channel log-gates (log alpha) <= 0,
+    beta [B, T, H] in [0, 2]. fla's in-kernel gate (use_gate_in_kernel, A_log, dt_bias,
+    lower_bound) and beta sigmoid are not taken (NotImplementedError): compute them in PyTorch
+    first."""
+    _check_kda_options(options)
+    return _run("kda", q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, qk_l2norm=use_qk_l2norm_in_kernel,
+                cu_seqlens=cu_seqlens, head_first=head_first, chunked=True)
+
+
+def fused_recurrent_kda(q: _Tensor, k: _Tensor, v: _Tensor, g: _Tensor,
+                        beta: Optional[_Tensor] = None, scale: Optional[float] = None,
+                        initial_state: Optional[_Tensor] = None, output_final_state: bool = False,
+                        use_qk_l2norm_in_kernel: bool = False,
+                        cu_seqlens: Optional[_Tensor] = None, head_first: bool = False,
+                        inplace_final_state: bool = False, **options):
+    """chunk_kda token by token; beta=None means beta = 1. inplace_final_state=True writes the
+    final state over initial_state (a decode step without a new state tensor; for inference
+    only, see docs/pytorch.md)."""
+    _check_kda_options(options)
+    if beta is None:
+        beta = _ones_beta(v)
+    return _run("kda", q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, qk_l2norm=use_qk_l2norm_in_kernel,
+                cu_seqlens=cu_seqlens, head_first=head_first, chunked=False,
+                inplace_final_state=inplace_final_state)
