@@ -17,7 +17,7 @@
 //
 // The saved design (linattn/rule_saved_forward.hpp), rows
 //   rule_saved_bwd/rule:R/d:D/T:T  (R: 1 decay, 2 gated, 3 gated per channel, 4 delta,
-//                                    5 gated delta)
+//                                    5 gated delta, 6 gated delta per channel)
 // run, in every iteration, the rule's plain forward (parallel_into), its saving forward
 // (parallel_saving_into) and the backward from the saved states (parallel_backward_into), each
 // timed in thread CPU time. Counters: fwd_ms, saving_fwd_ms, bwd_ms, bwd_over_fwd (the backward
@@ -194,7 +194,8 @@ void BM_rule_saved_bwd(benchmark::State& state) {
       case 2: time_saved(gated, x, saved, f, s, b, x.scalar_gates); break;
       case 3: time_saved(gated, x, saved, f, s, b, x.channel_gates); break;
       case 4: time_saved(delta, x, saved, f, s, b, x.beta); break;
-      default: time_saved(gated_delta, x, saved, f, s, b, x.beta, x.log_alpha); break;
+      case 5: time_saved(gated_delta, x, saved, f, s, b, x.beta, x.log_alpha); break;
+      default: time_saved(gated_delta, x, saved, f, s, b, x.beta, x.channel_alpha); break;
     }
   };
   double untimed[3] = {};
@@ -210,7 +211,8 @@ void BM_rule_saved_bwd(benchmark::State& state) {
     case 2:
     case 3: saved_bytes = linattn::saved_forward_bytes(gated, T, d, d); break;
     case 4: saved_bytes = linattn::saved_forward_bytes(delta, T, d, d); break;
-    default: saved_bytes = linattn::saved_forward_bytes(gated_delta, T, d, d); break;
+    case 5: saved_bytes = linattn::saved_forward_bytes(gated_delta, T, d, d); break;
+    default: saved_bytes = linattn::saved_forward_bytes(gated_delta, T, d, d, true); break;
   }
   const double iters = static_cast<double>(state.iterations());
   state.counters["fwd_ms"] = 1e3 * fwd / iters;
@@ -226,7 +228,7 @@ void BM_rule_saved_bwd(benchmark::State& state) {
 }
 
 void saved_args(benchmark::internal::Benchmark* b) {
-  for (int rule = 1; rule <= 5; ++rule)
+  for (int rule = 1; rule <= 6; ++rule)
     for (const Index d : {64, 128})
       for (const Index T : {2048, 8192}) b->Args({rule, d, T});
   b->ArgNames({"rule", "d", "T"});

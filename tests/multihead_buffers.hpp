@@ -72,8 +72,8 @@ struct RuleCase {
 };
 
 // Calls f(case) for every write rule: Additive, Decay, Gated (one gate, per channel), Delta and
-// GatedDelta (betas uniform on [0.1, beta_hi)), with a chunk of 4, which does not divide the
-// lengths the tests use.
+// GatedDelta (one log_alpha per token, per channel; betas uniform on [0.1, beta_hi)), with a
+// chunk of 4, which does not divide the lengths the tests use.
 template <class Scalar, class F>
 void for_each_rule(F&& f, double beta_hi = 0.9) {
   using namespace linattn;
@@ -82,7 +82,7 @@ void for_each_rule(F&& f, double beta_hi = 0.9) {
   Options delta_opt = opt;
   delta_opt.normalization = Normalization::unnormalized();
   const InputSpec gate{false, -1.0, -0.05}, channel_gate{true, -1.0, -0.05},
-      beta{false, 0.1, beta_hi}, alpha{false, -0.5, -0.01};
+      beta{false, 0.1, beta_hi}, alpha{false, -0.5, -0.01}, channel_alpha{true, -0.5, -0.01};
   using Additive_ = RuleAttention<EluPlusOne, Additive, Scalar>;
   using Decay_ = RuleAttention<EluPlusOne, Decay, Scalar>;
   using Gated_ = RuleAttention<EluPlusOne, Gated, Scalar>;
@@ -94,6 +94,8 @@ void for_each_rule(F&& f, double beta_hi = 0.9) {
   f(RuleCase<Gated_>{"gated per channel", Gated_(EluPlusOne{}, opt), {channel_gate}});
   f(RuleCase<Delta_>{"delta", Delta_(L2Normalize{}, delta_opt), {beta}});
   f(RuleCase<GatedDelta_>{"gated delta", GatedDelta_(L2Normalize{}, delta_opt), {beta, alpha}});
+  f(RuleCase<GatedDelta_>{"gated delta per channel (KDA)", GatedDelta_(L2Normalize{}, delta_opt),
+                          {beta, channel_alpha}});
 }
 
 }  // namespace linattn_test

@@ -118,11 +118,20 @@ RowMatrix<typename Attention::scalar_type> single_head(
   for (Index t = n0; t < n; ++t) {
     const std::vector<ConstRowsView<Scalar>> qt{ConstRowsView<Scalar>(Q.row(t).data(), 1, dk, Eigen::OuterStride<>(dk))};
     const std::vector<RowsView<Scalar>> yt{RowsView<Scalar>(out.row(t).data(), 1, dv, Eigen::OuterStride<>(dv))};
-    const auto step_in = [&](const RowMatrix<Scalar>& x) {
-      if constexpr (Attention::rule_type::kind == WriteKind::gated) return x.row(t);
-      else return x(t, 0);
-    };
-    std::apply([&](const auto&... x) { attn.step_into(state, qt, K.row(t), V.row(t), step_in(x)..., yt); }, I);
+    // A step's inputs: gates as a row (Gated), beta as a number, log_alpha as a number or,
+    // per channel, a row.
+    const auto step = [&](const auto&... x) { attn.step_into(state, qt, K.row(t), V.row(t), x..., yt); };
+    if constexpr (Attention::rule_type::kind == WriteKind::gated)
+      step(I[0].row(t));
+    else if constexpr (N == 1)
+      step(I[0](t, 0));
+    else if constexpr (N == 2) {
+      if (I[1].cols() > 1)
+        step(I[0](t, 0), I[1].row(t));
+      else
+        step(I[0](t, 0), I[1](t, 0));
+    } else
+      step();
   }
   if (state_out != nullptr) *state_out = state;
   return out;
@@ -284,6 +293,7 @@ void check_every_rule(Layout layout) {
   unnormalized.normalization = Normalization::unnormalized();
   check_rule(RuleCase<RuleAttention<L2Normalize, Delta, Scalar>, 1>{"delta", RuleAttention<L2Normalize, Delta, Scalar>(L2Normalize{}, unnormalized), {InputSpec{false, 0.0, 1.0}}}, layout);
   check_rule(RuleCase<RuleAttention<L2Normalize, GatedDelta, Scalar>, 2>{"gated delta", RuleAttention<L2Normalize, GatedDelta, Scalar>(L2Normalize{}, unnormalized), {InputSpec{false, 0.0, 1.0}, InputSpec{false, -1.0, 0.0}}}, layout);
+  check_rule(RuleCase<RuleAttention<L2Normalize, GatedDelta, Scalar>, 2>{"gated delta, per-channel log_alpha (KDA)", RuleAttention<L2Normalize, GatedDelta, Scalar>(L2Normalize{}, unnormalized), {InputSpec{false, 0.0, 1.0}, InputSpec{true, -1.0, 0.0}}}, layout);
 }
 
 }  // namespace
@@ -313,8 +323,13 @@ TEST_CASE("per-token input views are checked and named", "[multihead][rules][err
   };
   // One value per key/value head, not per query head.
   expect([&] { layer.parallel_into(Q, K, V, TensorView<const float>::batch_first(beta.data(), B, Tn, Hq, 1), Mask::causal, out); }, "H_v=2");
-  // Beta has no per-channel form.
+  // Beta has no per-channel form, not even beside GatedDelta's per-channel log_alpha.
   expect([&] { layer.parallel_into(Q, K, V, TensorView<const float>::batch_first(beta.data(), 1, Tn, Hkv, 2), Mask::causal, out); }, "per-token input view");
+  MultiHeadAttention<RuleAttention<L2Normalize, GatedDelta>> kda({Hq, Hkv, dk, dv});
+  std::vector<float> channels(static_cast<std::size_t>(B * Tn * Hkv * dk), -0.5f);
+  const auto alpha = TensorView<const float>::batch_first(channels.data(), B, Tn, Hkv, dk);
+  expect([&] { kda.parallel_into(Q, K, V, alpha, alpha, Mask::causal, out); }, "per-token input view");
+  CHECK_NOTHROW(kda.parallel_into(Q, K, V, TensorView<const float>::batch_first(beta.data(), B, Tn, Hkv, 1), alpha, Mask::causal, out));
   // An out-of-range beta inside a valid row is rejected by the rule's own check.
   beta[0] = 2.5f;
   CHECK_THROWS_AS(layer.parallel_into(Q, K, V, TensorView<const float>::batch_first(beta.data(), B, Tn, Hkv, 1), Mask::causal, out),

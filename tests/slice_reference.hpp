@@ -119,7 +119,9 @@ MatrixXdR split_gated_state_bound(const MK& K, const MV& V, const MatrixXdR& lg,
 /// runs [A | B] (r x (r + dv)) from [I | 0] with values [0 | v]: the same allowance on that
 /// state, |[A | B]| <= |A|_F |C_p|_F + |B|_F against the carry C_p, then S_t = A_t C_p + B_t adds
 /// (r + 2) (|A_t|_F |C_p|_F + |B_t|_F), and the carry's own error passes through A_t unchanged
-/// (|A_t|_2 <= 1). A row's output differs by at most |qf_t| (E(t) + E_split(t)).
+/// (|A_t|_2 <= 1). A row's output differs by at most |qf_t| (E(t) + E_split(t)). Per-channel
+/// log_alpha (T x r: S_t = (I - beta k k^T) diag(alpha_t) S_{t-1} + beta k v^T) adds
+/// 2 (2 C + 2) per step, the chunk's gate products (rule_reference.hpp's naive_delta).
 struct DeltaSplitBound {
   Eigen::VectorXd outputs;            // per row, for every element of the row
   std::vector<double> states;         // per slice: the state after it (Frobenius norm)
@@ -133,12 +135,19 @@ DeltaSplitBound split_delta_bound(const MQ& Q, const MK& K, const MV& V, const M
   DeltaSplitBound out{Eigen::VectorXd::Zero(T), {}};
   const MatrixXdR qf = feature_rows(Q, phi), kf = feature_rows(K, phi);
   const Index r = kf.cols() > 0 ? kf.cols() : K.cols();
-  const double step_units = 2.0 * double(r + std::min(chunk, std::max<Index>(T, 1)) + 4);
+  const bool per_channel = log_alpha.size() > 0 && log_alpha.cols() > 1;
+  const Index c = std::min(chunk, std::max<Index>(T, 1));
+  const double step_units =
+      2.0 * double(r + c + 4) + (per_channel ? 2.0 * double(2 * c + 2) : 0.0);
   const auto factor = [&](Index t) {
     const Eigen::VectorXd k = kf.row(t).transpose();
-    const double alpha = log_alpha.size() > 0 ? std::exp(double(log_alpha(t))) : 1.0;
-    return Eigen::MatrixXd(alpha * (Eigen::MatrixXd::Identity(r, r) -
-                                    double(beta(t)) * k * k.transpose()));
+    const Eigen::MatrixXd I_bkk =
+        Eigen::MatrixXd::Identity(r, r) - double(beta(t)) * k * k.transpose();
+    if (per_channel)
+      return Eigen::MatrixXd(
+          I_bkk * log_alpha.row(t).transpose().array().exp().matrix().asDiagonal());
+    const double alpha = log_alpha.size() > 0 ? std::exp(double(log_alpha(t, 0))) : 1.0;
+    return Eigen::MatrixXd(alpha * I_bkk);
   };
   // One piece.
   Eigen::MatrixXd S = Eigen::MatrixXd::Zero(r, dv);
@@ -187,7 +196,8 @@ namespace linattn_test {
 
 /// Calls f(name, attention, phi, log_gates, beta, log_alpha, inputs...) for every write rule:
 /// Additive, Decay(0.95), Gated with scalar and with per-channel log-gates, Delta and
-/// GatedDelta, with their per-token inputs for T tokens (Scalar, T x 1 or T x r) and the same
+/// GatedDelta (one log_alpha per token, and per channel: Kimi Delta Attention), with their
+/// per-token inputs for T tokens (Scalar, T x 1 or T x r) and the same
 /// in double for the bounds (log_gates: the log-gates the kernels use, 0 for Additive; beta and
 /// log_alpha empty where the rule has none). Feature dims r = dk. The delta rules use
 /// L2Normalize (unit keys: every step a contraction), the others EluPlusOne.
@@ -226,6 +236,13 @@ void for_each_rule(Index T, Index dk, std::uint64_t seed, F&& f) {
     const RowMatrix<Scalar> log_alpha = uniform_matrix<Scalar>(T, 1, seed + 14, -0.1, 0.0);
     f("gated_delta", attention, Phi::l2_normalize, none, as_double(beta), as_double(log_alpha),
       beta, log_alpha);
+  }
+  {
+    const RuleAttention<L2Normalize, GatedDelta, Scalar> attention;
+    const RowMatrix<Scalar> beta = uniform_matrix<Scalar>(T, 1, seed + 15, 0.0, 1.0);
+    const RowMatrix<Scalar> log_alpha = uniform_matrix<Scalar>(T, dk, seed + 16, -0.1, 0.0);
+    f("gated_delta (per-channel log_alpha)", attention, Phi::l2_normalize, none, as_double(beta),
+      as_double(log_alpha), beta, log_alpha);
   }
 }
 

@@ -766,30 +766,6 @@ TEMPLATE_TEST_CASE("invalid rule parameters and input shapes are rejected before
                   std::invalid_argument);
 }
 
-TEST_CASE("per-channel log_alpha: the paths that do not take it yet refuse it, naming it",
-          "[delta][kda][errors]") {
-  // The multi-head layer (and MPI: mpi_test) take one log_alpha per token so far; a T x r
-  // log_alpha must not reach their kernels, which would read its first channel only. (The
-  // gradients and the saving forwards take it: rule_gradients_test, rule_saved_forward_test.)
-  using Catch::Matchers::Contains;
-  const Index T = 5, dk = 4, dv = 3;
-  const auto qkv = random_qkv<double>(T, dk, dv, 161);
-  const auto &Q = qkv.Q, &K = qkv.K, &V = qkv.V;
-  const ColVector<double> beta = ColVector<double>::Constant(T, 0.5);
-  const RowMatrix<double> LA = RowMatrix<double>::Constant(T, dk, -0.2);
-  // The layer's per-token views are [B, T, H_v, 1] for the delta rules.
-  const MultiHeadAttention<RuleAttention<L2Normalize, GatedDelta, double>> layer({1, 1, dk, dv});
-  using View = TensorView<const double>;
-  RowMatrix<double> out(T, dv);
-  CHECK_THROWS_AS(layer.parallel_into(View::batch_first(Q.data(), 1, T, 1, dk),
-                                      View::batch_first(K.data(), 1, T, 1, dk),
-                                      View::batch_first(V.data(), 1, T, 1, dv),
-                                      View::batch_first(beta.data(), 1, T, 1, 1),
-                                      View::batch_first(LA.data(), 1, T, 1, dk), Mask::causal,
-                                      TensorView<double>::batch_first(out.data(), 1, T, 1, dv)),
-                  ShapeError);
-}
-
 TEMPLATE_TEST_CASE("Decay reads through the Normalization policy", "[decay][errors]", float,
                    double) {
   // Identity features: keys 1 then -1 with gamma = 0.5, query 1: denominators 1, then

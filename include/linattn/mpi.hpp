@@ -454,9 +454,9 @@ class SequenceParallel<MultiHeadAttention<HeadAttention>> {
     const auto prepare = [&](auto& work) {
       linattn::detail::check_views(heads, r, Q, K, V, out, SequenceLayout::batch(), true);
       layout.check_entries(Q.batches());
-      for (const auto& in : inputs)
-        linattn::detail::check_token_view(in, K, heads.v_heads(), r,
-                                          Rule::kind == WriteKind::gated);
+      for (std::size_t i = 0; i < inputs.size(); ++i)
+        linattn::detail::check_token_view(inputs[i], K, heads.v_heads(), r,
+                                          linattn::detail::per_channel_input<Rule>(i));
       linattn::detail::check_slots(state, layer_, S, slots);
       const Index T = K.times();
       work.reset(S * H);

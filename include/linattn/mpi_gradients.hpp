@@ -319,7 +319,7 @@ void prefill_backward_into(
     ld::check_views(heads, r, Q, K, V, dY, SequenceLayout::batch(), true);
     layout.check_entries(B);
     for (std::size_t i = 0; i < N; ++i) {
-      ld::check_token_view(inputs[i], K, heads.v_heads(), r, Rule::kind == WriteKind::gated);
+      ld::check_token_view(inputs[i], K, heads.v_heads(), r, ld::per_channel_input<Rule>(i));
       ld::check_gradient_view("of a per-token input", d_inputs[i], inputs[i]);
     }
     ld::check_gradient_view("dQ", grads.Q, Q);

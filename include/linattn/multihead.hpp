@@ -20,7 +20,8 @@
 /// Q [B, Tq, H_q, dk], K [B, Tk, H_kv, dk], V [B, Tk, H_v, dv], out [B, Tq, max(H_q, H_v), dv]
 /// (H_v = H_kv unless values are grouped); the rule's per-token inputs (Gated log-gates, Delta
 /// beta, GatedDelta beta then log_alpha) are views [B, T, H_v, 1] (one per token and value head)
-/// or, for per-channel gates, [B, T, H_v, r]; any strides with a contiguous last axis
+/// or, for per-channel gates (Gated's log-gates, GatedDelta's log_alpha: Kimi Delta Attention),
+/// [B, T, H_v, r]; any strides with a contiguous last axis
 /// (TensorView), read in place.
 /// Sequence i of `layout` continues the state at batch position slots[i] (i when empty).
 ///
@@ -196,23 +197,28 @@ class MultiHeadAttention {
       HeadState& head = slot_state(state, slots, b, h);
       const Index kh = map.key_of(h), vh = map.value_of(h), q0 = map.query_first(h),
                   o0 = map.out_first(h);
-      const auto in = detail::step_inputs<rule_type>(inputs, b, vh);
-      std::apply(
-          [&](const auto&... x) {
-            const auto one = [&] {
-              attention_.step_into(head, q.head_rows(b, q0, 0, 1), k.head_rows(b, kh, 0, 1),
-                                   v.head_rows(b, vh, 0, 1), x..., out.head_rows(b, o0, 0, 1));
-            };
-            if constexpr (!shares_states) {
-              one();
-            } else if (G == 1) {
-              one();
-            } else {
-              attention_.step_into(head, q.slice(b, 0, 1, q0, G), k.head_rows(b, kh, 0, 1),
-                                   v.head_rows(b, vh, 0, 1), x..., out.slice(b, 0, 1, o0, G));
-            }
-          },
-          in);
+      const auto step = [&](const auto& in) {
+        std::apply(
+            [&](const auto&... x) {
+              const auto one = [&] {
+                attention_.step_into(head, q.head_rows(b, q0, 0, 1), k.head_rows(b, kh, 0, 1),
+                                     v.head_rows(b, vh, 0, 1), x..., out.head_rows(b, o0, 0, 1));
+              };
+              if constexpr (!shares_states) {
+                one();
+              } else if (G == 1) {
+                one();
+              } else {
+                attention_.step_into(head, q.slice(b, 0, 1, q0, G), k.head_rows(b, kh, 0, 1),
+                                     v.head_rows(b, vh, 0, 1), x..., out.slice(b, 0, 1, o0, G));
+              }
+            },
+            in);
+      };
+      if constexpr (rule_type::kind == WriteKind::gated_delta) {
+        if (inputs[1].dim() > 1) return step(detail::channel_step_inputs(inputs, b, vh));
+      }
+      step(detail::step_inputs<rule_type>(inputs, b, vh));
     });
   }
 
@@ -236,9 +242,9 @@ class MultiHeadAttention {
   void check(const ConstView& Q, const ConstView& K, const ConstView& V, const Inputs& inputs,
              const View& out, const SequenceLayout& layout, bool same_length) const {
     detail::check_views(heads_, feature_dim(), Q, K, V, out, layout, same_length);
-    for (const auto& in : inputs)
-      detail::check_token_view(in, K, heads_.v_heads(), feature_dim(),
-                               rule_type::kind == WriteKind::gated);
+    for (std::size_t i = 0; i < inputs.size(); ++i)
+      detail::check_token_view(inputs[i], K, heads_.v_heads(), feature_dim(),
+                               detail::per_channel_input<rule_type>(i));
   }
 
   // The state of state head h of sequence s (at batch position slots[s], or s).

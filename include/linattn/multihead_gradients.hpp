@@ -286,7 +286,7 @@ void layer_backward(const MultiHeadAttention<Attention>& layer,
   const Index r = layer.feature_dim();
   check_views(heads, r, Q, K, V, dY, layout, state != nullptr || Mask(mask).is_causal());
   for (std::size_t i = 0; i < N; ++i) {
-    check_token_view(inputs[i], K, heads.v_heads(), r, Rule::kind == WriteKind::gated);
+    check_token_view(inputs[i], K, heads.v_heads(), r, per_channel_input<Rule>(i));
     check_gradient_view(i == 0 ? "of the first per-token input" : "of the second per-token input",
                         d_inputs[i], inputs[i]);
   }

@@ -178,7 +178,7 @@ void layer_saving_forward(const MultiHeadAttention<Attention>& layer,
   LayerSavedForwardAccess::mark_empty(saved);
   check_views(heads, r, Q, K, V, out, layout, true);
   for (std::size_t i = 0; i < N; ++i)
-    check_token_view(inputs[i], K, heads.v_heads(), r, Rule::kind == WriteKind::gated);
+    check_token_view(inputs[i], K, heads.v_heads(), r, per_channel_input<Rule>(i));
   const Index sequences = layout.count(Q.batches());
   if (state != nullptr) check_slots(*state, layer, sequences, slots);
 

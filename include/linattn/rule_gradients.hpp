@@ -187,8 +187,7 @@ void rule_backward_into(const RuleAttention<Phi, Rule, Scalar>& attn,
   const Index T = Q.rows(), dk = K.cols(), dv = V.cols(), r = attn.feature_map().feature_dim(dk);
   check_gradient_outputs(out, T, T, dk, dv);
   TokenInputs<Scalar> bound;
-  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound,
-                            ChannelAlpha::taken);
+  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
   const auto& Qm = materialize(Q);
   const auto& Km = materialize(K);
   const auto& Vm = materialize(V);

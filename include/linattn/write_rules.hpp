@@ -121,10 +121,9 @@ struct Delta {
 /// [0, 2]) then log_alpha (<= 0 and finite): T x 1 (or a length-T vector), one gate per token;
 /// or T x r, one gate per feature channel, S = (I - beta_t kf kf^T) diag(alpha_t) S +
 /// beta_t kf v_t^T (Kimi Delta Attention; the same rule when the channels are equal). A step
-/// takes log_alpha as a number or a length-r vector. Per-channel log_alpha is taken by
-/// RuleAttention's forward calls and by the gradients (rule_gradients.hpp); the saving
-/// forwards, MPI and the multi-head layer take one log_alpha per token so far and refuse T x r
-/// with a ShapeError. Unnormalized read only.
+/// takes log_alpha as a number or a length-r vector. Every path takes per-channel log_alpha:
+/// RuleAttention's calls, the gradients and saved forwards, the multi-head layer
+/// ([B, T, H_v, r] views) and the sequence-parallel (MPI) calls. Unnormalized read only.
 struct GatedDelta {
   static constexpr WriteKind kind = WriteKind::gated_delta;
   static constexpr bool keeps_normalizer = false;

@@ -2,7 +2,7 @@
 // multihead_saved_forward.hpp) over head configurations, sequence layouts, state slots and buffer
 // placements chosen by the input. The input picks the scalar type, the attention (ELU+1 features
 // with Additive, Decay, Gated with one gate per token or per channel, GatedDelta with
-// L2-normalized keys, or positive random features, whose log-scaled states are kept per query
+// L2-normalized keys and one log_alpha per token or per channel, or positive random features, whose log-scaled states are kept per query
 // head), H_kv, the query and value groups G and G_v, dk, dv, B, T, the layout (batch, packed,
 // padded) with its offsets or lengths, the carried states' positions and slots, each buffer's
 // layout (batch-first or head-first) and its element offset from an allocation's start, the
@@ -245,7 +245,10 @@ void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
   if (made != 0) return;
 
   const Index Hout = std::max(s.Hq, s.Hv), r = attn.feature_dim(s.dk);
-  const Index gate_width = Rule::kind == WriteKind::gated && s.per_channel ? r : 1;
+  const Index gate_width =
+      (Rule::kind == WriteKind::gated || Rule::kind == WriteKind::gated_delta) && s.per_channel
+          ? r
+          : 1;
   // One view may get a wrong extent (allocated as such: the layer must refuse it, not read it).
   auto extent = [&](int which, Index value) { return value + (s.broken_view == which ? 1 : 0); };
   Tensor<Scalar> Q(in, s.B, s.T, extent(1, s.Hq), s.dk), K(in, s.B, s.T, s.Hkv, extent(2, s.dk)),
@@ -543,6 +546,8 @@ void run_layer(Bytes& in, const Shape& s, const Attention& attn) {
       };
       if constexpr (inputs == 0) step();
       else if constexpr (inputs == 1) step(step_in(step_inputs[0]));
+      else if (s.per_channel)  // GatedDelta's per-channel log_alpha: the row
+        step(step_in(step_inputs[0]), step_inputs[1].rows(seq, v_of(h), 0, 1));
       else step(step_in(step_inputs[0]), step_in(step_inputs[1]));
       if (!same_bits(o1.rows(seq, h, 0, 1), y))
         broken("step_into: a head differs from its single-head step");

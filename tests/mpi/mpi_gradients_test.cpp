@@ -727,6 +727,10 @@ TEST_CASE("the layer's sequence-parallel backward equals the single-process laye
     check_layer(RuleAttention<L2Normalize, GatedDelta, double>(L2Normalize{}, delta),
                 std::array<std::array<double, 3>, 2>{{{1, 0.1, 0.9}, {1, -0.2, -0.01}}});
   }
+  SECTION("gated delta, per-channel log_alpha") {
+    check_layer(RuleAttention<L2Normalize, GatedDelta, double>(L2Normalize{}, delta),
+                std::array<std::array<double, 3>, 2>{{{1, 0.1, 0.9}, {4, -0.2, -0.01}}});  // r = dk = 4
+  }
   SECTION("decay, float") {
     check_layer(RuleAttention<EluPlusOne, Decay, float>(EluPlusOne{}, Decay(0.9)), std::array<std::array<double, 3>, 0>{});
   }

@@ -329,6 +329,9 @@ TEST_CASE("multi-head layer, both schedules, every rule, both layouts, grouped q
         check_layer("gated_delta", RuleAttention<L2Normalize, GatedDelta>(),
                     std::array<InputSpec, 2>{InputSpec{false, 0.0, 1.0}, InputSpec{false, -0.2, 0.0}},
                     layout, threads, s);
+        check_layer("gated_delta (per-channel log_alpha)", RuleAttention<L2Normalize, GatedDelta>(),
+                    std::array<InputSpec, 2>{InputSpec{false, 0.0, 1.0}, InputSpec{true, -0.2, 0.0}},
+                    layout, threads, s);
         check_layer("gated_delta, grouped value heads", RuleAttention<L2Normalize, GatedDelta>(),
                     std::array<InputSpec, 2>{InputSpec{false, 0.0, 2.0}, InputSpec{false, -0.2, 0.0}},
                     layout, threads, s, 2);

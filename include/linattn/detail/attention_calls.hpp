@@ -303,7 +303,7 @@ class AttentionCalls {
   // GatedDelta's per-channel log_alpha).
   template <class Tuple, class Scalar>
   void bind(const Tuple& inputs, Index T, Index r, TokenInputs<Scalar>& out) const {
-    bind_token_inputs<Scalar>(self().rule(), inputs, T, r, out, ChannelAlpha::taken);
+    bind_token_inputs<Scalar>(self().rule(), inputs, T, r, out);
   }
   template <class State, class Tuple>
   auto bind_step(State& state, const Tuple& inputs) const {

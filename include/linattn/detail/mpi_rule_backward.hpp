@@ -31,7 +31,8 @@ namespace linattn::detail {
 
 /// The affine summary of one slice (tokens > 0) packed as `layout` says: B, b from the slice
 /// run from a zero state; A from the gates' sums (Decay, Gated) or the slice run from the
-/// identity with zero values (the delta rules: A = prod_t alpha_t (I - beta_t kf_t kf_t^T)).
+/// identity with zero values (the delta rules: A = prod_t alpha_t (I - beta_t kf_t kf_t^T), or
+/// prod_t (I - beta_t kf_t kf_t^T) diag(alpha_t) for per-channel log_alpha).
 /// O(T r dv), plus O(T r^2) for the delta rules.
 template <class Phi, class Rule, class Scalar, class MQ, class MK, class MV, class... In>
 void rule_slice_summary(const RuleAttention<Phi, Rule, Scalar>& attn, const MQ& Q, const MK& K,
@@ -226,7 +227,8 @@ RuleGradients<Scalar> mpi_rule_backward(MPI_Comm comm, const RuleAttention<Phi, 
     grads.V.resize(0, dv);
     grads.initial = after;
     if constexpr (Rule::kind == WriteKind::gated) grads.inputs.log_gate.resize(0, bound.log_gate.cols);
-    if constexpr (Rule::kind == WriteKind::gated_delta) grads.inputs.log_alpha.resize(0, 1);
+    if constexpr (Rule::kind == WriteKind::gated_delta)
+      grads.inputs.log_alpha.resize(0, std::max<Index>(bound.log_alpha.cols, 1));
   } else {
     try {
       if ((H_S.array() != Scalar(0)).any() || (H_z.array() != Scalar(0)).any())

@@ -109,8 +109,15 @@ void check_views(const HeadConfig& heads, Index r, const TensorView<const Scalar
   layout.check(Q.batches(), Q.times());
 }
 
+/// Whether per-token input i of Rule may hold one value per feature channel ([B, T, H_v, r]):
+/// Gated's log-gates and GatedDelta's log_alpha (Kimi Delta Attention).
+template <class Rule>
+constexpr bool per_channel_input(std::size_t i) noexcept {
+  return Rule::kind == WriteKind::gated || (Rule::kind == WriteKind::gated_delta && i == 1);
+}
+
 /// A per-token input view: [B, T, H_v, 1], or [B, T, H_v, r] where per-channel values are
-/// allowed (Gated), with B and T of K (H_v: the value heads, HeadConfig::v_heads()).
+/// allowed (per_channel_input), with B and T of K (H_v: the value heads, HeadConfig::v_heads()).
 template <class Scalar>
 void check_token_view(const TensorView<const Scalar>& in, const TensorView<const Scalar>& K,
                       Index value_heads, Index r, bool per_channel) {
@@ -179,7 +186,8 @@ auto rows_inputs(const std::array<TensorView<const Scalar>, N>& inputs, Index en
 }
 
 /// One decode token's per-token inputs of value head g of batch row b: the gates as a
-/// 1 x c row (Gated), beta and log_alpha as numbers (the delta rules).
+/// 1 x c row (Gated), beta and log_alpha as numbers (the delta rules; channel_step_inputs for
+/// GatedDelta's per-channel log_alpha).
 template <class Rule, class Scalar, std::size_t N>
 auto step_inputs(const std::array<TensorView<const Scalar>, N>& inputs, Index b, Index g) {
   return [&]<std::size_t... I>(std::index_sequence<I...>) {
@@ -188,6 +196,14 @@ auto step_inputs(const std::array<TensorView<const Scalar>, N>& inputs, Index b,
     else
       return std::make_tuple(inputs[I](b, 0, g, 0)...);
   }(std::make_index_sequence<N>{});
+}
+
+/// GatedDelta's decode inputs with per-channel log_alpha ([B, 1, H_v, r]): beta as a number,
+/// log_alpha as the 1 x r row of value head g of batch row b.
+template <class Scalar>
+auto channel_step_inputs(const std::array<TensorView<const Scalar>, 2>& inputs, Index b,
+                         Index g) {
+  return std::make_tuple(inputs[0](b, 0, g, 0), inputs[1].head_rows(b, g, 0, 1));
 }
 
 /// Sets every row of every head of a view to zero (padded rows of an output).

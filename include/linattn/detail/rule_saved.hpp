@@ -77,8 +77,7 @@ void rule_saving_forward(const RuleAttention<Phi, Rule, Scalar>& attn,
   state.check_identity(attn.state_identity());
   state.check_room(T);
   TokenInputs<Scalar> bound;
-  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound,
-                            ChannelAlpha::taken);
+  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
   const Index C = attn.chunk_size(r, dv), B = saved_chunk_size(attn, T, r, dv);
   const auto& Qm = materialize(Q);
   const auto& Km = materialize(K);
@@ -121,8 +120,7 @@ void rule_saved_backward(const RuleAttention<Phi, Rule, Scalar>& attn,
   check_rule_saved(attn, saved, Q, K, V);
   check_final_gradient(final_gradient, r, dv, Rule::keeps_normalizer);
   TokenInputs<Scalar> bound;
-  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound,
-                            ChannelAlpha::taken);
+  bind_token_inputs<Scalar>(attn.rule(), std::forward_as_tuple(in...), T, r, bound);
   const RowMatrix<Scalar>* dS_T = final_gradient != nullptr ? &final_gradient->S : nullptr;
   const InputGradientRows<Scalar> d_rows =
       input_gradient_rows<Rule>(d_in, T, bound.gate_columns());

@@ -10,6 +10,7 @@
 //               gates send r equal values, so ranks may mix T x 1 and T x r gates)
 //   Delta       A_p = prod_t (I - beta_t kf_t kf_t^T), latest factor on the left  (r x r)
 //   GatedDelta  A_p = prod_t alpha_t (I - beta_t kf_t kf_t^T)                      (r x r)
+//               per-channel log_alpha: A_p = prod_t (I - beta_t kf_t kf_t^T) diag(alpha_t)
 // The carried state of slice p is the composition of the maps of slices 0..p-1 applied to the
 // state before slice 0. CarryScan applies them one at a time in rank order, so the result
 // depends only on the summaries and their order, never on how they travelled.

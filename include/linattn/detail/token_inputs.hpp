@@ -164,18 +164,12 @@ TokenValues<Scalar> values_from(const TokenArray<Scalar>& a, Index first) {
   return {a.data + first * a.row_stride, a.row_stride};
 }
 
-/// Whether a path takes GatedDelta's log_alpha per feature channel (T x r).
-enum class ChannelAlpha { refused, taken };
-
 /// Binds and validates the inputs of a call of T tokens with feature dim r for `rule` into
 /// `out`. `inputs` is the tuple of the caller's arguments (their count was checked at compile
-/// time). Per-channel log_alpha is refused (ShapeError) unless the path takes it. O(T r) to
-/// validate; nothing is copied unless it must be.
+/// time). O(T r) to validate; nothing is copied unless it must be.
 template <class Scalar, class Rule, class Tuple>
 void bind_token_inputs(const Rule& rule, const Tuple& inputs, Index T, Index r,
-                       TokenInputs<Scalar>& out,
-                       ChannelAlpha channel_alpha = ChannelAlpha::refused) {
-  static_cast<void>(channel_alpha);  // read by GatedDelta only
+                       TokenInputs<Scalar>& out) {
   if constexpr (Rule::kind == WriteKind::decay) {
     out.constant_log_gate = static_cast<Scalar>(std::log(rule.gamma()));
   } else if constexpr (Rule::kind == WriteKind::gated) {
@@ -186,12 +180,6 @@ void bind_token_inputs(const Rule& rule, const Tuple& inputs, Index T, Index r,
     check_betas(out.beta);
     if constexpr (Rule::kind == WriteKind::gated_delta) {
       bind_gates(std::get<1>(inputs), T, r, "log_alpha", out.log_alpha, out.copies[1]);
-      if (out.log_alpha.cols > 1 && channel_alpha == ChannelAlpha::refused)
-        throw_shape_error(
-            "per-channel log_alpha (T x r, Kimi Delta Attention) is taken by RuleAttention's "
-            "calls, the saving forwards and the gradients only so far (not by MPI or the "
-            "multi-head layer); this call needs one log_alpha per token (T x 1), got ",
-            T, "x", out.log_alpha.cols);
       check_log_gates(out.log_alpha, "log_alpha");
     }
   } else {
