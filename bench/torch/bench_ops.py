@@ -69,11 +69,16 @@ def torch_linear_attn(q, k, v, g=None, gk=None, scale=1.0):
     return o
 
 
-def torch_delta_rule(q, k, v, beta, g=None, scale=1.0):
+def torch_delta_rule(q, k, v, beta, g=None, gk=None, scale=1.0):
     """S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = scale q_t^T S_t, in
     chunks by the WY form (Yang et al. 2024): within a chunk with cumulative log-decay G,
     T = (I + tril(diag(beta) (K K^T * exp(G_i - G_j)), -1))^-1 diag(beta), U = T V,
-    W = T (K * exp(G)), new values U - W S, then as linear attention."""
+    W = T (K * exp(G)), new values U - W S, then as linear attention. With gk ([BH, T, K],
+    Kimi Delta Attention: S_t = (I - beta_t k_t k_t^T) diag(exp(gk_t)) S_{t-1} + beta_t k_t
+    v_t^T) the decays are per key channel: the pairwise products become (k_i .* exp(G_i)) .
+    (k_j .* exp(-G_j)), stable for chunk-local sums of mild log-gates, as chunk_gla's loop."""
+    if gk is not None:
+        return _torch_kda(q, k, v, beta, gk, scale)
     BH, Tn, K = q.shape
     S = q.new_zeros(BH, K, v.shape[-1])
     o = torch.empty_like(v)
@@ -92,6 +97,31 @@ def torch_delta_rule(q, k, v, beta, g=None, scale=1.0):
         o[:, s:e] = (qc * G.exp()[..., None]) @ S + ((qc @ kc.transpose(1, 2)) * rel) @ new_v
         last = G[:, -1:]
         S = last.exp()[..., None] * S + (kc * (last - G).exp()[..., None]).transpose(1, 2) @ new_v
+    return o
+
+
+def _torch_kda(q, k, v, beta, gk, scale):
+    """torch_delta_rule with per-channel log-gates: within a chunk, with G the cumulative
+    log-gates (n x K), Kg = K .* exp(G), Ki = K .* exp(-G), Qg = Q .* exp(G):
+    (I + tril(diag(beta) Kg Ki^T, -1)) U = diag(beta) (V - Kg S), o = Qg S + tril(Qg Ki^T) U,
+    S <- diag(exp(G_n)) S + (K .* exp(G_n - G))^T U."""
+    BH, Tn, K = q.shape
+    S = q.new_zeros(BH, K, v.shape[-1])
+    o = torch.empty_like(v)
+    for s, e in _chunks(Tn):
+        n = e - s
+        qc, kc, vc, bc = q[:, s:e] * scale, k[:, s:e], v[:, s:e], beta[:, s:e]
+        G = gk[:, s:e].cumsum(1)
+        qg, kg, ki = qc * G.exp(), kc * G.exp(), kc * (-G).exp()
+        strict = torch.ones(n, n, dtype=torch.bool).tril(-1)
+        lower = torch.ones(n, n, dtype=torch.bool).tril()
+        A = ((kg @ ki.transpose(1, 2)) * bc[..., None]).masked_fill(~strict, 0)
+        eye = torch.eye(n).expand(BH, n, n)
+        rhs = bc[..., None] * (vc - kg @ S)
+        U = torch.linalg.solve_triangular(eye + A, rhs, upper=False)
+        o[:, s:e] = qg @ S + (qg @ ki.transpose(1, 2)).masked_fill(~lower, 0) @ U
+        last = G[:, -1:]
+        S = last.transpose(1, 2).exp() * S + (kc * (last - G).exp()).transpose(1, 2) @ U
     return o
 
 
@@ -126,6 +156,9 @@ def cases(B, T, H, D, leaves):
         "chunk_gated_delta_rule": (lambda: lt.chunk_gated_delta_rule(q, kn, v, g, beta)[0],
                                    lambda: torch_delta_rule(bhtd(q), bhtd(kn), bhtd(v), bht(beta),
                                                             g=bht(g), scale=s)),
+        "chunk_kda": (lambda: lt.chunk_kda(q, kn, v, gk, beta)[0],
+                      lambda: torch_delta_rule(bhtd(q), bhtd(kn), bhtd(v), bht(beta),
+                                               gk=bhtd(gk), scale=s)),
     }
 
 
@@ -182,6 +215,8 @@ def decode_cases(B, H, D):
             q, kn, v, beta, initial_state=h, inplace_final_state=ip, **kw)[1],
         "gated_delta_rule": lambda h, ip: lt.fused_recurrent_gated_delta_rule(
             q, kn, v, g, beta, initial_state=h, inplace_final_state=ip, **kw)[1],
+        "kda": lambda h, ip: lt.fused_recurrent_kda(
+            q, kn, v, gk, beta, initial_state=h, inplace_final_state=ip, **kw)[1],
     }
 
 

@@ -136,15 +136,16 @@ void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, I
 /// sweep (ChannelDeltaRecurrence), the gates row by row as the per-channel chunk forms them (the
 /// same bits whatever the buffer's layout), features in blocks of `block` rows; S exact when
 /// the call ends however it ends. A function of its own, so that rule_recurrent's pair loop of
-/// the scalar rules compiles as it did without it. No allocation per token.
+/// the scalar rules compiles as it did without it. `qf`, `kf` (block x r) and `v_buffer` are the
+/// caller's feature blocks. No allocation per token.
 template <class Scalar, class Phi, class DQ, class DK, class DV, class Tokens, class Out,
           class Prefetch>
 void channel_delta_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
                              const TokenInputs<Scalar>& in, RowMatrix<Scalar>& S, Tokens& tokens,
-                             Out& out, Index block, const Prefetch& prefetch_next) {
+                             Out& out, Index block, RowMatrix<Scalar>& qf, RowMatrix<Scalar>& kf,
+                             RowMatrix<Scalar>& v_buffer, const Prefetch& prefetch_next) {
   const Index T = Q.rows(), r = S.rows(), dv = S.cols();
-  RowMatrix<Scalar> qf(block, r), kf(block, r), gates(block, r),
-      v_buffer(has_row_major_storage<DV>() ? 0 : block, dv);
+  RowMatrix<Scalar> gates(block, r);
   ChannelDeltaRecurrence<Scalar> recurrence(r, dv);
   struct Finish {  // applies the update still pending in the recurrence however the loop ends
     ChannelDeltaRecurrence<Scalar>& recurrence;
@@ -183,14 +184,16 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
   auto& tokens = StateAccess::tokens(state);
   const Index block = std::min<Index>(T, 32);
   RowMatrix<Scalar> qf(block, r), kf(block, r), v_buffer(has_row_major_storage<DV>() ? 0 : block, dv);
-  // Per-channel log-gates as rows (T x r through their row stride), to prefetch them as the
-  // inputs are; only when their channels are contiguous.
+  // Per-channel log-gates (Gated's, or GatedDelta's log_alpha) as rows (T x r through their
+  // row stride), to prefetch them as the inputs are; only when their channels are contiguous.
   using GateRows = Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
-  const bool gate_rows = in.log_gate.cols > 1 && in.log_gate.col_stride == 1;
+  const TokenArray<Scalar>& channel_gates = in.log_alpha.cols > 1 ? in.log_alpha : in.log_gate;
+  const bool gate_rows = channel_gates.cols > 1 && channel_gates.col_stride == 1;
   const bool scalar_gates = in.log_gate.cols == 1 && !in.log_gate.empty();
-  const GateRows log_gates(gate_rows ? in.log_gate.data : nullptr, gate_rows ? T : 0,
-                           gate_rows ? in.log_gate.cols : 0,
-                           Eigen::OuterStride<>(gate_rows ? in.log_gate.row_stride : 0));
+  const bool scalar_alpha = in.log_alpha.cols == 1 && !in.log_alpha.empty();
+  const GateRows log_gates(gate_rows ? channel_gates.data : nullptr, gate_rows ? T : 0,
+                           gate_rows ? channel_gates.cols : 0,
+                           Eigen::OuterStride<>(gate_rows ? channel_gates.row_stride : 0));
   const auto prefetch_next = [&](Index t) {
     // Output rows of later sweeps (prefetch_rule_output_rows), and the inputs of the block of
     // features after this one, a pair of rows per pair of tokens (as the additive recurrent
@@ -207,13 +210,13 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
     if (t + block < T) {
       if (scalar_gates) prefetch_value(&in.log_gate.data[(t + block) * in.log_gate.row_stride]);
       if (!in.beta.empty()) prefetch_value(&in.beta.data[(t + block) * in.beta.row_stride]);
-      if (!in.log_alpha.empty())
-        prefetch_value(&in.log_alpha.data[(t + block) * in.log_alpha.row_stride]);
+      if (scalar_alpha) prefetch_value(&in.log_alpha.data[(t + block) * in.log_alpha.row_stride]);
     }
   };
   if constexpr (is_delta_rule<Rule>) {
     if (in.log_alpha.cols > 1) {
-      channel_delta_recurrent(phi, Q, K, V, in, S, tokens, out, block, prefetch_next);
+      channel_delta_recurrent(phi, Q, K, V, in, S, tokens, out, block, qf, kf, v_buffer,
+                              prefetch_next);
       return;
     }
     DeltaRecurrence<Scalar> recurrence(r, dv);
