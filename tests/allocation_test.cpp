@@ -199,8 +199,8 @@ TEST_CASE("the additive backward with a warmed BackwardWorkspace allocates nothi
 namespace {
 
 // Calls f(attention, name, per-token input columns: 0 none, 1 one per token, r per channel)
-// for Decay, Gated (one gate per token and per channel), Delta and GatedDelta in float with
-// chunks of C rows.
+// for Decay, Gated (one gate per token and per channel), Delta and GatedDelta (one log_alpha
+// per token and per channel) in float with chunks of C rows.
 template <class F>
 void for_each_write_rule(Index C, Index r, F&& f) {
   Options strict{Normalization::strict(), C};
@@ -210,10 +210,12 @@ void for_each_write_rule(Index C, Index r, F&& f) {
   f(RuleAttention<EluPlusOne, Gated, float>(EluPlusOne{}, strict), "gated per channel", r);
   f(RuleAttention<L2Normalize, Delta, float>(L2Normalize{}, plain), "delta", Index{1});
   f(RuleAttention<L2Normalize, GatedDelta, float>(L2Normalize{}, plain), "gated delta", Index{1});
+  f(RuleAttention<L2Normalize, GatedDelta, float>(L2Normalize{}, plain), "gated delta per channel",
+    r);
 }
 
-// Per-token inputs of `Rule` for T tokens (`columns` log-gate columns for Gated), in their
-// ranges: log-gates in [-0.3, -0.1], beta in [0.1, 0.9], log_alpha in [-0.3, -0.1].
+// Per-token inputs of `Rule` for T tokens (`columns` columns of Gated's log-gates and of
+// GatedDelta's log_alpha), in their ranges: log-gates in [-0.3, -0.1], beta in [0.1, 0.9], log_alpha in [-0.3, -0.1].
 template <class Rule>
 std::vector<RowMatrix<float>> token_inputs_for(Index T, Index columns, std::uint64_t seed) {
   std::vector<RowMatrix<float>> in;
@@ -222,7 +224,7 @@ std::vector<RowMatrix<float>> token_inputs_for(Index T, Index columns, std::uint
   } else if constexpr (Rule::kind == WriteKind::delta || Rule::kind == WriteKind::gated_delta) {
     in.push_back(uniform_matrix<float>(T, 1, seed, 0.1, 0.9));
     if constexpr (Rule::kind == WriteKind::gated_delta)
-      in.push_back(uniform_matrix<float>(T, 1, seed + 1, -0.3, -0.1));
+      in.push_back(uniform_matrix<float>(T, columns, seed + 1, -0.3, -0.1));
   }
   return in;
 }
@@ -334,13 +336,14 @@ TEST_CASE("every rule's layer backward with a warmed BackwardWorkspace allocates
     const GradientViews<float> grads{TensorView<float>::batch_first(dQ.data(), 1, T, Hq, dk),
                                      TensorView<float>::batch_first(dK.data(), 1, T, Hkv, dk),
                                      TensorView<float>::batch_first(dV.data(), 1, T, Hkv, dv)};
-    // Per-token inputs [1, T, Hkv, c] and their gradients: log-gates (c = 1 or r), beta, log_alpha.
+    // Per-token inputs [1, T, Hkv, c] and their gradients: log-gates and log_alpha (c = 1 or r),
+    // beta (c = 1).
     std::array<std::vector<float>, N> in_data, d_in_data;
     std::array<View, N> ins;
     std::array<TensorView<float>, N> d_ins;
     for (std::size_t i = 0; i < N; ++i) {
-      const Index c = Rule::kind == WriteKind::gated ? columns : 1;
       const bool is_beta = Rule::kind != WriteKind::gated && i == 0;
+      const Index c = is_beta ? 1 : columns;  // beta: one per token
       in_data[i] = is_beta ? values(T * Hkv * c, 75 + i, 0.1, 0.9) : values(T * Hkv * c, 75 + i, -0.3, -0.1);
       d_in_data[i].resize(in_data[i].size());
       ins[i] = View::batch_first(in_data[i].data(), 1, T, Hkv, c);

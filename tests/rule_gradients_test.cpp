@@ -549,23 +549,16 @@ void check_against_oracle(const Harness<Phi, Rule, double>& hd, bool elu, double
   }
   if constexpr (is_delta<Rule>) check_rounding("d beta", g.inputs.beta, ref.d_beta, mag.d_beta, units, u);
   if constexpr (Rule::kind == WriteKind::gated_delta) {
-    if (ref.d_log_alpha.cols() > 1) {
-      // Per channel the backward forms each d log_alpha_t,m = sum_c S'_mc H_mc from the
-      // token's own decayed state and state gradient, each within the bound relative to its
-      // magnitude (no sum over tokens): the entry's own magnitude bounds it (the two factors'
-      // relative errors add, within `units`, which counts every rounding twice).
-      check_rounding("d log_alpha", g.inputs.log_alpha, ref.d_log_alpha, mag.d_log_alpha, units,
-                     u);
-      return;
-    }
     // The chunked form splits d log_alpha_s into per-chunk terms (pairs of tokens of the chunk,
-    // the state before it, the state after it) and sums them from the chunk's end: each such term
-    // crosses at least one token of the chunk, so the chunk's total of the per-token magnitudes
+    // the state before it, the state after it; per channel, of the backward's blocks within the
+    // chunk) and sums them from the chunk's (block's) end: each such term crosses at least one
+    // token of the chunk, so the chunk's total of the per-token magnitudes, channel by channel,
     // bounds what that sum adds.
-    VectorXd total(T);
+    const Index gc = ref.d_log_alpha.cols();
+    MatrixXdR total(T, gc);
     for (Index t = 0; t < T; ++t) {
       const Index first = t / C * C, n = std::min(C, T - first);
-      total(t) = mag.d_log_alpha.col(0).segment(first, n).sum();
+      for (Index m = 0; m < gc; ++m) total(t, m) = mag.d_log_alpha.col(m).segment(first, n).sum();
     }
     check_rounding("d log_alpha", g.inputs.log_alpha, ref.d_log_alpha, total, units, u);
   }

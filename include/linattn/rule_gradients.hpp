@@ -26,7 +26,8 @@
 ///   Delta / GatedDelta: S_t = alpha_t S_{t-1} + beta_t k_t (v_t - alpha_t S_{t-1}^T k_t)^T,
 ///   y_t = S_t^T q_t (alpha = 1 for Delta), differentiated through its chunked WY / UT form.
 ///   Per-channel GatedDelta: S' = diag(alpha_t) S_{t-1}, S_t = S' + beta_t k_t (v_t - S'^T k_t)^T,
-///   differentiated token by token (detail/channel_delta_backward.hpp).
+///   differentiated through the same chunked form with the decays per channel inside each
+///   pairwise product (detail/channel_delta_backward.hpp).
 ///
 /// Cost and memory: every rule runs chunk by chunk (no T x T, no per-token pass over S): a
 /// forward sweep rebuilds the chunk-boundary states, a reverse sweep carries the state gradient.
@@ -37,9 +38,10 @@
 /// form): O(T (r dv + C (r + dv))) time plus a C x C triangular solve per chunk, the boundary
 /// states and each token's corrected values stored: r dv / C + 2 dv scalars per token plus
 /// O(C (C + r + dv) + r dv). Per-channel GatedDelta: the forward's chunk kernel keeps the
-/// states at chunk starts, then a token-by-token reverse sweep from them, about 20 r dv flops
-/// per token beyond that forward's key side; r dv / C scalars per token plus (C + 2) r dv and
-/// the chunk kernel's buffers. Exact figures: rule_backward_bytes().
+/// states at chunk starts, then a reverse sweep from them in blocks of 16 rows, about 16 r dv
+/// flops per token beyond that forward's key side (plus O(16 r) for the in-block decays); r dv
+/// / C scalars per token plus (ceil(C / 16) + 2) r dv and the chunk kernel's buffers. Exact
+/// figures: rule_backward_bytes().
 ///
 /// The feature map must be a DifferentiableFeatureMap: gradients flow to Q and K through its
 /// backward(). Errors: ShapeError for shapes that do not fit (naming them), std::invalid_argument

@@ -132,6 +132,21 @@ void rule_chunked(const Phi& phi, const Normalization& norm, Index chunk_size, I
   }
 }
 
+/// Applies the update still pending in a recurrent sweep (GatedRecurrence, DeltaRecurrence,
+/// ChannelDeltaRecurrence) when the loop over the tokens ends, however it ends: S then holds
+/// every token the recurrence took, also after a DenominatorError.
+template <class Recurrence, class Scalar>
+struct FinishPending {
+  Recurrence& recurrence;
+  RowMatrix<Scalar>& S;
+  ~FinishPending() {
+    if constexpr (requires { recurrence.finish(S, false); })
+      recurrence.finish(S, false);
+    else
+      recurrence.finish(S);
+  }
+};
+
 /// rule_recurrent for GatedDelta with per-channel gates (Kimi Delta Attention): one token per
 /// sweep (ChannelDeltaRecurrence), the gates row by row as the per-channel chunk forms them (the
 /// same bits whatever the buffer's layout), features in blocks of `block` rows; S exact when
@@ -147,11 +162,7 @@ void channel_delta_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV&
   const Index T = Q.rows(), r = S.rows(), dv = S.cols();
   RowMatrix<Scalar> gates(block, r);
   ChannelDeltaRecurrence<Scalar> recurrence(r, dv);
-  struct Finish {  // applies the update still pending in the recurrence however the loop ends
-    ChannelDeltaRecurrence<Scalar>& recurrence;
-    RowMatrix<Scalar>& S;
-    ~Finish() { recurrence.finish(S, false); }
-  } finish{recurrence, S};
+  const FinishPending<ChannelDeltaRecurrence<Scalar>, Scalar> finish{recurrence, S};
   for (Index first = 0; first < T; first += block) {
     const Index n = std::min(block, T - first);
     map_rows<Scalar>(phi, Q, first, n, qf);
@@ -220,11 +231,7 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
       return;
     }
     DeltaRecurrence<Scalar> recurrence(r, dv);
-    struct Finish {  // applies the update still pending in the recurrence however the loop ends
-      DeltaRecurrence<Scalar>& recurrence;
-      RowMatrix<Scalar>& S;
-      ~Finish() { recurrence.finish(S, false); }
-    } finish{recurrence, S};
+    const FinishPending<DeltaRecurrence<Scalar>, Scalar> finish{recurrence, S};
     const auto alpha = [&](Index t) {
       return in.log_alpha.empty() ? Scalar(1) : std::exp(in.log_alpha(t));
     };
@@ -258,11 +265,7 @@ void rule_recurrent(const Phi& phi, const Normalization& norm, const DQ& Q, cons
     const bool fixed = in.log_gate.empty();  // Decay: one gate for every token
     RowMatrix<Scalar> gates(per_channel ? block : 0, r);
     GatedRecurrence<Scalar> recurrence(r, dv);
-    struct Finish {
-      GatedRecurrence<Scalar>& recurrence;
-      RowMatrix<Scalar>& S;
-      ~Finish() { recurrence.finish(S); }
-    } finish{recurrence, S};
+    const FinishPending<GatedRecurrence<Scalar>, Scalar> finish{recurrence, S};
     const Scalar fixed_gate = fixed ? std::exp(in.constant_log_gate) : Scalar(1);
     for (Index first = 0; first < T; first += block) {
       const Index n = std::min(block, T - first);
