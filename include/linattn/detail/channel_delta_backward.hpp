@@ -52,7 +52,7 @@ namespace linattn::detail {
 
 /// Rows per block of the per-channel delta backward's reverse walk (see the file comment):
 /// the products against S and H run over 2 x 16 rows, while the pairwise terms cost about
-/// 9 r x 16 / 2 flops per token, under a tenth of the 16 r dv of the products at r = dv.
+/// 9 r x 16 / 2 flops per token, under a tenth of the 16 r dv of the products at r = dv >= 64.
 inline constexpr Index channel_delta_block = 16;
 
 /// The buffers of channel_delta_backward, grown to the largest call and never shrunk (a
