@@ -22,7 +22,7 @@
 // exp(+b_i) at row i and exp(-b_j) at row j, so dL/db_i = qf_i .* dqf_i + kf_i .* (the terms
 // of dkf_i with exp(+b_i)) - kf_i .* (those with exp(-b_i)), and the last row also takes
 // sum_j kf_j .* e_j .* (H u_j) + gam_{n-1} .* rowsum(S .* H); d log_alpha_s = sum_{i>=s} dL/db_i
-// over the block (earlier blocks reach these gates through H).
+// over the block (the later blocks' share arrives through H).
 //
 // Layout: pass 1 runs the forward's chunk kernel (ChannelDeltaChunk: the saving forward's bits)
 // and keeps the state before each chunk; pass 2 (the backward from a saved forward is pass 2
