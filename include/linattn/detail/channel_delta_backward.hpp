@@ -351,13 +351,12 @@ void channel_delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, cons
           const ConstVec kj = crow(w.kf, i0 + j);
           Vec dkm_j = row(w.dkm, j);
           const Scalar dp = w.dP(i, j);
-          if (j < i) {
+          dq += dp * kj * d;
+          if (j < i) {  // W has no diagonal
             const Scalar dw = w.dW(i, j);
-            dq += dp * kj * d;
             dkp += dw * kj * d;
             dkm_j += (dp * qi + dw * ki) * d;
           } else {
-            dq += dp * kj * d;
             dkm_j += dp * qi * d;
           }
           d *= crow(w.gates, i0 + j);
