@@ -29,9 +29,10 @@
 /// Memory: ceil(T / C) r dv + 2 T dv scalars: 1 KiB per token at r = dv = 64 (C = 32) and
 /// 5 KiB at r = dv = 128 (C = 16) in float (T = 8,192 at d = 128: 40 MiB).
 /// GatedDelta with per-channel log_alpha (T x r) keeps the states only, ceil(T / C) r dv
-/// scalars (4 KiB per token at r = dv = 128, C = 16); its backward recomputes each chunk's
-/// tokens from the state before it and walks them backwards
-/// (detail::channel_delta_backward_saved), skipping the recomputing backward's forward pass.
+/// scalars (4 KiB per token at r = dv = 128, C = 16); its backward rebuilds the state before
+/// each block of 16 rows of a chunk from the chunk's state, then runs the chunked WY backward
+/// over the blocks in reverse (detail::channel_delta_backward_saved), skipping the recomputing
+/// backward's forward pass.
 ///
 /// Every rule: the saving forward's outputs and final state are the plain forward's bits (the
 /// copies are non-temporal stores from an observer that does nothing in the plain forward),
