@@ -73,6 +73,7 @@ struct ChannelDeltaBackwardScratch {
   RowMatrix<Scalar> lhs_t, D_t, kend_t, dkm_t;   // r x P2n, r x P2n, r x Pn, r x Pn
   RowMatrix<Scalar> rhs_t, U_t;                  // dv x P2n, dv x Pn
   RowVector<Scalar> decay, end_terms;            // r
+  RowVector<Scalar> coef;                        // n: one row's solve coefficients
 
   /// Sized for chunks of C tokens, r features and dv values (pass 2's buffers and pass 1's
   /// running state; pass 1 makes its kernel).
@@ -106,6 +107,7 @@ struct ChannelDeltaBackwardScratch {
     grow_zero(U_t, dv, pn);
     decay.resize(r);
     end_terms.resize(r);
+    if (coef.size() < n) coef.resize(n);
   }
 
   /// n rounded up to the register kernel's packet width.
@@ -121,7 +123,7 @@ struct ChannelDeltaBackwardScratch {
 
   /// Bytes held.
   [[nodiscard]] std::size_t bytes() const noexcept {
-    Index n = decay.size() + end_terms.size() + (kernel ? kernel->scalars() : 0);
+    Index n = decay.size() + end_terms.size() + coef.size() + (kernel ? kernel->scalars() : 0);
     for (const auto* m : {&states, &qf, &kf, &gates, &dqf, &dkf, &R, &U, &v, &dy, &W, &H,
                           &running, &gam, &decay_end, &kend, &dkp, &dkm, &lhs, &D, &rhs, &dU,
                           &dX, &P, &dP, &dW, &lhs_t, &D_t, &kend_t, &dkm_t, &rhs_t, &U_t})
@@ -135,7 +137,7 @@ struct ChannelDeltaBackwardScratch {
                                              Index kernel_rows) {
     const Index n = block_rows(C), blocks = (C + n - 1) / n;
     const Index pass2 = (blocks + 2) * r * dv + 5 * C * r + 4 * C * dv + C * n + 5 * n * r +
-                        4 * n * r + 2 * n * dv + 2 * n * dv + 3 * n * n + 2 * r +
+                        4 * n * r + 2 * n * dv + 2 * n * dv + 3 * n * n + 2 * r + n +
                         (2 * r + dv) * (padded(2 * n) + padded(n));
     const Index first = pass1 ? ChannelDeltaChunk<Scalar>::scalars_for(kernel_rows, r, dv) : 0;
     return static_cast<std::size_t>(pass2 + first) * sizeof(Scalar);
@@ -229,22 +231,16 @@ void channel_delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, cons
       row(w.kend, i) = crow(w.kf, i0 + i) * crow(w.decay_end, i);
     }
   };
-  // The block's decayed pairwise products: W (j < i) into rows i0 ... of w.W (the rebuild)
-  // or, with `queries`, P (j <= i) into w.P (the walk). The decay E_ij grows one gate per step
-  // of j downwards.
+  // The block's decayed pairwise products: W (j < i) into rows i0 ... of w.W (the rebuild;
+  // its diagonal entry is written too and never read) or, with `queries`, P (j <= i) into w.P
+  // (the walk). decayed_row_scores decays the row once per earlier key, held in registers.
   const auto pairwise = [&](Index i0, Index n, bool queries) {
+    const Scalar* gates = w.gates.data() + i0 * r;
+    const Scalar* keys = w.kf.data() + i0 * r;
     for (Index i = 0; i < n; ++i) {
-      Vec d(w.decay.data(), r);
-      d.setOnes();
-      const ConstVec xi = crow(queries ? w.qf : w.kf, i0 + i);
-      for (Index j = i; j >= 0; --j) {
-        const ConstVec kj = crow(w.kf, i0 + j);
-        if (queries)
-          w.P(i, j) = (xi * kj * d).sum();
-        else if (j < i)
-          w.W(i0 + i, j) = (xi * kj * d).sum();
-        d *= crow(w.gates, i0 + j);
-      }
+      const Scalar* x = (queries ? w.qf : w.kf).data() + (i0 + i) * r;
+      Scalar* out = queries ? &w.P(i, 0) : &w.W(i0 + i, 0);
+      decayed_row_scores(x, gates, r, keys, r, r, Index(0), i, out, w.decay.data());
     }
   };
   for (Index c = chunks - 1; c >= 0; --c) {
@@ -269,10 +265,13 @@ void channel_delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, cons
       // R = V - (kf .* gam) S, the product on the register kernel (S in place).
       product<Scalar, false>(n, dv, r, w.lhs.data(), r, S.data(), dv, R.data(), dv);
       R = ConstBlock(v + i0 * ld_v, n, dv, Stride(ld_v)) - R;
+      // The forward substitution, u_i = beta_i r_i - sum_{j<i} beta_i W_ij u_j (accumulate_rows:
+      // u_i held in registers across the earlier rows).
       for (Index i = 0; i < n; ++i) {
         const Scalar beta = in.beta(first + i0 + i);
         U.row(i) = beta * R.row(i);
-        for (Index j = 0; j < i; ++j) U.row(i) -= (beta * w.W(i0 + i, j)) * U.row(j);
+        for (Index j = 0; j < i; ++j) w.coef(j) = -beta * w.W(i0 + i, j);
+        accumulate_rows(U.row(i).data(), w.coef.data(), U.data(), dv, i, dv);
       }
       if (b + 1 < blocks) {
         State next(w.states.data() + (b + 1) * r * dv, r, dv);
@@ -314,8 +313,9 @@ void channel_delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, cons
       // The transposed solve, beta and W's gradients.
       for (Index j = n - 1; j >= 0; --j) {
         dX.row(j) = dU.row(j);
-        for (Index i = j + 1; i < n; ++i)
-          dX.row(j) -= (in.beta(t0 + i) * w.W(i0 + i, j)) * dX.row(i);
+        for (Index i = j + 1; i < n; ++i) w.coef(i - j - 1) = -in.beta(t0 + i) * w.W(i0 + i, j);
+        accumulate_rows(dX.row(j).data(), w.coef.data(), dX.data() + (j + 1) * dv, dv, n - j - 1,
+                        dv);
       }
       for (Index i = 0; i < n; ++i) {
         const Scalar beta = in.beta(t0 + i);
@@ -325,6 +325,7 @@ void channel_delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, cons
           db -= w.W(i0 + i, j) * xu;
           w.dW(i, j) = -beta * xu;
         }
+        w.dW(i, i) = Scalar(0);
         d_beta[t0 + i] = db;
         // [-dR; dO] for the products against S and H.
         w.rhs.row(i) = -beta * dX.row(i);
@@ -341,25 +342,27 @@ void channel_delta_backward_saved(const Phi& phi, const DQ& Q, const DK& K, cons
         row(w.dqf, i0 + i) = crow(w.D, n + i) * crow(w.gam, i);
         row(w.dkp, i) = crow(w.D, i) * crow(w.gam, i);
       }
-      // The pairwise terms: row i's + part, column j's - part, E_ij as in pairwise().
-      for (Index i = 0; i < n; ++i) {
-        Vec d(w.decay.data(), r);
-        d.setOnes();
-        Vec dq = row(w.dqf, i0 + i), dkp = row(w.dkp, i);
-        const ConstVec ki = crow(w.kf, i0 + i), qi = crow(w.qf, i0 + i);
-        for (Index j = i; j >= 0; --j) {
-          const ConstVec kj = crow(w.kf, i0 + j);
-          Vec dkm_j = row(w.dkm, j);
-          const Scalar dp = w.dP(i, j);
-          dq += dp * kj * d;
-          if (j < i) {  // W has no diagonal
-            const Scalar dw = w.dW(i, j);
-            dkp += dw * kj * d;
-            dkm_j += (dp * qi + dw * ki) * d;
-          } else {
-            dkm_j += dp * qi * d;
-          }
-          d *= crow(w.gates, i0 + j);
+      // The pairwise terms by Horner's rule (gated_horner, the sum held in registers): row i's
+      // dqf and + part over j = 0 ... i, then column j's - part over i = n - 1 ... j, each
+      // term decayed by E_ij = a_{j+1} .* ... .* a_i. dW's diagonal is 0 (W has none).
+      {
+        const Scalar* gates = w.gates.data() + i0 * r;
+        const Scalar* keys = w.kf.data() + i0 * r;
+        for (Index i = 0; i < n; ++i) {
+          const Scalar* next_gates = gates + std::min<Index>(i, 1) * r;  // unread when i = 0
+          gated_horner(w.dqf.data() + (i0 + i) * r, &w.dP(i, 0), Index(1), keys, r, next_gates,
+                       r, i + 1, r);
+          gated_horner(w.dkp.data() + i * r, &w.dW(i, 0), Index(1), keys, r, next_gates, r,
+                       i + 1, r);
+        }
+        const Index ld_p = w.dP.cols(), ld_w = w.dW.cols();
+        const Scalar* last_gates = gates + (n - 1) * r;
+        for (Index j = 0; j < n; ++j) {
+          Scalar* out = w.dkm.data() + j * r;
+          gated_horner(out, &w.dP(n - 1, j), -ld_p, w.qf.data() + (i0 + n - 1) * r, -r,
+                       last_gates, -r, n - j, r);
+          gated_horner(out, &w.dW(n - 1, j), -ld_w, keys + (n - 1) * r, -r, last_gates, -r,
+                       n - j, r);
         }
       }
       // Gate gradients: dL/db_i, then the sums over the block's later rows.
