@@ -30,7 +30,9 @@
 // block of channel_delta_block rows and the block's R and U, then walks the blocks backwards.
 // The products against S and H (r x dv) are matrix products over the block's rows: per token
 // 4 r dv flops to rebuild (R, the state update) and 12 r dv in the walk ((K .* e) H, U H^T,
-// [dO; -dR] S^T and H's update), plus about 9 r n / 2 in the pairwise terms and n dv in the
+// [dO; -dR] S^T and H's update), plus about 9 r n in the pairwise terms (18 flops per pair and
+// channel: P, W and their gradients, on row kernels that hold the running row in registers) and
+// n dv in the
 // triangular solves; pass 1 costs the forward's. Memory: ceil(T / C) r dv scalars kept, plus
 // ceil(C / n) r dv + O(C (r + dv + n) + n (r + dv)) scratch and pass 1's kernel.
 
@@ -52,7 +54,8 @@ namespace linattn::detail {
 
 /// Rows per block of the per-channel delta backward's reverse walk (see the file comment):
 /// the products against S and H run over 2 x 16 rows, while the pairwise terms cost about
-/// 9 r x 16 / 2 flops per token, under a tenth of the 16 r dv of the products at r = dv >= 64.
+/// 9 r x 16 flops per token, under a fifth of the 16 r dv of the products at r = dv >= 64
+/// (measured on Zen 5 at r = dv = 64 and 128: 32-row blocks were no faster).
 inline constexpr Index channel_delta_block = 16;
 
 /// The buffers of channel_delta_backward, grown to the largest call and never shrunk (a
