@@ -32,8 +32,8 @@
 // 4 r dv flops to rebuild (R, the state update) and 12 r dv in the walk ((K .* e) H, U H^T,
 // [dO; -dR] S^T and H's update), plus about 9 r n in the pairwise terms (18 flops per pair and
 // channel: P, W and their gradients, on row kernels that hold the running row in registers) and
-// n dv in the triangular solves; pass 1 costs the forward's. Memory: ceil(T / C) r dv scalars kept, plus
-// ceil(C / n) r dv + O(C (r + dv + n) + n (r + dv)) scratch and pass 1's kernel.
+// n dv in the triangular solves; pass 1 costs the forward's. Memory: ceil(T / C) r dv scalars
+// kept, plus ceil(C / n) r dv + O(C (r + dv + n) + n (r + dv)) scratch and pass 1's kernel.
 
 #include <linattn/detail/backward_chunked.hpp>
 #include <linattn/detail/delta_backward.hpp>
